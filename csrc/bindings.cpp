@@ -1,0 +1,88 @@
+// Python bindings of the two primitives. Built with NB_DOMAIN mlx so that
+// mlx.core's array, Stream and Device types are shared with MLX's module.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include "key_norms.h"
+#include "protected_topk_gather.h"
+#include "validate.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+namespace mx = mlx::core;
+
+namespace {
+
+mlx_knorm::Executor executor_for(bool emulate) {
+  return emulate ? mlx_knorm::Executor::MetalEmulator
+                 : mlx_knorm::Executor::Native;
+}
+
+} // namespace
+
+NB_MODULE(_ext, m) {
+  m.doc() = "mlx-knorm native primitives (use the mlx_knorm package API)";
+
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const mlx_knorm::dtype_error& e) {
+      PyErr_SetString(PyExc_TypeError, e.what());
+    }
+  });
+
+  m.attr("built_mlx_version") = MLX_KNORM_BUILT_MLX_VERSION;
+#ifdef MLX_KNORM_METAL
+  m.attr("has_metal_kernels") = true;
+#else
+  m.attr("has_metal_kernels") = false;
+#endif
+
+  m.def(
+      "key_norms",
+      [](const mx::array& keys, bool emulate, mx::StreamOrDevice s) {
+        return mlx_knorm::key_norms(keys, executor_for(emulate), s);
+      },
+      "keys"_a,
+      nb::kw_only(),
+      "emulate_metal"_a = false,
+      "stream"_a = nb::none(),
+      "float32 L2 norm of each key row, in the pinned order of SPEC section 2.");
+
+  m.def(
+      "protected_topk_gather",
+      [](const mx::array& prior_keys,
+         const mx::array& prior_values,
+         const mx::array& prior_norms,
+         const mx::array& new_keys,
+         const mx::array& new_values,
+         const mx::array& new_norms,
+         int budget,
+         int n_sink,
+         int recent,
+         const std::string& keep,
+         bool emulate,
+         mx::StreamOrDevice s) {
+        mlx_knorm::GatherConfig config{
+            budget, n_sink, recent, mlx_knorm::parse_keep(keep)};
+        return mlx_knorm::protected_topk_gather(
+            prior_keys, prior_values, prior_norms, new_keys, new_values,
+            new_norms, config, executor_for(emulate), s);
+      },
+      "prior_keys"_a,
+      "prior_values"_a,
+      "prior_norms"_a,
+      "new_keys"_a,
+      "new_values"_a,
+      "new_norms"_a,
+      "budget"_a,
+      "n_sink"_a,
+      "recent"_a,
+      "keep"_a,
+      nb::kw_only(),
+      "emulate_metal"_a = false,
+      "stream"_a = nb::none(),
+      "Protected top-k of SPEC section 3: (keys, values, norms, indices).");
+}

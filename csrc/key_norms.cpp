@@ -1,0 +1,36 @@
+#include "key_norms.h"
+
+#include <stdexcept>
+
+#include "validate.h"
+
+namespace mlx_knorm {
+
+mx::array key_norms(const mx::array& keys, Executor executor, mx::StreamOrDevice s) {
+  check_key_norms_args(keys);
+  auto stream = mx::to_stream(s);
+  mx::Shape out_shape(keys.shape().begin(), keys.shape().end() - 1);
+  return mx::array(
+      out_shape,
+      mx::float32,
+      std::make_shared<KeyNorms>(stream, executor),
+      {mx::contiguous(keys, false, stream)});
+}
+
+bool KeyNorms::is_equivalent(const mx::Primitive& other) const {
+  return executor_ == static_cast<const KeyNorms&>(other).executor_;
+}
+
+std::vector<mx::Shape> KeyNorms::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  const auto& shape = inputs[0].shape();
+  return {mx::Shape(shape.begin(), shape.end() - 1)};
+}
+
+void KeyNorms::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error(
+      "mlx_knorm: KeyNorms has no GPU kernel in this build; "
+      "use the fallback backend for GPU streams");
+}
+
+} // namespace mlx_knorm

@@ -1,0 +1,69 @@
+#include "protected_topk_gather.h"
+
+#include <cstdint>
+#include <stdexcept>
+
+namespace mlx_knorm {
+
+std::vector<mx::array> protected_topk_gather(
+    const mx::array& prior_keys,
+    const mx::array& prior_values,
+    const mx::array& prior_norms,
+    const mx::array& new_keys,
+    const mx::array& new_values,
+    const mx::array& new_norms,
+    GatherConfig config,
+    Executor executor,
+    mx::StreamOrDevice s) {
+  check_protected_topk_gather_args(
+      prior_keys, prior_values, prior_norms, new_keys, new_values, new_norms,
+      config.budget, config.n_sink, config.recent);
+  const int64_t n_total =
+      static_cast<int64_t>(prior_keys.shape(1)) + new_keys.shape(1);
+  if (n_total > static_cast<int64_t>(UINT32_MAX)) {
+    throw std::invalid_argument(
+        "mlx_knorm: n_prior + S must fit in uint32 row indices");
+  }
+  auto stream = mx::to_stream(s);
+  auto inputs = std::vector<mx::array>{
+      mx::contiguous(prior_keys, false, stream),
+      mx::contiguous(prior_values, false, stream),
+      mx::contiguous(prior_norms, false, stream),
+      mx::contiguous(new_keys, false, stream),
+      mx::contiguous(new_values, false, stream),
+      mx::contiguous(new_norms, false, stream)};
+  auto primitive =
+      std::make_shared<ProtectedTopKGather>(stream, config, executor);
+  auto shapes = primitive->output_shapes(inputs);
+  return mx::array::make_arrays(
+      std::move(shapes),
+      {prior_keys.dtype(), prior_values.dtype(), mx::float32, mx::uint32},
+      primitive,
+      inputs);
+}
+
+bool ProtectedTopKGather::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const ProtectedTopKGather&>(other);
+  return config_ == o.config_ && executor_ == o.executor_;
+}
+
+std::vector<mx::Shape> ProtectedTopKGather::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  const int n_rows = inputs[0].shape(0);
+  const int dim = inputs[0].shape(2);
+  const int64_t n_total =
+      static_cast<int64_t>(inputs[0].shape(1)) + inputs[3].shape(1);
+  const int kept = static_cast<int>(std::min<int64_t>(n_total, config_.budget));
+  return {
+      {n_rows, kept, dim}, {n_rows, kept, dim}, {n_rows, kept}, {n_rows, kept}};
+}
+
+void ProtectedTopKGather::eval_gpu(
+    const std::vector<mx::array>&,
+    std::vector<mx::array>&) {
+  throw std::runtime_error(
+      "mlx_knorm: ProtectedTopKGather has no GPU kernel in this build; "
+      "use the fallback backend for GPU streams");
+}
+
+} // namespace mlx_knorm

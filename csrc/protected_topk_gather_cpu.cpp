@@ -1,0 +1,180 @@
+// CPU kernel of ProtectedTopKGather. Per row: one pass builds unique rank
+// keys for the evictable middle, nth_element finds the threshold key (O(n)),
+// and one pass copies the kept rows in temporal order as contiguous runs read
+// straight from prior and new: the concatenation is never materialised.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "mlx/backend/cpu/encoder.h"
+
+#include "metal_emulated.h"
+#include "parallel.h"
+#include "protected_topk_gather.h"
+#include "selection.h"
+
+namespace mlx_knorm {
+
+namespace {
+
+struct GatherBuffers {
+  const char* prior_keys;
+  const char* prior_values;
+  const float* prior_norms;
+  const char* new_keys;
+  const char* new_values;
+  const float* new_norms;
+  char* keys;
+  char* values;
+  float* norms;
+  uint32_t* indices;
+  int64_t n_prior;
+  int64_t n_new;
+  int64_t kept;
+  size_t key_row_bytes;
+  size_t value_row_bytes;
+};
+
+// Copies rows [begin, end) of the virtual concatenation of row n to output
+// position out_pos onwards, split at the prior/new boundary.
+void copy_run(
+    const GatherBuffers& b,
+    int64_t n,
+    int64_t begin,
+    int64_t end,
+    int64_t out_pos) {
+  const int64_t out_row = n * b.kept + out_pos;
+  for (int64_t j = begin; j < end; ++j) {
+    b.indices[out_row + (j - begin)] = static_cast<uint32_t>(j);
+  }
+  auto copy_part = [&](int64_t src_begin, int64_t src_end, int64_t dst_row,
+                       const char* keys, const char* values, const float* norms,
+                       int64_t src_rows) {
+    if (src_end <= src_begin) {
+      return;
+    }
+    const int64_t count = src_end - src_begin;
+    const int64_t src_row = n * src_rows + src_begin;
+    std::memcpy(
+        b.keys + dst_row * b.key_row_bytes,
+        keys + src_row * b.key_row_bytes,
+        count * b.key_row_bytes);
+    std::memcpy(
+        b.values + dst_row * b.value_row_bytes,
+        values + src_row * b.value_row_bytes,
+        count * b.value_row_bytes);
+    std::memcpy(b.norms + dst_row, norms + src_row, count * sizeof(float));
+  };
+  const int64_t split = std::clamp(b.n_prior, begin, end);
+  copy_part(begin, split, out_row, b.prior_keys, b.prior_values, b.prior_norms,
+            b.n_prior);
+  copy_part(split - b.n_prior, end - b.n_prior, out_row + (split - begin),
+            b.new_keys, b.new_values, b.new_norms, b.n_new);
+}
+
+void gather_rows(
+    const GatherBuffers& b,
+    const GatherConfig& config,
+    int64_t row_begin,
+    int64_t row_end) {
+  const RowSelection sel(
+      b.n_prior + b.n_new, config.budget, config.n_sink, config.recent);
+  if (!sel.evicts) {
+    for (int64_t n = row_begin; n < row_end; ++n) {
+      copy_run(b, n, 0, sel.n_total, 0);
+    }
+    return;
+  }
+  auto norm_at = [&](int64_t n, int64_t j) {
+    return j < b.n_prior ? b.prior_norms[n * b.n_prior + j]
+                         : b.new_norms[n * b.n_new + (j - b.n_prior)];
+  };
+  std::vector<uint64_t> ranks(sel.mid_end - sel.n_sink);
+  for (int64_t n = row_begin; n < row_end; ++n) {
+    for (int64_t j = sel.n_sink; j < sel.mid_end; ++j) {
+      ranks[j - sel.n_sink] =
+          rank_key(norm_at(n, j), config.keep, static_cast<uint32_t>(j));
+    }
+    auto nth = ranks.begin() + (sel.mid_keep - 1);
+    std::nth_element(ranks.begin(), nth, ranks.end());
+    const uint64_t threshold = *nth;
+
+    // Stable compaction: the kept rows as maximal runs in temporal order.
+    int64_t out_pos = 0;
+    int64_t run_begin = 0;
+    for (int64_t j = sel.n_sink; j < sel.mid_end; ++j) {
+      if (rank_key(norm_at(n, j), config.keep, static_cast<uint32_t>(j)) >
+          threshold) {
+        copy_run(b, n, run_begin, j, out_pos);
+        out_pos += j - run_begin;
+        run_begin = j + 1;
+      }
+    }
+    copy_run(b, n, run_begin, sel.n_total, out_pos);
+  }
+}
+
+} // namespace
+
+void protected_topk_gather_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs,
+    const GatherConfig& config) {
+  const auto& prior_keys = inputs[0];
+  const auto& new_keys = inputs[3];
+  GatherBuffers b{
+      inputs[0].data<char>(),
+      inputs[1].data<char>(),
+      inputs[2].data<float>(),
+      inputs[3].data<char>(),
+      inputs[4].data<char>(),
+      inputs[5].data<float>(),
+      outputs[0].data<char>(),
+      outputs[1].data<char>(),
+      outputs[2].data<float>(),
+      outputs[3].data<uint32_t>(),
+      prior_keys.shape(1),
+      new_keys.shape(1),
+      outputs[0].shape(1),
+      static_cast<size_t>(prior_keys.shape(2)) * prior_keys.itemsize(),
+      static_cast<size_t>(inputs[1].shape(2)) * inputs[1].itemsize()};
+  const int64_t n_rows = prior_keys.shape(0);
+  const size_t bytes_per_row =
+      b.kept * (b.key_row_bytes + b.value_row_bytes + 8);
+  parallel_for(n_rows, bytes_per_row, [&](int64_t begin, int64_t end) {
+    gather_rows(b, config, begin, end);
+  });
+}
+
+void ProtectedTopKGather::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& in : inputs) {
+    encoder.set_input_array(in);
+  }
+  for (auto& out : outputs) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    encoder.set_output_array(out);
+  }
+  std::vector<mx::array> in_refs;
+  std::vector<mx::array> out_refs;
+  for (auto& in : inputs) {
+    in_refs.push_back(mx::array::unsafe_weak_copy(in));
+  }
+  for (auto& out : outputs) {
+    out_refs.push_back(mx::array::unsafe_weak_copy(out));
+  }
+  encoder.dispatch([in_refs = std::move(in_refs),
+                    out_refs = std::move(out_refs),
+                    config = config_,
+                    executor = executor_]() mutable {
+    if (executor == Executor::MetalEmulator) {
+      protected_topk_gather_metal_emulated(in_refs, out_refs, config);
+    } else {
+      protected_topk_gather_cpu(in_refs, out_refs, config);
+    }
+  });
+}
+
+} // namespace mlx_knorm

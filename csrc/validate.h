@@ -1,0 +1,36 @@
+// Argument checks shared by both ops. They run when an op is built, before any
+// work is scheduled, so bad input from Python raises instead of reaching a
+// kernel. Shape and dtype errors are ValueError and TypeError in Python.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+#include "mlx/array.h"
+
+namespace mlx_knorm {
+
+// Raised for a non-floating key or value dtype; bound to Python's TypeError.
+struct dtype_error : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+enum class Keep { Low, High };
+
+Keep parse_keep(const std::string& keep);
+const char* keep_name(Keep keep);
+
+void check_key_norms_args(const mlx::core::array& keys);
+
+void check_protected_topk_gather_args(
+    const mlx::core::array& prior_keys,
+    const mlx::core::array& prior_values,
+    const mlx::core::array& prior_norms,
+    const mlx::core::array& new_keys,
+    const mlx::core::array& new_values,
+    const mlx::core::array& new_norms,
+    int budget,
+    int n_sink,
+    int recent);
+
+} // namespace mlx_knorm
