@@ -1,0 +1,36 @@
+"""mlx-knorm: L2-norm KV-cache eviction for MLX with native kernels.
+
+Keeps the lowest-norm keys (Devoto et al., EMNLP 2024) with one protected
+top-k per incoming block. The state API mirrors
+``veloxquant_mlx.quantizers.knorm`` name for name.
+"""
+
+from .backend import backend_info, current_backend, native_available, use_backend
+from .knorm import (
+    KnormState,
+    full_knorm_fp16_bytes,
+    init_knorm_state,
+    knorm_fp16_bytes,
+    knorm_get_kv,
+    knorm_update,
+    knorm_update_batched,
+)
+from .ops import key_norms, protected_topk_gather
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KnormState",
+    "backend_info",
+    "current_backend",
+    "full_knorm_fp16_bytes",
+    "init_knorm_state",
+    "key_norms",
+    "knorm_fp16_bytes",
+    "knorm_get_kv",
+    "knorm_update",
+    "knorm_update_batched",
+    "native_available",
+    "protected_topk_gather",
+    "use_backend",
+]

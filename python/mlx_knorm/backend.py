@@ -1,0 +1,123 @@
+"""Which implementation runs each op: the native kernels or the fallback.
+
+``"auto"`` (the default) uses the native kernel where one exists for the
+stream's device and the pure-MLX fallback elsewhere; ``"kernel"`` insists on
+the native kernel; ``"fallback"`` always uses the fallback;
+``"metal-emulator"`` runs the Metal kernels through the CPU emulator of the
+Metal execution model (slow; for testing). ``MLX_KNORM_BACKEND`` sets the
+default.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+
+import mlx.core as mx
+
+from . import _native
+
+BACKENDS = ("auto", "kernel", "fallback", "metal-emulator")
+
+_choice: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "mlx_knorm_backend", default=None
+)
+
+
+def _check_name(name, source: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"mlx_knorm: {source} must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+def current_backend() -> str:
+    """The backend chosen now: by ``use_backend``, else ``MLX_KNORM_BACKEND``, else auto."""
+    name = _choice.get()
+    if name is not None:
+        return name
+    return _check_name(os.environ.get("MLX_KNORM_BACKEND", "auto"), "MLX_KNORM_BACKEND")
+
+
+class use_backend:
+    """Choose the backend; a plain call sets it, ``with`` restores the previous one.
+
+    >>> with mlx_knorm.use_backend("fallback"):
+    ...     ...
+    """
+
+    def __init__(self, name: str):
+        _check_name(name, "backend name")
+        if name != "fallback" and name != "auto":
+            _require_extension(name)
+        self._token = _choice.set(name)
+
+    def __enter__(self) -> "use_backend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _choice.reset(self._token)
+
+
+def native_available() -> bool:
+    """True when the compiled extension loaded and matches the running MLX."""
+    return _native.ext is not None
+
+
+def _require_extension(name: str) -> None:
+    if _native.ext is None:
+        raise RuntimeError(
+            f"mlx_knorm: backend {name!r} needs the native extension, which is "
+            f"unavailable: {_native.load_error}"
+        )
+
+
+def _kernel_devices() -> dict[str, bool]:
+    ext = _native.ext
+    return {
+        "cpu": ext is not None,
+        "gpu": ext is not None and bool(ext.has_metal_kernels) and mx.metal.is_available(),
+    }
+
+
+def _device_of(stream) -> mx.Device:
+    if stream is None:
+        return mx.default_device()
+    if isinstance(stream, mx.Stream):
+        return stream.device
+    if isinstance(stream, mx.Device):
+        return stream
+    raise TypeError(
+        f"mlx_knorm: stream must be an mlx.core.Stream, Device or None, got {type(stream).__name__}"
+    )
+
+
+def resolve(stream) -> str:
+    """The implementation that runs on ``stream``: kernel, fallback or metal-emulator."""
+    device = _device_of(stream)
+    name = current_backend()
+    if name == "fallback":
+        return "fallback"
+    if name == "metal-emulator":
+        _require_extension(name)
+        return name
+    has_kernel = _kernel_devices()["gpu" if device.type == mx.DeviceType.gpu else "cpu"]
+    if name == "kernel":
+        _require_extension(name)
+        if not has_kernel:
+            raise RuntimeError(f"mlx_knorm: no native kernel for device {device} in this build")
+        return "kernel"
+    return "kernel" if has_kernel else "fallback"
+
+
+def backend_info() -> dict:
+    """What is loaded and what runs where."""
+    ext = _native.ext
+    return {
+        "backend": current_backend(),
+        "extension_loaded": ext is not None,
+        "extension_error": _native.load_error,
+        "mlx_version_running": mx.__version__,
+        "mlx_version_built": None if ext is None else ext.built_mlx_version,
+        "default_device": str(mx.default_device()),
+        "kernels": {**_kernel_devices(), "metal-emulator": ext is not None},
+    }
