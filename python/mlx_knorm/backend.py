@@ -86,8 +86,11 @@ def _device_of(stream) -> mx.Device:
         return stream.device
     if isinstance(stream, mx.Device):
         return stream
+    if isinstance(stream, mx.DeviceType):
+        return mx.Device(stream)
     raise TypeError(
-        f"mlx_knorm: stream must be an mlx.core.Stream, Device or None, got {type(stream).__name__}"
+        "mlx_knorm: stream must be an mlx.core.Stream, Device, DeviceType or None, "
+        f"got {type(stream).__name__}"
     )
 
 

@@ -98,7 +98,7 @@ def knorm_update_batched(
     keep: str,
     *,
     return_indices: bool = False,
-):
+) -> tuple[mx.array, mx.array, mx.array] | tuple[mx.array, mx.array, mx.array, mx.array]:
     """``knorm_update`` over N = B*H rows at once (``[N, n_prior, D]`` priors,
     ``[N, S, D]`` new rows; ``n_prior`` may be 0).
 

@@ -1,0 +1,36 @@
+"""Shared test setup: device choice, hypothesis profiles, bitwise comparison."""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import pytest
+from hypothesis import HealthCheck, settings
+
+# The macOS workflow runs the suite with the GPU as default device.
+if os.environ.get("MLX_KNORM_TEST_DEVICE") == "gpu":
+    mx.set_default_device(mx.gpu)
+
+settings.register_profile(
+    "default",
+    max_examples=int(os.environ.get("MLX_KNORM_EXAMPLES", "150")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=True,
+)
+settings.load_profile("default")
+
+
+def assert_bitwise_equal(actual: mx.array, expected: mx.array, what: str = "") -> None:
+    """Same dtype, same shape, same bytes (NaN payloads and signed zeros included)."""
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    if actual.size:
+        same = mx.array_equal(actual.view(mx.uint8), expected.view(mx.uint8)).item()
+        assert same, f"{what}: values differ\nactual={actual}\nexpected={expected}"
+
+
+@pytest.fixture
+def bitwise_equal():
+    return assert_bitwise_equal

@@ -1,0 +1,137 @@
+"""ProtectedTopKGather: SPEC section 3 on every backend, bit for bit."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given
+
+import mlx_knorm
+from conftest import assert_bitwise_equal
+from generators import fill, fill_norms, gather_cases
+from spec_oracle import kept_rows
+
+NATIVE_BACKENDS = ["kernel"]
+
+
+def gather_on(backend: str, arrays, config):
+    with mlx_knorm.use_backend(backend):
+        out = mlx_knorm.protected_topk_gather(*arrays, *config)
+        mx.eval(out)
+        return out
+
+
+def assert_same_outputs(actual, expected):
+    for name, a, e in zip(("keys", "values", "norms", "indices"), actual, expected):
+        assert_bitwise_equal(a, e, name)
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
+@given(case=gather_cases())
+def test_kernel_matches_fallback(backend, case):
+    arrays, config = case
+    assert_same_outputs(gather_on(backend, arrays, config), gather_on("fallback", arrays, config))
+
+
+@given(case=gather_cases(max_rows=2, dims=[1, 3]))
+def test_selection_matches_spec_oracle(case):
+    arrays, config = case
+    norms = mx.concatenate([arrays[2], arrays[5]], axis=1)
+    _, _, kept_norms, indices = gather_on("kernel", arrays, config)
+    for row in range(norms.shape[0]):
+        expected = kept_rows(norms[row].tolist(), *config)
+        assert indices[row].tolist() == expected
+    assert_bitwise_equal(kept_norms, mx.take_along_axis(norms, indices, axis=1), "norms")
+
+
+@given(case=gather_cases(max_rows=2, max_prior=20, max_new=20, dims=[4, 80]))
+def test_kept_rows_are_the_indexed_input_rows(case):
+    arrays, config = case
+    keys, values, _, indices = gather_on("kernel", arrays, config)
+    all_keys = mx.concatenate([arrays[0], arrays[3]], axis=1)
+    all_values = mx.concatenate([arrays[1], arrays[4]], axis=1)
+    assert_bitwise_equal(keys, mx.take_along_axis(all_keys, indices[..., None], axis=1), "keys")
+    assert_bitwise_equal(values, mx.take_along_axis(all_values, indices[..., None], axis=1), "values")
+
+
+def decode_arrays(n_prior=10, n_new=1, dim=4, n_rows=2, seed=0, dtype="float16"):
+    rng = np.random.default_rng(seed)
+    return (
+        fill(rng, (n_rows, n_prior, dim), "normal", dtype),
+        fill(rng, (n_rows, n_prior, dim), "normal", dtype),
+        fill_norms(rng, (n_rows, n_prior), "normal"),
+        fill(rng, (n_rows, n_new, dim), "normal", dtype),
+        fill(rng, (n_rows, n_new, dim), "normal", dtype),
+        fill_norms(rng, (n_rows, n_new), "normal"),
+    )
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
+def test_nan_and_inf_never_evict_protected_rows(backend):
+    nan, inf = math.nan, math.inf
+    norms = mx.array([[nan, inf, 1.0, nan, 0.5, -inf, 2.0, nan]], dtype=mx.float32)
+    arrays = list(decode_arrays(n_prior=8, n_new=0, n_rows=1))
+    arrays[2] = norms
+    for keep in ("low", "high"):
+        _, _, _, indices = gather_on(backend, arrays, (5, 2, 1, keep))
+        kept = indices[0].tolist()
+        assert kept[:2] == [0, 1] and kept[-1] == 7, (keep, kept)
+    assert gather_on(backend, arrays, (5, 2, 1, "low"))[3][0].tolist() == [0, 1, 4, 5, 7]
+    assert gather_on(backend, arrays, (5, 2, 1, "high"))[3][0].tolist() == [0, 1, 2, 6, 7]
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
+def test_signed_zeros_tie_by_index(backend):
+    arrays = list(decode_arrays(n_prior=6, n_new=0, n_rows=1))
+    arrays[2] = mx.array([[-0.0, 0.0, -0.0, 0.0, -0.0, 0.0]])
+    assert gather_on(backend, arrays, (3, 0, 0, "low"))[3][0].tolist() == [0, 1, 2]
+    assert gather_on(backend, arrays, (3, 0, 0, "high"))[3][0].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
+def test_empty_blocks_and_no_eviction(backend):
+    prior = decode_arrays(n_prior=0, n_new=0)
+    keys, values, norms, indices = gather_on(backend, prior, (4, 1, 0, "low"))
+    assert keys.shape == (2, 0, 4) and norms.shape == (2, 0) and indices.dtype == mx.uint32
+    arrays = decode_arrays(n_prior=3, n_new=2)
+    keys, _, _, indices = gather_on(backend, arrays, (5, 1, 1, "low"))
+    assert indices.tolist() == [[0, 1, 2, 3, 4]] * 2
+    assert_bitwise_equal(keys, mx.concatenate([arrays[0], arrays[3]], axis=1), "keys")
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
+def test_output_dtypes_follow_inputs(backend):
+    rng = np.random.default_rng(3)
+    arrays = (
+        fill(rng, (1, 4, 8), "normal", "bfloat16"),
+        fill(rng, (1, 4, 8), "normal", "float32"),
+        fill_norms(rng, (1, 4), "normal"),
+        fill(rng, (1, 2, 8), "normal", "bfloat16"),
+        fill(rng, (1, 2, 8), "normal", "float32"),
+        fill_norms(rng, (1, 2), "normal"),
+    )
+    out = gather_on(backend, arrays, (3, 1, 0, "low"))
+    assert [o.dtype for o in out] == [mx.bfloat16, mx.float32, mx.float32, mx.uint32]
+
+
+def test_non_contiguous_inputs():
+    arrays = decode_arrays(n_prior=12, n_new=3, dim=8, n_rows=4, seed=5)
+    strided = tuple(a[::2] for a in arrays)
+    copies = tuple(mx.array(np.array(a)) for a in strided)
+    assert_same_outputs(gather_on("kernel", strided, (9, 1, 2, "low")), gather_on("fallback", copies, (9, 1, 2, "low")))
+
+
+def test_inside_compile():
+    arrays = decode_arrays(n_prior=12, n_new=3, dim=8)
+    compiled = mx.compile(lambda *a: mlx_knorm.protected_topk_gather(*a, 9, 1, 2, "high"))
+    assert_same_outputs(compiled(*arrays), gather_on("kernel", arrays, (9, 1, 2, "high")))
+
+
+def test_large_rows_use_several_threads_and_agree():
+    arrays = decode_arrays(n_prior=2048, n_new=1, dim=128, n_rows=32, seed=7)
+    assert_same_outputs(gather_on("kernel", arrays, (2048, 4, 0, "low")), gather_on("fallback", arrays, (2048, 4, 0, "low")))
+    prefill = decode_arrays(n_prior=0, n_new=4096, dim=64, n_rows=8, seed=8)
+    assert_same_outputs(gather_on("kernel", prefill, (512, 4, 16, "low")), gather_on("fallback", prefill, (512, 4, 16, "low")))

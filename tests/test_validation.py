@@ -1,0 +1,148 @@
+"""SPEC section 4: every bad input raises a clear error before any work."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import mlx_knorm
+from mlx_knorm import _native
+
+BACKENDS = ["kernel", "fallback"]
+
+
+def good(n=2, n_prior=5, s=3, d=8, dtype=mx.float16):
+    return dict(
+        prior_keys=mx.zeros((n, n_prior, d), dtype),
+        prior_values=mx.zeros((n, n_prior, d), dtype),
+        prior_norms=mx.zeros((n, n_prior)),
+        new_keys=mx.ones((n, s, d), dtype),
+        new_values=mx.ones((n, s, d), dtype),
+        budget=6,
+        n_sink=1,
+        recent=1,
+        keep="low",
+    )
+
+
+SHAPE_ERRORS = [
+    (dict(new_values=mx.ones((2, 4, 8), mx.float16)), "keys/values shape mismatch"),
+    (dict(prior_values=mx.ones((2, 5, 7), mx.float16)), "keys/values shape mismatch"),
+    (dict(new_keys=mx.ones((3, 3, 8)), new_values=mx.ones((3, 3, 8))), "prior vs new mismatch in N or D"),
+    (dict(new_keys=mx.ones((2, 3, 4)), new_values=mx.ones((2, 3, 4))), "prior vs new mismatch in N or D"),
+    (dict(prior_norms=mx.zeros((2, 4))), "prior_norms must be [N, n_prior]"),
+    (dict(prior_norms=mx.zeros((2, 5, 1))), "prior_norms must have rank 2"),
+    (dict(new_keys=mx.ones((3, 8))), "new_keys must have rank 3"),
+    (dict(budget=0), "budget must be >= 1"),
+    (dict(n_sink=-1), "n_sink must be >= 0"),
+    (dict(recent=-2), "recent must be >= 0"),
+    (dict(n_sink=3, recent=3), "must be < budget"),
+    (dict(keep="middle"), "keep must be 'low' or 'high'"),
+]
+TYPE_ERRORS = [
+    (dict(new_keys=mx.ones((2, 3, 8), mx.int32)), "new_keys must be float16, bfloat16 or float32"),
+    (dict(prior_values=mx.zeros((2, 5, 8), mx.uint8)), "prior_values must be float16"),
+    (dict(prior_norms=mx.zeros((2, 5), mx.float16)), "prior_norms must be float32"),
+    (dict(budget=6.0), "budget must be an int"),
+    (dict(prior_keys=[[0.0]]), "prior_keys must be an mlx.core.array"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("change, fragment", SHAPE_ERRORS)
+def test_value_errors(backend, change, fragment):
+    with mlx_knorm.use_backend(backend), pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        mlx_knorm.knorm_update_batched(**{**good(), **change})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("change, fragment", TYPE_ERRORS)
+def test_type_errors(backend, change, fragment):
+    with mlx_knorm.use_backend(backend), pytest.raises(TypeError, match=fragment):
+        mlx_knorm.knorm_update_batched(**{**good(), **change})
+
+
+def test_messages_name_the_shapes():
+    with pytest.raises(ValueError, match=r"new_keys \[2, 3, 8\] vs new_values \[2, 4, 8\]"):
+        mlx_knorm.knorm_update_batched(**{**good(), "new_values": mx.ones((2, 4, 8), mx.float16)})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_blocks_are_valid(backend):
+    with mlx_knorm.use_backend(backend):
+        keys, values, norms = mlx_knorm.knorm_update_batched(**good(n_prior=0, s=0))
+        assert keys.shape == (2, 0, 8) and norms.shape == (2, 0)
+        keys, _, _ = mlx_knorm.knorm_update_batched(**good(n_prior=4, s=0))
+        assert keys.shape == (2, 4, 8)
+
+
+def test_protected_topk_gather_requires_matching_dtypes():
+    args = good()
+    with pytest.raises(TypeError, match="new_keys dtype float32 must equal prior dtype float16"):
+        mlx_knorm.protected_topk_gather(
+            args["prior_keys"], args["prior_values"], args["prior_norms"],
+            args["new_keys"].astype(mx.float32), args["new_values"], mx.zeros((2, 3)),
+            6, 1, 1, "low",
+        )
+
+
+def test_key_norms_errors():
+    with pytest.raises(TypeError, match="keys must be float16"):
+        mlx_knorm.key_norms(mx.array([1, 2]))
+    with pytest.raises(ValueError, match="at least one axis"):
+        mlx_knorm.key_norms(mx.array(1.0))
+    with pytest.raises(TypeError, match="stream must be"):
+        mlx_knorm.key_norms(mx.ones((2, 2)), stream="cpu")
+
+
+@pytest.mark.skipif(_native.ext is None, reason="the native extension is not loaded")
+def test_extension_checks_its_own_inputs():
+    """The bindings are reachable from Python, so they validate too: no crash."""
+    a = good()
+    ext = _native.ext
+    with pytest.raises(ValueError, match="keys/values shape mismatch"):
+        ext.protected_topk_gather(
+            a["prior_keys"], a["prior_values"][:, :2], a["prior_norms"], a["new_keys"],
+            a["new_values"], mx.zeros((2, 3)), 6, 1, 1, "low",
+        )
+    with pytest.raises(ValueError, match="new_norms must be"):
+        ext.protected_topk_gather(
+            a["prior_keys"], a["prior_values"], a["prior_norms"], a["new_keys"],
+            a["new_values"], mx.zeros((2, 2)), 6, 1, 1, "low",
+        )
+    with pytest.raises(TypeError, match="prior_norms must be float32"):
+        ext.protected_topk_gather(
+            a["prior_keys"], a["prior_values"], a["prior_norms"].astype(mx.int32), a["new_keys"],
+            a["new_values"], mx.zeros((2, 3)), 6, 1, 1, "low",
+        )
+    with pytest.raises(ValueError, match="keep must be"):
+        ext.protected_topk_gather(
+            a["prior_keys"], a["prior_values"], a["prior_norms"], a["new_keys"],
+            a["new_values"], mx.zeros((2, 3)), 6, 1, 1, "up",
+        )
+    with pytest.raises(TypeError, match="keys must be"):
+        ext.key_norms(mx.zeros((2, 2), mx.int8))
+
+
+def test_failed_update_leaves_state_untouched():
+    state = mlx_knorm.init_knorm_state(1, 4, 8)
+    state = mlx_knorm.knorm_update(state, mx.ones((3, 8)), mx.ones((3, 8)))
+    before = {f: mx.array(getattr(state, f)) for f in ("keys", "values", "norms")}
+    with pytest.raises(ValueError, match="keys/values shape mismatch"):
+        mlx_knorm.knorm_update(state, mx.ones((2, 8)), mx.ones((3, 8)))
+    with pytest.raises(ValueError, match="prior vs new mismatch"):
+        mlx_knorm.knorm_update(state, mx.ones((2, 4)), mx.ones((2, 4)))
+    with pytest.raises(TypeError, match="new_keys must be float16"):
+        mlx_knorm.knorm_update(state, mx.ones((2, 8), mx.int32), mx.ones((2, 8)))
+    for field, value in before.items():
+        assert mx.array_equal(getattr(state, field), value).item()
+    assert state.keys.shape == (3, 8)
+
+
+def test_knorm_update_rejects_a_broken_state():
+    state = mlx_knorm.init_knorm_state(1, 4, 8)
+    broken = mlx_knorm.KnormState(None, None, None, n_sink=5, budget=4, recent=0, keep="low")
+    with pytest.raises(ValueError, match="must be < budget"):
+        mlx_knorm.knorm_update(broken, mx.ones((2, 8)), mx.ones((2, 8)))
+    with pytest.raises(TypeError, match="state must be a KnormState"):
+        mlx_knorm.knorm_update((state,), mx.ones((2, 8)), mx.ones((2, 8)))
