@@ -340,6 +340,16 @@ def test_constructor_forms_and_validation():
         L2NormKVCache(SimpleNamespace(knorm_budget=-3))
 
 
+def test_storage_dtype_follows_input():
+    for given, stored in [(mx.bfloat16, mx.bfloat16), (mx.float16, mx.float16), (mx.float32, mx.float16)]:
+        cache = L2NormKVCache(budget=4, n_sink=1)
+        kv = mx.random.normal((2, KV_HEADS, 6, HEAD_DIM)).astype(given)
+        keys, values = cache.update_and_fetch(kv, kv)
+        assert keys.dtype == values.dtype == cache.keys.dtype == cache.values.dtype == stored
+        keys, _ = cache.update_and_fetch(kv[:, :, :1], kv[:, :, :1])
+        assert keys.shape == (2, KV_HEADS, 5, HEAD_DIM) and keys.dtype == stored
+
+
 def test_meta_state_round_trip():
     cache = L2NormKVCache(budget=9, n_sink=1, recent=2, keep="high")
     other = L2NormKVCache()

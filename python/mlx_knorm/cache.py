@@ -15,6 +15,15 @@ what ``KVCache`` returns, and logits are bit-identical.
 ``offset`` is the true absolute position (RoPE stays right after eviction);
 ``size()`` is the number of rows held.
 
+Limits: mlx-lm models build one attention mask from one layer's cache and
+share it across layers. Every ``L2NormKVCache`` of a model holds the same
+row count, so they agree; a model that asks for array masks
+(``return_array=True``, e.g. gemma2, deepseek_v3) must not take its mask
+from a ``skip_layers`` layer, whose row count differs once eviction starts.
+There is no ``merge``, so mlx-lm's ``BatchGenerator`` (and ``mlx_lm.server``
+batching) does not batch these caches; batches built by the caller
+(``[B, S]`` inputs) are supported.
+
 Importing this module registers ``L2NormKVCache`` in
 ``mlx_lm.models.cache``, because ``mlx_lm.models.cache.load_prompt_cache``
 resolves the class names of a saved cache in that module's namespace.
