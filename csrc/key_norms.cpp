@@ -2,6 +2,7 @@
 
 #include <stdexcept>
 
+#include "launch_plan.h"
 #include "validate.h"
 
 namespace mlx_knorm {
@@ -9,6 +10,13 @@ namespace mlx_knorm {
 mx::array key_norms(const mx::array& keys, Executor executor, mx::StreamOrDevice s) {
   check_key_norms_args(keys);
   auto stream = mx::to_stream(s);
+  check_executor(executor);
+  if (executor == Executor::MetalEmulator ||
+      stream.device == mx::Device::gpu) {
+    const int64_t dim = keys.shape(-1);
+    check_metal_key_norms_shape(
+        dim == 0 ? 0 : static_cast<int64_t>(keys.size()) / dim, dim);
+  }
   mx::Shape out_shape(keys.shape().begin(), keys.shape().end() - 1);
   return mx::array(
       out_shape,

@@ -3,6 +3,8 @@
 #include <cstdint>
 #include <stdexcept>
 
+#include "launch_plan.h"
+
 namespace mlx_knorm {
 
 std::vector<mx::array> protected_topk_gather(
@@ -25,6 +27,12 @@ std::vector<mx::array> protected_topk_gather(
         "mlx_knorm: n_prior + S must fit in uint32 row indices");
   }
   auto stream = mx::to_stream(s);
+  check_executor(executor);
+  if (executor == Executor::MetalEmulator ||
+      stream.device == mx::Device::gpu) {
+    check_metal_gather_shape(prior_keys.shape(0), prior_keys.shape(1),
+                             new_keys.shape(1));
+  }
   auto inputs = std::vector<mx::array>{
       mx::contiguous(prior_keys, false, stream),
       mx::contiguous(prior_values, false, stream),
