@@ -35,10 +35,13 @@ std::vector<mx::Shape> KeyNorms::output_shapes(
   return {mx::Shape(shape.begin(), shape.end() - 1)};
 }
 
+#ifndef MLX_KNORM_METAL
+// With Metal, eval_gpu is in metal_kernels.cpp.
 void KeyNorms::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error(
       "mlx_knorm: KeyNorms has no GPU kernel in this build; "
       "use the fallback backend for GPU streams");
 }
+#endif
 
 } // namespace mlx_knorm

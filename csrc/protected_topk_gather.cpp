@@ -66,6 +66,8 @@ std::vector<mx::Shape> ProtectedTopKGather::output_shapes(
       {n_rows, kept, dim}, {n_rows, kept, dim}, {n_rows, kept}, {n_rows, kept}};
 }
 
+#ifndef MLX_KNORM_METAL
+// With Metal, eval_gpu is in metal_kernels.cpp.
 void ProtectedTopKGather::eval_gpu(
     const std::vector<mx::array>&,
     std::vector<mx::array>&) {
@@ -73,5 +75,6 @@ void ProtectedTopKGather::eval_gpu(
       "mlx_knorm: ProtectedTopKGather has no GPU kernel in this build; "
       "use the fallback backend for GPU streams");
 }
+#endif
 
 } // namespace mlx_knorm
