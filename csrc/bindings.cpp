@@ -39,6 +39,11 @@ NB_MODULE(_ext, m) {
 #else
   m.attr("has_metal_kernels") = false;
 #endif
+#ifdef MLX_KNORM_EMULATOR
+  m.attr("has_metal_emulator") = true;
+#else
+  m.attr("has_metal_emulator") = false;
+#endif
 
   m.def(
       "key_norms",

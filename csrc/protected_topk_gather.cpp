@@ -3,6 +3,8 @@
 #include <cstdint>
 #include <stdexcept>
 
+#include "launch_plan.h"
+
 namespace mlx_knorm {
 
 std::vector<mx::array> protected_topk_gather(
@@ -25,6 +27,12 @@ std::vector<mx::array> protected_topk_gather(
         "mlx_knorm: n_prior + S must fit in uint32 row indices");
   }
   auto stream = mx::to_stream(s);
+  check_executor(executor);
+  if (executor == Executor::MetalEmulator ||
+      stream.device == mx::Device::gpu) {
+    check_metal_gather_shape(prior_keys.shape(0), prior_keys.shape(1),
+                             new_keys.shape(1));
+  }
   auto inputs = std::vector<mx::array>{
       mx::contiguous(prior_keys, false, stream),
       mx::contiguous(prior_values, false, stream),
@@ -58,6 +66,8 @@ std::vector<mx::Shape> ProtectedTopKGather::output_shapes(
       {n_rows, kept, dim}, {n_rows, kept, dim}, {n_rows, kept}, {n_rows, kept}};
 }
 
+#ifndef MLX_KNORM_METAL
+// With Metal, eval_gpu is in metal_kernels.cpp.
 void ProtectedTopKGather::eval_gpu(
     const std::vector<mx::array>&,
     std::vector<mx::array>&) {
@@ -65,5 +75,6 @@ void ProtectedTopKGather::eval_gpu(
       "mlx_knorm: ProtectedTopKGather has no GPU kernel in this build; "
       "use the fallback backend for GPU streams");
 }
+#endif
 
 } // namespace mlx_knorm

@@ -169,11 +169,14 @@ void ProtectedTopKGather::eval_cpu(
                     out_refs = std::move(out_refs),
                     config = config_,
                     executor = executor_]() mutable {
+#ifdef MLX_KNORM_EMULATOR
     if (executor == Executor::MetalEmulator) {
       protected_topk_gather_metal_emulated(in_refs, out_refs, config);
-    } else {
-      protected_topk_gather_cpu(in_refs, out_refs, config);
+      return;
     }
+#endif
+    (void)executor;
+    protected_topk_gather_cpu(in_refs, out_refs, config);
   });
 }
 
