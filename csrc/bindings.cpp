@@ -6,6 +6,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "key_norms.h"
+#include "launch_plan.h"
 #include "protected_topk_gather.h"
 #include "validate.h"
 
@@ -34,6 +35,7 @@ NB_MODULE(_ext, m) {
   });
 
   m.attr("built_mlx_version") = MLX_KNORM_BUILT_MLX_VERSION;
+  m.attr("metal_key_norms_max_dim") = mlx_knorm::kMetalMaxDim;
 #ifdef MLX_KNORM_METAL
   m.attr("has_metal_kernels") = true;
 #else

@@ -22,6 +22,20 @@ settings.register_profile(
 settings.load_profile("default")
 
 
+def emulator_built() -> bool:
+    """The Metal emulator is built by default on non-Apple platforms."""
+    from mlx_knorm import _native
+
+    return _native.ext is not None and bool(_native.ext.has_metal_emulator)
+
+
+# The emulator runs every GPU thread as a real thread: fewer, smaller cases.
+EMULATOR_SETTINGS = settings(max_examples=max(10, settings.default.max_examples // 4))
+requires_emulator = pytest.mark.skipif(
+    not emulator_built(), reason="the Metal emulator is not built (Apple builds run the real kernels)"
+)
+
+
 def assert_bitwise_equal(actual: mx.array, expected: mx.array, what: str = "") -> None:
     """Same dtype, same shape, same bytes (NaN payloads and signed zeros included)."""
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"

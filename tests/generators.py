@@ -51,10 +51,17 @@ def fill_norms(rng: np.random.Generator, shape, palette: str) -> mx.array:
 
 
 @st.composite
-def gather_cases(draw, max_rows=4, max_prior=40, max_new=40, dims=DIMS):
-    """Arguments of one protected_topk_gather call plus its configuration."""
+def gather_cases(draw, max_rows=4, max_prior=40, max_new=40, dims=DIMS, long_rows=False):
+    """Arguments of one protected_topk_gather call plus its configuration.
+
+    ``long_rows`` also draws priors of 250-700 rows, which span several
+    256-row chunks of the Metal kernel's compaction.
+    """
     n_rows = draw(st.integers(1, max_rows))
-    n_prior = draw(st.integers(0, max_prior))
+    prior_sizes = st.integers(0, max_prior)
+    if long_rows:
+        prior_sizes = st.one_of(prior_sizes, st.integers(250, 700))
+    n_prior = draw(prior_sizes)
     n_new = draw(st.integers(0, max_new))
     dim = draw(st.sampled_from(dims))
     n_total = n_prior + n_new

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mlx_knorm
-from conftest import assert_bitwise_equal
+from conftest import EMULATOR_SETTINGS, assert_bitwise_equal, requires_emulator
 from generators import DIMS, DTYPES, PALETTES, fill
 
 
@@ -44,6 +44,21 @@ def pinned_norm(row: np.ndarray) -> np.float32:
 def test_kernel_matches_fallback(shape, dim, dtype, palette, seed):
     keys = fill(np.random.default_rng(seed), (*shape, dim), palette, dtype)
     assert_bitwise_equal(norms_on("kernel", keys), norms_on("fallback", keys), "norms")
+
+
+@requires_emulator
+@EMULATOR_SETTINGS
+@given(
+    rows=st.integers(0, 9),
+    dim=st.sampled_from(DIMS + [0, 5, 129, 257, 512]),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    palette=st.sampled_from(PALETTES),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_metal_emulator_matches_fallback(rows, dim, dtype, palette, seed):
+    """Rows past 4 span several threadgroups (one SIMD group per row, 4 per group)."""
+    keys = fill(np.random.default_rng(seed), (rows, dim), palette, dtype)
+    assert_bitwise_equal(norms_on("metal-emulator", keys), norms_on("fallback", keys), "norms")
 
 
 @pytest.mark.parametrize("backend", ["kernel", "fallback"])

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given
 
 import mlx_knorm
-from conftest import assert_bitwise_equal
+from conftest import EMULATOR_SETTINGS, assert_bitwise_equal, emulator_built, requires_emulator
 from generators import fill, fill_norms, gather_cases
 from spec_oracle import kept_rows
 
-NATIVE_BACKENDS = ["kernel"]
+NATIVE_BACKENDS = ["kernel"] + (["metal-emulator"] if emulator_built() else [])
 
 
 def gather_on(backend: str, arrays, config):
@@ -29,11 +29,20 @@ def assert_same_outputs(actual, expected):
         assert_bitwise_equal(a, e, name)
 
 
-@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
 @given(case=gather_cases())
-def test_kernel_matches_fallback(backend, case):
+def test_kernel_matches_fallback(case):
     arrays, config = case
-    assert_same_outputs(gather_on(backend, arrays, config), gather_on("fallback", arrays, config))
+    assert_same_outputs(gather_on("kernel", arrays, config), gather_on("fallback", arrays, config))
+
+
+@requires_emulator
+@EMULATOR_SETTINGS
+@given(case=gather_cases(max_rows=2, max_new=34, dims=[1, 3, 8, 33, 80, 128, 256], long_rows=True))
+def test_metal_emulator_matches_fallback(case):
+    arrays, config = case
+    assert_same_outputs(
+        gather_on("metal-emulator", arrays, config), gather_on("fallback", arrays, config)
+    )
 
 
 @given(case=gather_cases(max_rows=2, dims=[1, 3]))

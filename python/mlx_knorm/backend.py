@@ -94,8 +94,13 @@ def _device_of(stream) -> mx.Device:
     )
 
 
-def resolve(stream) -> str:
-    """The implementation that runs on ``stream``: kernel, fallback or metal-emulator."""
+def resolve(stream, key_dim: int | None = None) -> str:
+    """The implementation that runs on ``stream``: kernel, fallback or metal-emulator.
+
+    ``key_dim``: the D of a key-norm call; the Metal kernel holds at most
+    ``metal_key_norms_max_dim`` squares per row, so ``auto`` sends larger
+    rows on the GPU to the fallback (``kernel`` lets the op raise).
+    """
     device = _device_of(stream)
     name = current_backend()
     if name == "fallback":
@@ -103,13 +108,15 @@ def resolve(stream) -> str:
     if name == "metal-emulator":
         _require_extension(name)
         return name
-    has_kernel = _kernel_devices()["gpu" if device.type == mx.DeviceType.gpu else "cpu"]
+    on_gpu = device.type == mx.DeviceType.gpu
+    has_kernel = _kernel_devices()["gpu" if on_gpu else "cpu"]
     if name == "kernel":
         _require_extension(name)
         if not has_kernel:
             raise RuntimeError(f"mlx_knorm: no native kernel for device {device} in this build")
         return "kernel"
-    return "kernel" if has_kernel else "fallback"
+    fits = not (on_gpu and key_dim is not None and key_dim > _native.ext.metal_key_norms_max_dim)
+    return "kernel" if has_kernel and fits else "fallback"
 
 
 def backend_info() -> dict:
@@ -122,5 +129,8 @@ def backend_info() -> dict:
         "mlx_version_running": mx.__version__,
         "mlx_version_built": None if ext is None else ext.built_mlx_version,
         "default_device": str(mx.default_device()),
-        "kernels": {**_kernel_devices(), "metal-emulator": ext is not None},
+        "kernels": {
+            **_kernel_devices(),
+            "metal-emulator": ext is not None and bool(ext.has_metal_emulator),
+        },
     }

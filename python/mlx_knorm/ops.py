@@ -23,7 +23,7 @@ def _stream_scope(stream):
 def key_norms(keys: mx.array, *, stream=None) -> mx.array:
     """float32 L2 norm of each row of ``keys [..., D]``, SPEC section 2 exactly."""
     check_key_norms_args(keys)
-    backend = resolve(stream)
+    backend = resolve(stream, key_dim=keys.shape[-1])
     if backend == "fallback":
         with _stream_scope(stream):
             return fallback.key_norms(keys)
