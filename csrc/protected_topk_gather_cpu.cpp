@@ -8,6 +8,7 @@
 
 #include "mlx/backend/cpu/encoder.h"
 
+#include "huge_pages.h"
 #include "metal_emulated.h"
 #include "parallel.h"
 #include "protected_topk_gather.h"
@@ -89,11 +90,31 @@ void gather_rows(
     return j < b.n_prior ? b.prior_norms[n * b.n_prior + j]
                          : b.new_norms[n * b.n_new + (j - b.n_prior)];
   };
+  auto rank_at = [&](int64_t n, int64_t j) {
+    return rank_key(norm_at(n, j), config.keep, static_cast<uint32_t>(j));
+  };
+  if (sel.mid_end - sel.n_sink - sel.mid_keep == 1) {
+    // One row leaves (a decode step from a full cache): it is the last in
+    // rank order, found in one scan; the output is the two runs around it.
+    for (int64_t n = row_begin; n < row_end; ++n) {
+      int64_t evicted = sel.n_sink;
+      uint64_t worst = rank_at(n, evicted);
+      for (int64_t j = sel.n_sink + 1; j < sel.mid_end; ++j) {
+        const uint64_t rank = rank_at(n, j);
+        if (rank > worst) {
+          worst = rank;
+          evicted = j;
+        }
+      }
+      copy_run(b, n, 0, evicted, 0);
+      copy_run(b, n, evicted + 1, sel.n_total, evicted);
+    }
+    return;
+  }
   std::vector<uint64_t> ranks(sel.mid_end - sel.n_sink);
   for (int64_t n = row_begin; n < row_end; ++n) {
     for (int64_t j = sel.n_sink; j < sel.mid_end; ++j) {
-      ranks[j - sel.n_sink] =
-          rank_key(norm_at(n, j), config.keep, static_cast<uint32_t>(j));
+      ranks[j - sel.n_sink] = rank_at(n, j);
     }
     auto nth = ranks.begin() + (sel.mid_keep - 1);
     std::nth_element(ranks.begin(), nth, ranks.end());
@@ -103,8 +124,7 @@ void gather_rows(
     int64_t out_pos = 0;
     int64_t run_begin = 0;
     for (int64_t j = sel.n_sink; j < sel.mid_end; ++j) {
-      if (rank_key(norm_at(n, j), config.keep, static_cast<uint32_t>(j)) >
-          threshold) {
+      if (rank_at(n, j) > threshold) {
         copy_run(b, n, run_begin, j, out_pos);
         out_pos += j - run_begin;
         run_begin = j + 1;
@@ -155,6 +175,7 @@ void ProtectedTopKGather::eval_cpu(
   }
   for (auto& out : outputs) {
     out.set_data(mx::allocator::malloc(out.nbytes()));
+    prefer_huge_pages(out.data<void>(), out.nbytes());
     encoder.set_output_array(out);
   }
   std::vector<mx::array> in_refs;

@@ -1,4 +1,7 @@
-"""Command line: ``python -m mlx_knorm [info]``."""
+"""Command line: ``python -m mlx_knorm [bench | info]``.
+
+With no command it runs the quick benchmark suite.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import argparse
 import json
 import sys
 
+from . import bench
 from .backend import backend_info, native_available
 from .selfcheck import decode_case, kernel_matches_fallback
 
@@ -23,9 +27,20 @@ def info(_args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="mlx-knorm", description=__doc__)
     commands = parser.add_subparsers(dest="command")
-    commands.add_parser("info", help="backend info and a kernel-vs-fallback self-check (default)")
+    bench_parser = commands.add_parser(
+        "bench", help="kernel vs fallback vs reference vs memcpy (default: --quick)")
+    bench.add_arguments(bench_parser)
+    commands.add_parser("info", help="backend info and a kernel-vs-fallback self-check")
     args = parser.parse_args(argv)
-    return info(args)
+    if args.command == "info":
+        return info(args)
+    if args.command is None:
+        args = bench_parser.parse_args(["--quick"])
+    if not native_available():
+        print("mlx-knorm bench: the native extension is not loaded; see `mlx-knorm info`",
+              file=sys.stderr)
+        return 1
+    return bench.run(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,50 @@
+"""The bench CLI end to end on a tiny suite: JSON structure and the bit-exact
+flags. Never asserts timings (they belong to the benchmark's own table)."""
+
+import json
+
+import pytest
+
+import mlx_knorm
+from mlx_knorm.__main__ import main
+
+pytestmark = pytest.mark.skipif(
+    not mlx_knorm.native_available(), reason="native extension not loaded"
+)
+
+
+def test_bench_cli_writes_json_with_bit_exact_cases(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    rc = main([
+        "bench", "--quick", "--no-progress", "--n", "2", "--d", "8",
+        "--budget", "16", "--s", "1", "40", "--reps", "3", "--json", str(path),
+    ])
+    assert rc == 0
+    report = json.loads(path.read_text())
+    assert report["mlx_version"] and report["device"] == "cpu"
+    kinds = [c["case"]["kind"] for c in report["cases"]]
+    assert kinds == ["decode", "prefill"]
+    for case in report["cases"]:
+        assert case["bit_exact"] is True
+        assert case["output_bytes"] == 2 * 16 * (2 * 8 * 2 + 4 + 4)
+        names = {"kernel", "fallback"} | ({"reference"} if report["reference_installed"] else set())
+        assert set(case["timings"]) == names
+        for timing in [*case["timings"].values(), case["memcpy"]]:
+            assert timing["reps"] >= 3 and len(timing["samples_ms"]) == timing["reps"]
+            assert timing["min_ms"] <= timing["median_ms"] <= timing["max_ms"]
+        assert case["ratio_to_memcpy"] > 0 and case["call_overhead_us"] > 0
+        assert all({"measured", "target", "met"} <= set(t) for t in case["targets"].values())
+    out = capsys.readouterr().out
+    assert "| decode S=1 budget=16 |" in out and "| prefill S=40 budget=16 |" in out
+
+
+def test_default_command_is_the_quick_bench(monkeypatch):
+    seen = {}
+
+    def record_run(args):
+        seen["args"] = args
+        return 0
+
+    monkeypatch.setattr("mlx_knorm.bench.run", record_run)
+    assert main([]) == 0
+    assert seen["args"].quick and seen["args"].budget is None
