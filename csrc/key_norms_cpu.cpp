@@ -121,57 +121,165 @@ KNORM_AVX2_CLONE void norm_rows_float32(
 }
 
 #if KNORM_HAVE_F16C_PATH
-// float16 keys (the default dtype) with the F16C converter: the portable
-// conversion above does not vectorise. vcvtph2ps is exact and quiets NaNs
-// as the portable conversion does, and squaring quiets them anyway.
-__attribute__((target("avx2,f16c"))) void norm_rows_float16_f16c(
-    const uint16_t* __restrict keys,
+// Eight squares at a time, converted exactly: F16C for float16, a shift for
+// bfloat16, a plain load for float32.
+struct LoadFloat16 {
+  using Bits = uint16_t;
+  __attribute__((target("avx2,f16c"))) static __m256 load8(const uint16_t* x) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  }
+};
+
+struct LoadBFloat16 {
+  using Bits = uint16_t;
+  __attribute__((target("avx2,f16c"))) static __m256 load8(const uint16_t* x) {
+    const __m256i wide = _mm256_cvtepu16_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+};
+
+struct LoadFloat32 {
+  using Bits = float;
+  __attribute__((target("avx2,f16c"))) static __m256 load8(const float* x) {
+    return _mm256_loadu_ps(x);
+  }
+};
+
+// Rows of D = 8k, padded width kWidth (the power of two >= D, >= 8), eight
+// rows per step. Within a row the squares sit in kWidth / 8 registers, s[i]
+// in register i / 8, lane i % 8: every halving level down to h = 8 adds
+// register k + h/8 to register k, which is exactly s[i] + s[i + h] lane by
+// lane. The last levels (h = 4, 2, 1) run after an 8x8 transpose, with one
+// row per lane, so they are lane-wise adds too: no add is reordered.
+template <typename Load, int kWidth>
+__attribute__((target("avx2,f16c"))) void norm_rows_avx2(
+    const typename Load::Bits* __restrict keys,
     float* __restrict norms,
+    int64_t rows,
+    int64_t dim) {
+  constexpr int kRegs = kWidth / 8;
+  const int loaded = static_cast<int>(dim / 8);
+  const int64_t blocks = rows / 8;
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 head[8];
+    for (int r = 0; r < 8; ++r) {
+      const typename Load::Bits* x = keys + (b * 8 + r) * dim;
+      __m256 s[kRegs];
+      for (int k = 0; k < kRegs; ++k) {
+        if (k < loaded) {
+          const __m256 v = Load::load8(x + 8 * k);
+          s[k] = _mm256_mul_ps(v, v);
+        } else {
+          s[k] = _mm256_setzero_ps();
+        }
+      }
+      for (int h = kRegs / 2; h >= 1; h /= 2) {
+        for (int k = 0; k < h; ++k) {
+          s[k] = _mm256_add_ps(s[k], s[k + h]);
+        }
+      }
+      head[r] = s[0];
+    }
+    // Transpose: t[i] holds s[i] of the eight rows.
+    const __m256 a0 = _mm256_unpacklo_ps(head[0], head[1]);
+    const __m256 a1 = _mm256_unpackhi_ps(head[0], head[1]);
+    const __m256 a2 = _mm256_unpacklo_ps(head[2], head[3]);
+    const __m256 a3 = _mm256_unpackhi_ps(head[2], head[3]);
+    const __m256 a4 = _mm256_unpacklo_ps(head[4], head[5]);
+    const __m256 a5 = _mm256_unpackhi_ps(head[4], head[5]);
+    const __m256 a6 = _mm256_unpacklo_ps(head[6], head[7]);
+    const __m256 a7 = _mm256_unpackhi_ps(head[6], head[7]);
+    const __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44);
+    const __m256 b1 = _mm256_shuffle_ps(a0, a2, 0xEE);
+    const __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44);
+    const __m256 b3 = _mm256_shuffle_ps(a1, a3, 0xEE);
+    const __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44);
+    const __m256 b5 = _mm256_shuffle_ps(a4, a6, 0xEE);
+    const __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44);
+    const __m256 b7 = _mm256_shuffle_ps(a5, a7, 0xEE);
+    __m256 t[8] = {
+        _mm256_permute2f128_ps(b0, b4, 0x20), _mm256_permute2f128_ps(b1, b5, 0x20),
+        _mm256_permute2f128_ps(b2, b6, 0x20), _mm256_permute2f128_ps(b3, b7, 0x20),
+        _mm256_permute2f128_ps(b0, b4, 0x31), _mm256_permute2f128_ps(b1, b5, 0x31),
+        _mm256_permute2f128_ps(b2, b6, 0x31), _mm256_permute2f128_ps(b3, b7, 0x31)};
+    for (int h = 4; h >= 1; h /= 2) {
+      for (int i = 0; i < h; ++i) {
+        t[i] = _mm256_add_ps(t[i], t[i + h]);
+      }
+    }
+    _mm256_storeu_ps(norms + b * 8, _mm256_sqrt_ps(t[0]));
+  }
+}
+
+using WideRows = void (*)(const void*, float*, int64_t, int64_t);
+
+template <typename Load, int kWidth>
+void norm_rows_avx2_erased(const void* keys, float* norms, int64_t rows, int64_t dim) {
+  norm_rows_avx2<Load, kWidth>(
+      static_cast<const typename Load::Bits*>(keys), norms, rows, dim);
+}
+
+template <typename Load>
+WideRows wide_kernel(int64_t width) {
+  switch (width) {
+    case 8: return norm_rows_avx2_erased<Load, 8>;
+    case 16: return norm_rows_avx2_erased<Load, 16>;
+    case 32: return norm_rows_avx2_erased<Load, 32>;
+    case 64: return norm_rows_avx2_erased<Load, 64>;
+    case 128: return norm_rows_avx2_erased<Load, 128>;
+    case 256: return norm_rows_avx2_erased<Load, 256>;
+    default: return nullptr;
+  }
+}
+
+// The eight-rows-at-a-time kernel for these keys, or nullptr where it does
+// not apply (no AVX2/F16C, D not a multiple of 8, D > 256).
+WideRows wide_norm_kernel(mx::Dtype dtype, int64_t dim, int64_t width) {
+  static const bool has =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  if (!has || dim % 8 != 0) {
+    return nullptr;
+  }
+  if (dtype == mx::float16) {
+    return wide_kernel<LoadFloat16>(width);
+  }
+  if (dtype == mx::bfloat16) {
+    return wide_kernel<LoadBFloat16>(width);
+  }
+  return wide_kernel<LoadFloat32>(width);
+}
+#endif
+
+// Rows [0, rows) of keys with the best kernel: eight rows at a time where
+// the wide kernel applies, the remaining rows one by one.
+void norm_rows_any(
+    mx::Dtype dtype,
+    const char* keys,
+    float* norms,
     int64_t rows,
     int64_t dim,
     int64_t width,
-    float* __restrict squares) {
-  for (int64_t i = dim; i < width; ++i) {
-    squares[i] = 0.0f;
-  }
-  const int64_t wide_end = dim - dim % 8;
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* x = keys + r * dim;
-    for (int64_t i = 0; i < wide_end; i += 8) {
-      const __m256 v = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)));
-      _mm256_storeu_ps(squares + i, _mm256_mul_ps(v, v));
-    }
-    for (int64_t i = wide_end; i < dim; ++i) {
-      const float v = Float16Format::to_float(x[i]);
-      squares[i] = v * v;
-    }
-    for (int64_t h = width / 2; h >= 1; h /= 2) {
-      for (int64_t i = 0; i < h; ++i) {
-        squares[i] = squares[i] + squares[i + h];
-      }
-    }
-    norms[r] = std::sqrt(squares[0]);
-  }
-}
-
-bool cpu_has_f16c() {
-  static const bool has =
-      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  return has;
-}
-#endif
-
-void norm_rows_float16_best(
-    const uint16_t* keys, float* norms, int64_t rows, int64_t dim, int64_t width,
     float* squares) {
+  const size_t row_bytes = static_cast<size_t>(dim) * mx::size_of(dtype);
+  int64_t done = 0;
 #if KNORM_HAVE_F16C_PATH
-  if (cpu_has_f16c()) {
-    norm_rows_float16_f16c(keys, norms, rows, dim, width, squares);
-    return;
+  if (WideRows wide = wide_norm_kernel(dtype, dim, width)) {
+    done = rows - rows % 8;
+    wide(keys, norms, done, dim);
   }
 #endif
-  norm_rows_float16(keys, norms, rows, dim, width, squares);
+  const char* rest = keys + done * row_bytes;
+  if (dtype == mx::float16) {
+    norm_rows_float16(reinterpret_cast<const uint16_t*>(rest), norms + done,
+                      rows - done, dim, width, squares);
+  } else if (dtype == mx::bfloat16) {
+    norm_rows_bfloat16(reinterpret_cast<const uint16_t*>(rest), norms + done,
+                       rows - done, dim, width, squares);
+  } else {
+    norm_rows_float32(reinterpret_cast<const float*>(rest), norms + done,
+                      rows - done, dim, width, squares);
+  }
 }
 
 } // namespace
@@ -198,18 +306,8 @@ void key_norms_cpu(const mx::array& keys, mx::array& out) {
   parallel_for(rows, row_bytes, [&](int64_t begin, int64_t end) {
     // One scratch row per thread, reused for every row of its range.
     std::vector<float> squares(width);
-    const char* first = bytes + begin * row_bytes;
-    const int64_t count = end - begin;
-    if (dtype == mx::float16) {
-      norm_rows_float16_best(reinterpret_cast<const uint16_t*>(first), norms + begin,
-                        count, dim, width, squares.data());
-    } else if (dtype == mx::bfloat16) {
-      norm_rows_bfloat16(reinterpret_cast<const uint16_t*>(first), norms + begin,
-                         count, dim, width, squares.data());
-    } else {
-      norm_rows_float32(reinterpret_cast<const float*>(first), norms + begin,
-                        count, dim, width, squares.data());
-    }
+    norm_rows_any(dtype, bytes + begin * row_bytes, norms + begin, end - begin,
+                  dim, width, squares.data());
   });
 }
 

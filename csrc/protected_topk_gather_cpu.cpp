@@ -37,7 +37,11 @@ struct GatherBuffers {
 };
 
 // Copies rows [begin, end) of the virtual concatenation of row n to output
-// position out_pos onwards, split at the prior/new boundary.
+// position out_pos onwards, split at the prior/new boundary. An output that
+// took over its prior input's buffer (donation) is compacted in place: runs
+// are visited in temporal order and land at or before their source, so
+// memmove never clobbers a row still to be read, and a run already in place
+// is not touched at all.
 void copy_run(
     const GatherBuffers& b,
     int64_t n,
@@ -56,21 +60,61 @@ void copy_run(
     }
     const int64_t count = src_end - src_begin;
     const int64_t src_row = n * src_rows + src_begin;
-    std::memcpy(
-        b.keys + dst_row * b.key_row_bytes,
-        keys + src_row * b.key_row_bytes,
-        count * b.key_row_bytes);
-    std::memcpy(
-        b.values + dst_row * b.value_row_bytes,
-        values + src_row * b.value_row_bytes,
-        count * b.value_row_bytes);
-    std::memcpy(b.norms + dst_row, norms + src_row, count * sizeof(float));
+    auto move = [count](void* dst, const void* src, size_t row_bytes) {
+      if (dst != src) {
+        std::memmove(dst, src, count * row_bytes);
+      }
+    };
+    move(b.keys + dst_row * b.key_row_bytes, keys + src_row * b.key_row_bytes,
+         b.key_row_bytes);
+    move(b.values + dst_row * b.value_row_bytes,
+         values + src_row * b.value_row_bytes, b.value_row_bytes);
+    move(b.norms + dst_row, norms + src_row, sizeof(float));
   };
   const int64_t split = std::clamp(b.n_prior, begin, end);
   copy_part(begin, split, out_row, b.prior_keys, b.prior_values, b.prior_norms,
             b.n_prior);
   copy_part(split - b.n_prior, end - b.n_prior, out_row + (split - begin),
             b.new_keys, b.new_values, b.new_norms, b.n_new);
+}
+
+struct Run {
+  int64_t begin;
+  int64_t end;
+};
+
+// Starts loading the first row of a run: kept rows of a prefill are short
+// runs scattered over the block, so each copy would otherwise wait for
+// memory. A few runs ahead hides that latency.
+void prefetch_run(const GatherBuffers& b, int64_t n, const Run& run) {
+  constexpr size_t line = 64;
+  const bool prior = run.begin < b.n_prior;
+  const int64_t src_row = prior ? n * b.n_prior + run.begin
+                                : n * b.n_new + (run.begin - b.n_prior);
+  const char* keys = (prior ? b.prior_keys : b.new_keys) + src_row * b.key_row_bytes;
+  const char* values =
+      (prior ? b.prior_values : b.new_values) + src_row * b.value_row_bytes;
+  for (size_t off = 0; off < b.key_row_bytes; off += line) {
+    __builtin_prefetch(keys + off);
+  }
+  for (size_t off = 0; off < b.value_row_bytes; off += line) {
+    __builtin_prefetch(values + off);
+  }
+}
+
+void copy_runs(const GatherBuffers& b, int64_t n, const std::vector<Run>& runs) {
+  constexpr size_t ahead = 8;
+  for (size_t r = 0; r < std::min(ahead, runs.size()); ++r) {
+    prefetch_run(b, n, runs[r]);
+  }
+  int64_t out_pos = 0;
+  for (size_t r = 0; r < runs.size(); ++r) {
+    if (r + ahead < runs.size()) {
+      prefetch_run(b, n, runs[r + ahead]);
+    }
+    copy_run(b, n, runs[r].begin, runs[r].end, out_pos);
+    out_pos += runs[r].end - runs[r].begin;
+  }
 }
 
 void gather_rows(
@@ -112,6 +156,8 @@ void gather_rows(
     return;
   }
   std::vector<uint64_t> ranks(sel.mid_end - sel.n_sink);
+  std::vector<Run> runs;
+  runs.reserve(sel.kept);
   for (int64_t n = row_begin; n < row_end; ++n) {
     for (int64_t j = sel.n_sink; j < sel.mid_end; ++j) {
       ranks[j - sel.n_sink] = rank_at(n, j);
@@ -121,19 +167,20 @@ void gather_rows(
     const uint64_t threshold = *nth;
 
     // Stable compaction: the kept rows as maximal runs in temporal order.
-    int64_t out_pos = 0;
+    runs.clear();
     int64_t run_begin = 0;
     for (int64_t j = sel.n_sink; j < sel.mid_end; ++j) {
       if (rank_at(n, j) > threshold) {
-        copy_run(b, n, run_begin, j, out_pos);
-        out_pos += j - run_begin;
+        if (j > run_begin) {
+          runs.push_back({run_begin, j});
+        }
         run_begin = j + 1;
       }
     }
-    copy_run(b, n, run_begin, sel.n_total, out_pos);
+    runs.push_back({run_begin, sel.n_total});
+    copy_runs(b, n, runs);
   }
 }
-
 } // namespace
 
 void protected_topk_gather_cpu(
@@ -169,13 +216,35 @@ void protected_topk_gather_cpu(
 void ProtectedTopKGather::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
+  // Every sibling output holds its own copy of the input list until MLX
+  // detaches them right after this eval; with four outputs no input would
+  // ever look donatable. Dropping the siblings' copies now (never for
+  // tracers, whose graph is still needed) leaves is_donatable() counting
+  // only real outside references: the caller's arrays, other consumers.
+  for (auto& out : outputs) {
+    if (&out.inputs() != &inputs && !out.is_tracer()) {
+      out.inputs().clear();
+    }
+  }
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& in : inputs) {
     encoder.set_input_array(in);
   }
-  for (auto& out : outputs) {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    prefer_huge_pages(out.data<void>(), out.nbytes());
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    auto& out = outputs[i];
+    // keys, values and norms may take over the prior's buffer when nothing
+    // else holds it and the shape is unchanged (a step from a full cache):
+    // the kernel then moves only the rows after the first evicted one.
+    // Inputs are row-contiguous (the op made them so).
+    const bool donate = i < 3 && executor_ == Executor::Native &&
+        inputs[i].is_donatable() && inputs[i].shape() == out.shape() &&
+        inputs[i].data_size() == inputs[i].size();
+    if (donate) {
+      out.copy_shared_buffer(inputs[i]);
+    } else {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      prefer_huge_pages(out.data<void>(), out.nbytes());
+    }
     encoder.set_output_array(out);
   }
   std::vector<mx::array> in_refs;

@@ -6,6 +6,12 @@ validation, graph build and ``mx.eval``) on inputs evaluated beforehand, and
 next to it a copy of the same output arrays on the same device in the same
 run: the floor for an op whose outputs are fresh, immutable buffers. Before
 any timing each case checks kernel == fallback bit for bit.
+
+Decode cases also time the kernel in place: a stream of steps in which the
+caller drops the previous state before evaluating the next (``state =
+update(*state, ...)``), so the op takes over the state's buffers and moves
+only the rows after the first evicted one. The bytes it moved are counted
+from the returned indices.
 """
 
 from __future__ import annotations
@@ -166,6 +172,47 @@ def output_copies(case: Case):
     return outputs
 
 
+def moved_bytes(case: Case, indices: mx.array) -> int:
+    """Bytes an in-place step rewrote: per head, every row from the first
+    position whose row changed (keys, values and the norm)."""
+    positions = mx.arange(indices.shape[1], dtype=mx.uint32)
+    changed = indices != positions
+    first = mx.where(changed.any(axis=1), mx.argmax(changed, axis=1), indices.shape[1])
+    rows = (indices.shape[1] - first).sum().item()
+    return int(rows) * (2 * case.dim * DTYPES[case.dtype].size + 4)
+
+
+def time_in_place_decode(case: Case, inputs, reps: int, warmup: int, max_seconds: float):
+    """Kernel decode steps on a donated state: (timing summary, mean bytes moved)."""
+    steps = warmup + reps
+    shape = (steps, case.n_rows, 1, case.dim)
+    new_keys, new_values = (
+        mx.random.normal(shape, key=k).astype(DTYPES[case.dtype])
+        for k in mx.random.split(mx.random.key(1), 2)
+    )
+    mx.eval(new_keys, new_values)
+    state = [tuple(mx.array(x) for x in inputs[:3])]
+    mx.eval(state[0])
+    moved = []
+
+    def step():
+        t = len(moved)
+        prior = state.pop()
+        with use_backend("kernel"):
+            out = knorm_update_batched(
+                *prior, new_keys[t], new_values[t], case.budget, N_SINK, 0, "low",
+                return_indices=True,
+            )
+        del prior  # the last reference: the op may now reuse the buffers
+        mx.eval(out)
+        state.append(out[:3])
+        moved.append(out[3])
+
+    samples = time_runs(step, reps, warmup, max_seconds)
+    counted = [moved_bytes(case, idx) for idx in moved[warmup:]]
+    return summary(samples), sum(counted) / len(counted)
+
+
 def call_overhead_us(case: Case, inputs, calls: int = 200) -> float:
     """Host time of one kernel call without evaluation: the Python wrapper,
     validation and graph construction, paid on every step."""
@@ -193,6 +240,19 @@ def case_targets(case: Case, result: dict) -> dict:
             "measured": result["ratio_to_memcpy"],
             "target": f"<= {DECODE_MAX_RATIO_TO_MEMCPY:g}",
             "met": result["ratio_to_memcpy"] <= DECODE_MAX_RATIO_TO_MEMCPY,
+        }
+        in_place = result["in_place"]
+        if in_place["speedup_vs_reference"] is not None:
+            targets["in_place_speedup_vs_reference"] = {
+                "measured": in_place["speedup_vs_reference"],
+                "target": f">= {DECODE_MIN_SPEEDUP_VS_REFERENCE:g}",
+                "met": in_place["speedup_vs_reference"] >= DECODE_MIN_SPEEDUP_VS_REFERENCE,
+            }
+        # The moonshot: a donated step beats one copy of the state.
+        targets["in_place_ratio_to_memcpy"] = {
+            "measured": in_place["ratio_to_memcpy"],
+            "target": "< 1",
+            "met": in_place["ratio_to_memcpy"] < 1.0,
         }
     elif vs_reference is not None:
         targets["speedup_vs_reference"] = {
@@ -248,6 +308,10 @@ def run_case(case: Case, implementations: dict, reps: int, warmup: int, max_seco
 
         timings[name] = summary(time_runs(run, reps, warmup, max_seconds))
 
+    if case.kind == "decode":
+        progress.step(f"{case.label}: kernel in place")
+        in_place, in_place_bytes = time_in_place_decode(case, inputs, reps, warmup, max_seconds)
+
     progress.step(f"{case.label}: memcpy")
     copies = output_copies(case)
     memcpy = summary(time_runs(lambda: mx.eval([mx.array(x) for x in copies]), reps, warmup, max_seconds))
@@ -268,6 +332,15 @@ def run_case(case: Case, implementations: dict, reps: int, warmup: int, max_seco
         kernel_gbps=2 * output_bytes / (kernel_ms * 1e6),
         memcpy_gbps=2 * output_bytes / (memcpy["median_ms"] * 1e6),
     )
+    if case.kind == "decode":
+        reference_ms = timings["reference"]["median_ms"] if "reference" in timings else None
+        result["in_place"] = {
+            **in_place,
+            "mean_bytes_moved": in_place_bytes,
+            "state_bytes": output_bytes - copies[3].nbytes,
+            "ratio_to_memcpy": in_place["median_ms"] / memcpy["median_ms"],
+            "speedup_vs_reference": None if reference_ms is None else reference_ms / in_place["median_ms"],
+        }
     result["targets"] = case_targets(case, result)
     return result
 
@@ -303,8 +376,10 @@ def run_suite(cases: list[Case], device: str, reps: int, quick: bool, show_progr
         implementations["reference"] = (reference, "auto")
     warmup = 1 if quick else 3
     max_seconds = SECONDS_PER_TIMING["quick" if quick else "full"]
-    # Per case: one timing per implementation plus the memcpy floor.
-    progress = Progress(len(cases) * (len(implementations) + 1), show_progress)
+    # Per case: one timing per implementation, the memcpy floor, and for
+    # decode the in-place kernel.
+    timings = sum(len(implementations) + 1 + (c.kind == "decode") for c in cases)
+    progress = Progress(timings, show_progress)
     try:
         results = [run_case(c, implementations, reps, warmup, max_seconds, progress) for c in cases]
     finally:
@@ -352,6 +427,27 @@ def table(report: dict) -> str:
             f"{r['call_overhead_us']:.0f}",
             "-" if not verdicts else ("met" if all(verdicts) else "MISSED"),
         ])
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def in_place_table(report: dict) -> str:
+    """Markdown table of the in-place (donated) decode steps."""
+    header = ["case", "in-place ms", "memcpy ms", "in-place/memcpy", "vs reference",
+              "mean bytes moved", "share of state"]
+    rows = []
+    for r in report["cases"]:
+        if "in_place" not in r:
+            continue
+        p = r["in_place"]
+        rows.append([
+            r["label"], _ms(p), _ms(r["memcpy"]), _ratio(p["ratio_to_memcpy"]),
+            _ratio(p["speedup_vs_reference"]), f"{p['mean_bytes_moved'] / 2**20:.2f} MiB",
+            f"{p['mean_bytes_moved'] / p['state_bytes']:.0%}",
+        ])
+    if not rows:
+        return ""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
@@ -445,6 +541,10 @@ def run(args) -> int:
     if not report["reference_installed"]:
         print("reference (veloxquant-mlx) not installed: pip install 'mlx-knorm[bench]'")
     print(table(report))
+    in_place = in_place_table(report)
+    if in_place:
+        print("\nDecode in place (the caller drops the previous state; the op reuses its buffers):")
+        print(in_place)
     lines = target_lines(report)
     if lines:
         print("\nTargets (issue 5, this run):")
