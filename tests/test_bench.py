@@ -34,6 +34,9 @@ def test_bench_cli_writes_json_with_bit_exact_cases(tmp_path, capsys):
             assert timing["min_ms"] <= timing["median_ms"] <= timing["max_ms"]
         assert case["ratio_to_memcpy"] > 0 and case["call_overhead_us"] > 0
         assert all({"measured", "target", "met"} <= set(t) for t in case["targets"].values())
+    in_place = report["cases"][0]["in_place"]
+    assert 0 <= in_place["mean_bytes_moved"] <= in_place["state_bytes"] == 2 * 16 * (2 * 8 * 2 + 4)
+    assert "in_place" not in report["cases"][1]
     out = capsys.readouterr().out
     assert "| decode S=1 budget=16 |" in out and "| prefill S=40 budget=16 |" in out
 
