@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "elem_type.h"
+#include "array_plans.h"
 #include "launch_plan.h"
 #include "metal_emulator/dispatch.h"
 
@@ -41,9 +41,7 @@ void run_plan(
 } // namespace
 
 void key_norms_metal_emulated(const mx::array& keys, mx::array& out) {
-  const int64_t dim = keys.shape(-1);
-  const auto plan = key_norms_plan(
-      elem_type(keys.dtype()), static_cast<int64_t>(out.size()), dim);
+  const auto plan = key_norms_plan(keys, out);
   std::vector<mx::array> outputs{out};
   run_plan(plan, {keys}, outputs);
 }
@@ -52,17 +50,7 @@ void protected_topk_gather_metal_emulated(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs,
     const GatherConfig& config) {
-  const auto plan = protected_topk_gather_plan(
-      elem_type(inputs[0].dtype()),
-      elem_type(inputs[1].dtype()),
-      inputs[0].shape(0),
-      inputs[0].shape(1),
-      inputs[3].shape(1),
-      inputs[0].shape(2),
-      config.budget,
-      config.n_sink,
-      config.recent,
-      config.keep);
+  const auto plan = protected_topk_gather_plan(inputs, config);
   run_plan(plan, inputs, outputs);
 }
 

@@ -14,7 +14,7 @@
 
 #include "mlx/backend/metal/device.h"
 
-#include "elem_type.h"
+#include "array_plans.h"
 #include "key_norms.h"
 #include "launch_plan.h"
 #include "protected_topk_gather.h"
@@ -89,8 +89,7 @@ void encode(
 void KeyNorms::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const auto& keys = inputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  const auto plan = key_norms_plan(
-      elem_type(keys.dtype()), static_cast<int64_t>(out.size()), keys.shape(-1));
+  const auto plan = key_norms_plan(keys, out);
   std::vector<mx::array> outputs{out};
   encode(plan, inputs, outputs, stream());
 }
@@ -101,17 +100,7 @@ void ProtectedTopKGather::eval_gpu(
   for (auto& out : outputs) {
     out.set_data(mx::allocator::malloc(out.nbytes()));
   }
-  const auto plan = protected_topk_gather_plan(
-      elem_type(inputs[0].dtype()),
-      elem_type(inputs[1].dtype()),
-      inputs[0].shape(0),
-      inputs[0].shape(1),
-      inputs[3].shape(1),
-      inputs[0].shape(2),
-      config_.budget,
-      config_.n_sink,
-      config_.recent,
-      config_.keep);
+  const auto plan = protected_topk_gather_plan(inputs, config_);
   encode(plan, inputs, outputs, stream());
 }
 
