@@ -1,4 +1,4 @@
-"""Command line: ``python -m mlx_knorm [info]``."""
+"""Command line: ``python -m mlx_knorm [info | eval | demo]``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import sys
 
 from .backend import backend_info, native_available
+from .quality.cli import register as register_quality
 from .selfcheck import decode_case, kernel_matches_fallback
 
 
@@ -24,8 +25,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="mlx-knorm", description=__doc__)
     commands = parser.add_subparsers(dest="command")
     commands.add_parser("info", help="backend info and a kernel-vs-fallback self-check (default)")
+    register_quality(commands)
     args = parser.parse_args(argv)
-    return info(args)
+    return getattr(args, "func", info)(args)
 
 
 if __name__ == "__main__":
