@@ -1,0 +1,335 @@
+"""mlx-lm KV cache with L2-norm eviction (Devoto et al., EMNLP 2024).
+
+``L2NormKVCache`` is a drop-in per-layer cache for ``mlx_lm`` that keeps at
+most ``budget`` rows per head: the ``n_sink`` first tokens, the ``recent``
+latest tokens, and, of the rest, the rows with the lowest key norm
+(``keep="low"``, the paper's finding) or the highest (``keep="high"``).
+It mirrors ``veloxquant_mlx.cache.knorm_cache.L2NormKVCache`` and follows
+the protocol of ``mlx_lm.models.cache.KVCache`` (mlx-lm 0.32).
+
+Eviction is deferred: a step attends to every kept prior row plus every new
+row; only the state stored for the next step is cut down to the budget. So
+while no more than ``budget`` tokens have arrived the cache returns exactly
+what ``KVCache`` returns, and logits are bit-identical.
+
+``offset`` is the true absolute position (RoPE stays right after eviction);
+``size()`` is the number of rows held.
+
+Limits: mlx-lm models build one attention mask from one layer's cache and
+share it across layers. Every ``L2NormKVCache`` of a model holds the same
+row count, so they agree; a model that asks for array masks
+(``return_array=True``, e.g. gemma2, deepseek_v3) must not take its mask
+from a ``skip_layers`` layer, whose row count differs once eviction starts.
+There is no ``merge``, so mlx-lm's ``BatchGenerator`` (and ``mlx_lm.server``
+batching) does not batch these caches; batches built by the caller
+(``[B, S]`` inputs) are supported.
+
+Importing this module registers ``L2NormKVCache`` in
+``mlx_lm.models.cache``, because ``mlx_lm.models.cache.load_prompt_cache``
+resolves the class names of a saved cache in that module's namespace.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import cache as mlx_lm_cache
+from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
+
+from .ops import key_norms, protected_topk_gather
+from .validation import check_config
+
+DEFAULT_BUDGET = 512
+DEFAULT_N_SINK = 4
+DEFAULT_RECENT = 0
+DEFAULT_KEEP = "low"
+
+
+def _as_int(value, name: str) -> int:
+    # operator.index accepts Python and NumPy integers but not floats or bools
+    # masquerading as counts, so "budget=512.0" fails loudly instead of truncating.
+    if isinstance(value, bool):
+        raise TypeError(f"mlx_knorm: {name} must be an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"mlx_knorm: {name} must be an int, got {type(value).__name__}"
+        ) from None
+
+
+def _config(budget, n_sink, recent, keep) -> tuple[int, int, int, str]:
+    budget = _as_int(budget, "budget")
+    n_sink = _as_int(n_sink, "n_sink")
+    recent = _as_int(recent, "recent")
+    check_config(budget, n_sink, recent, keep)
+    return budget, n_sink, recent, keep
+
+
+def _storage_dtype(keys: mx.array, values: mx.array) -> mx.Dtype:
+    """bfloat16 models keep bfloat16 (no range loss); everything else is stored as float16."""
+    if keys.dtype == values.dtype == mx.bfloat16:
+        return mx.bfloat16
+    return mx.float16
+
+
+class L2NormKVCache(_BaseCache):
+    """One layer's KV cache with L2-norm eviction, for ``mlx_lm`` models.
+
+    Construct with the reference's config object (fields ``knorm_budget``,
+    ``knorm_n_sink``, ``knorm_recent``, ``knorm_keep``; missing fields take
+    the defaults 512, 4, 0, "low") and/or keyword arguments ``budget``,
+    ``n_sink``, ``recent``, ``keep``, which take precedence over the config.
+    Invalid settings raise ``ValueError``/``TypeError`` naming the argument.
+
+    Stored state: ``keys``/``values`` ``[B, H, kept, D]`` in the storage
+    dtype (bfloat16 for bfloat16 inputs, else float16), ``norms``
+    ``[B, H, kept]`` float32 (each key's norm, taken once at insertion), and
+    ``offset``, the number of positions seen. Not trimmable, not mergeable
+    into mlx-lm's batch caches and not converted by ``kv_bits`` quantization:
+    it defines no ``trim``, ``merge`` or ``to_quantized``, so mlx-lm leaves
+    it alone on those paths.
+    """
+
+    def __init__(
+        self,
+        config: Any = None,
+        *,
+        budget: int | None = None,
+        n_sink: int | None = None,
+        recent: int | None = None,
+        keep: str | None = None,
+    ) -> None:
+        def pick(value, field, default):
+            return value if value is not None else getattr(config, field, default)
+
+        self.budget, self.n_sink, self.recent, self.keep = _config(
+            pick(budget, "knorm_budget", DEFAULT_BUDGET),
+            pick(n_sink, "knorm_n_sink", DEFAULT_N_SINK),
+            pick(recent, "knorm_recent", DEFAULT_RECENT),
+            pick(keep, "knorm_keep", DEFAULT_KEEP),
+        )
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.norms: mx.array | None = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Absorb ``[B, H, S, D]`` keys/values; return kept prior rows ++ new rows.
+
+        The returned arrays are what this step attends to (nothing of it is
+        evicted yet); the stored state becomes the protected top-``budget``
+        of those rows, selected for all B*H heads in one batched call.
+        """
+        batch, heads, steps, key_dim = keys.shape
+        value_dim = values.shape[-1]
+        rows = batch * heads
+        if self.keys is None:
+            dtype = _storage_dtype(keys, values)
+            keys, values = keys.astype(dtype), values.astype(dtype)
+            attended_keys, attended_values = keys, values
+            prior_keys = mx.zeros((rows, 0, key_dim), dtype)
+            prior_values = mx.zeros((rows, 0, value_dim), dtype)
+            prior_norms = mx.zeros((rows, 0), mx.float32)
+        else:
+            keys, values = keys.astype(self.keys.dtype), values.astype(self.values.dtype)
+            attended_keys = mx.concatenate([self.keys, keys], axis=2)
+            attended_values = mx.concatenate([self.values, values], axis=2)
+            prior_keys = self.keys.reshape(rows, -1, key_dim)
+            prior_values = self.values.reshape(rows, -1, value_dim)
+            prior_norms = self.norms.reshape(rows, -1)
+
+        new_keys = keys.reshape(rows, steps, key_dim)
+        new_values = values.reshape(rows, steps, value_dim)
+        # The ops directly, not knorm_update_batched: the rows are already in
+        # the storage dtype, and that wrapper would only repeat the validation.
+        # Norms are taken from the stored (cast) keys, as the reference does.
+        kept_keys, kept_values, kept_norms, _ = protected_topk_gather(
+            prior_keys,
+            prior_values,
+            prior_norms,
+            new_keys,
+            new_values,
+            key_norms(new_keys),
+            self.budget,
+            self.n_sink,
+            self.recent,
+            self.keep,
+        )
+        kept = kept_keys.shape[1]
+        self.keys = kept_keys.reshape(batch, heads, kept, key_dim)
+        self.values = kept_values.reshape(batch, heads, kept, value_dim)
+        self.norms = kept_norms.reshape(batch, heads, kept)
+        self.offset += steps
+        return attended_keys, attended_values
+
+    def make_mask(
+        self, N: int, return_array: bool = False, window_size: int | None = None
+    ):
+        """The mask for ``N`` new queries against kept prior rows ++ new rows.
+
+        Every kept prior row precedes every query, so the right mask is
+        KVCache's causal mask with the stored row count as its offset: all
+        prior rows visible, causal among the new rows. Before any eviction
+        that count equals ``offset`` and the mask is exactly KVCache's.
+        """
+        stored = self.size()
+        if window_size is not None and stored < self.offset:
+            # Kept rows sit at different positions in different heads, so a
+            # position window has no single [N, stored + N] mask.
+            raise ValueError(
+                "mlx_knorm: L2NormKVCache cannot serve a sliding-window layer "
+                f"(window_size={window_size}) once it has evicted rows; leave that "
+                "layer to the model's own cache (make_knorm_cache does so for "
+                "RotatingKVCache layers)"
+            )
+        return create_attention_mask(
+            N, offset=stored, return_array=return_array, window_size=window_size
+        )
+
+    def is_trimmable(self) -> bool:
+        """False: evicted rows cannot be restored, so the cache cannot roll back."""
+        return False
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    def size(self) -> int:
+        """Rows held per head (at most ``budget``), as RotatingKVCache reports its window."""
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: kept keys, values and their float32 norms."""
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes + self.norms.nbytes
+
+    @property
+    def state(self):
+        """Everything needed to rebuild the cache, configuration included,
+        because mlx-lm 0.32's ``load_prompt_cache`` calls ``from_state(state)``
+        with no separate meta state."""
+        return (
+            self.keys,
+            self.values,
+            self.norms,
+            self.offset,
+            self.budget,
+            self.n_sink,
+            self.recent,
+            self.keep,
+        )
+
+    @state.setter
+    def state(self, v) -> None:
+        keys, values, norms, offset, budget, n_sink, recent, keep = v
+        self.budget, self.n_sink, self.recent, self.keep = _config(budget, n_sink, recent, keep)
+        self.keys, self.values, self.norms = keys, values, norms
+        self.offset = _as_int(offset, "offset")
+
+    @property
+    def meta_state(self) -> tuple[str, str, str, str]:
+        """The configuration as strings, for tools using the older two-part
+        (``state`` + ``meta_state``) mlx-lm protocol."""
+        return str(self.budget), str(self.n_sink), str(self.recent), self.keep
+
+    @meta_state.setter
+    def meta_state(self, v) -> None:
+        budget, n_sink, recent, keep = v
+        self.budget, self.n_sink, self.recent, self.keep = _config(
+            int(budget), int(n_sink), int(recent), keep
+        )
+
+    def _fp16_bytes(self, tokens: int) -> int:
+        # The reference's accounting: K + V at 2 bytes per element, all B*H heads.
+        batch, heads, _, key_dim = self.keys.shape
+        return batch * heads * tokens * key_dim * 2 * 2
+
+    @property
+    def knorm_kept_bytes(self) -> int:
+        """float16-equivalent bytes of the kept K + V rows across all heads."""
+        return 0 if self.keys is None else self._fp16_bytes(self.size())
+
+    @property
+    def full_seq_bytes(self) -> int:
+        """float16-equivalent K + V bytes had every token seen been kept."""
+        return 0 if self.keys is None else self._fp16_bytes(self.offset)
+
+    @property
+    def compression_ratio(self) -> float:
+        """full_seq_bytes / knorm_kept_bytes; above 1 means memory saved."""
+        kept = self.knorm_kept_bytes
+        return 1.0 if kept == 0 else self.full_seq_bytes / kept
+
+    @property
+    def tokens_seen(self) -> int:
+        """Token positions absorbed, summed over all B*H heads."""
+        if self.keys is None:
+            return 0
+        batch, heads = self.keys.shape[:2]
+        return batch * heads * self.offset
+
+    @property
+    def tokens_kept(self) -> int:
+        """Rows held per head (every head holds the same count)."""
+        return self.size()
+
+
+def make_knorm_cache(
+    model: nn.Module,
+    budget: int = DEFAULT_BUDGET,
+    n_sink: int = DEFAULT_N_SINK,
+    recent: int = DEFAULT_RECENT,
+    keep: str = DEFAULT_KEEP,
+    skip_layers: Iterable[int] = (),
+) -> list:
+    """A prompt cache for ``model`` with an ``L2NormKVCache`` per attention layer.
+
+    Starts from the cache mlx-lm would build (``model.make_cache()`` where the
+    model defines it, else one ``KVCache`` per layer) and replaces each plain
+    ``KVCache`` by an ``L2NormKVCache``. Layers listed in ``skip_layers`` keep
+    a plain ``KVCache``: the paper leaves layers 0 and 1 uncompressed
+    (``skip_layers=(0, 1)``), since their key norms do not predict attention.
+    Layers whose model cache is something else (sliding-window
+    ``RotatingKVCache``, recurrent state) keep that cache.
+    """
+    budget, n_sink, recent, keep = _config(budget, n_sink, recent, keep)
+    if hasattr(model, "make_cache"):
+        caches = list(model.make_cache())
+    else:
+        caches = [KVCache() for _ in model.layers]
+    skipped = set()
+    for layer in skip_layers:
+        layer = _as_int(layer, "skip_layers entry")
+        if not 0 <= layer < len(caches):
+            raise ValueError(
+                f"mlx_knorm: skip_layers entry {layer} is out of range for a model "
+                f"with {len(caches)} layers"
+            )
+        skipped.add(layer)
+    return [
+        L2NormKVCache(budget=budget, n_sink=n_sink, recent=recent, keep=keep)
+        if type(cache) is KVCache and index not in skipped
+        else cache
+        for index, cache in enumerate(caches)
+    ]
+
+
+def _register_with_mlx_lm() -> None:
+    """Make ``load_prompt_cache`` find ``L2NormKVCache`` by its saved class name."""
+    existing = getattr(mlx_lm_cache, L2NormKVCache.__name__, None)
+    if existing is not None and existing.__module__ != L2NormKVCache.__module__:
+        raise ImportError(
+            f"mlx_knorm: mlx_lm.models.cache already defines {L2NormKVCache.__name__} "
+            f"(from {existing.__module__}); refusing to shadow it"
+        )
+    setattr(mlx_lm_cache, L2NormKVCache.__name__, L2NormKVCache)
+
+
+_register_with_mlx_lm()
+
+__all__ = ["L2NormKVCache", "make_knorm_cache"]

@@ -1,0 +1,360 @@
+"""mlx_knorm.cache against mlx-lm's KVCache, the reference cache and itself,
+on tiny randomly initialised mlx-lm models (no downloads)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_lm")
+
+from mlx_lm.generate import generate, generate_step, stream_generate
+from mlx_lm.models import llama, qwen2
+from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
+
+import mlx_knorm
+from mlx_knorm.cache import L2NormKVCache, make_knorm_cache
+
+VOCAB = 64
+HEAD_DIM = 16
+KV_HEADS = 2
+
+ARCHS = {
+    "llama": (llama, dict(model_type="llama")),
+    "qwen2": (qwen2, dict(model_type="qwen2")),
+}
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def tiny_model(arch: str, dtype=mx.float16, layers: int = 3, **extra):
+    module, kind = ARCHS[arch]
+    args = module.ModelArgs(
+        **kind,
+        hidden_size=64,
+        num_hidden_layers=layers,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=KV_HEADS,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+        **extra,
+    )
+    mx.random.seed(7)
+    model = module.Model(args)
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def tokens(batch: int, length: int, seed: int = 3) -> mx.array:
+    return mx.random.randint(0, VOCAB, (batch, length), key=mx.random.key(seed))
+
+
+def knorm_layers(cache) -> list[L2NormKVCache]:
+    return [c for c in cache if isinstance(c, L2NormKVCache)]
+
+
+def teacher_forced(model, cache, ids: mx.array, blocks: list[int]):
+    """Logits of each forward call, feeding ``ids`` in blocks of the given sizes."""
+    out, start = [], 0
+    for size in blocks:
+        logits = model(ids[:, start : start + size], cache=cache)
+        mx.eval(logits, [c.state for c in cache])
+        out.append(logits)
+        start += size
+    assert start == ids.shape[1]
+    return out
+
+
+def check_accounting(cache: L2NormKVCache, batch: int, seen: int, budget: int) -> None:
+    kept = min(seen, budget)
+    assert cache.offset == seen
+    assert cache.keys.shape == cache.values.shape == (batch, KV_HEADS, kept, HEAD_DIM)
+    assert cache.norms.shape == (batch, KV_HEADS, kept) and cache.norms.dtype == mx.float32
+    assert cache.size() == cache.tokens_kept == kept
+    assert cache.tokens_seen == batch * KV_HEADS * seen
+    assert cache.knorm_kept_bytes == batch * KV_HEADS * kept * HEAD_DIM * 4
+    assert cache.full_seq_bytes == batch * KV_HEADS * seen * HEAD_DIM * 4
+    assert cache.compression_ratio == seen / kept
+    assert cache.nbytes == cache.keys.nbytes + cache.values.nbytes + cache.norms.nbytes
+    # Stored norms are the keys' own norms: nothing got out of step in the gather.
+    assert mx.array_equal(cache.norms, mlx_knorm.key_norms(cache.keys)).item()
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bit_identical_to_kvcache_until_budget(arch, dtype, batch):
+    budget = 20
+    model = tiny_model(arch, DTYPES[dtype])
+    # Prefill 6, decode token by token up to budget + 1 tokens: the step that
+    # brings the total to budget + 1 still attends to everything (deferred eviction).
+    blocks = [6] + [1] * (budget - 5)
+    ids = tokens(batch, sum(blocks))
+    knorm = make_knorm_cache(model, budget=budget, n_sink=2)
+    full = [KVCache() for _ in model.layers]
+    for step, (ours, theirs) in enumerate(
+        zip(teacher_forced(model, knorm, ids, blocks), teacher_forced(model, full, ids, blocks))
+    ):
+        assert ours.dtype == theirs.dtype == DTYPES[dtype]
+        assert mx.array_equal(ours, theirs).item(), f"step {step}"
+    for layer in knorm_layers(knorm):
+        assert layer.keys.dtype == DTYPES[dtype]
+        check_accounting(layer, batch, budget + 1, budget)
+
+
+def test_masks_match_kvcache_before_eviction_and_follow_stored_rows_after():
+    ours, theirs = L2NormKVCache(budget=8, n_sink=1), KVCache()
+    kv = mx.random.normal((1, KV_HEADS, 6, HEAD_DIM)).astype(mx.float16)
+    ours.update_and_fetch(kv, kv)
+    theirs.update_and_fetch(kv, kv)
+    # KVCache.make_mask needs every argument by keyword, as models pass them.
+    for n, return_array, window_size in [(1, False, None), (3, False, None), (3, True, None), (3, False, 4)]:
+        a = ours.make_mask(n, return_array=return_array, window_size=window_size)
+        b = theirs.make_mask(n, return_array=return_array, window_size=window_size)
+        assert type(a) is type(b)
+        assert a is None or a == "causal" or mx.array_equal(a, b).item()
+
+    ours.update_and_fetch(kv, kv)  # 12 seen, 8 kept
+    mask = ours.make_mask(3, return_array=True)
+    # Every kept row precedes the queries; causal among the 3 new rows.
+    expected = mx.concatenate([mx.ones((3, 8), mx.bool_), mx.tril(mx.ones((3, 3), mx.bool_))], axis=1)
+    assert mx.array_equal(mask, expected).item()
+    with pytest.raises(ValueError, match="sliding-window"):
+        ours.make_mask(3, window_size=4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kernel_and_fallback_bit_identical_far_past_budget(arch, dtype):
+    budget, batch = 12, 2
+    model = tiny_model(arch, DTYPES[dtype])
+    blocks = [20] + [1] * 15 + [7] + [1] * 20  # prefill past the budget, a mid-stream block
+    ids = tokens(batch, sum(blocks), seed=5)
+    runs = {}
+    for backend in ("kernel", "fallback"):
+        cache = make_knorm_cache(model, budget=budget, n_sink=3, recent=2)
+        with mlx_knorm.use_backend(backend):
+            runs[backend] = (teacher_forced(model, cache, ids, blocks), cache)
+    for step, (a, b) in enumerate(zip(runs["kernel"][0], runs["fallback"][0])):
+        assert mx.array_equal(a, b).item(), f"step {step}"
+    for a, b in zip(runs["kernel"][1], runs["fallback"][1]):
+        check_accounting(a, batch, sum(blocks), budget)
+        assert mx.array_equal(a.keys, b.keys).item() and mx.array_equal(a.values, b.values).item()
+
+
+def test_never_more_than_budget_rows_and_keeps_lowest_norms():
+    budget, n_sink = 10, 2
+    model = tiny_model("llama")
+    cache = make_knorm_cache(model, budget=budget, n_sink=n_sink)
+    ids = tokens(1, 40, seed=11)
+    seen = 0
+    for size in [3, 9, 1, 1, 5, 1, 13, 1, 6]:
+        model(ids[:, seen : seen + size], cache=cache)
+        seen += size
+        for layer in cache:
+            mx.eval(layer.state)
+            assert layer.size() <= budget
+            check_accounting(layer, 1, seen, budget)
+
+    # Layer 0's keys depend on the tokens alone, so a full cache has them all:
+    # the kept rows must be the sinks plus the lowest-norm rest, in order.
+    full = [KVCache() for _ in model.layers]
+    model(ids, cache=full)
+    all_keys = full[0].keys[:, :, :seen]
+    norms = np.array(mlx_knorm.key_norms(all_keys))
+    for head in range(KV_HEADS):
+        rest = n_sink + np.argsort(norms[0, head, n_sink:], kind="stable")[: budget - n_sink]
+        expected = np.concatenate([np.arange(n_sink), np.sort(rest)])
+        assert mx.array_equal(cache[0].keys[0, head], all_keys[0, head][mx.array(expected)]).item()
+
+
+def test_same_kept_rows_and_accounting_as_reference_cache():
+    reference = pytest.importorskip("veloxquant_mlx.cache.knorm_cache")
+    config = SimpleNamespace(knorm_budget=24, knorm_n_sink=4, knorm_recent=3, knorm_keep="low")
+    ours, theirs = L2NormKVCache(config), reference.L2NormKVCache(config)
+    key = mx.random.key(19)
+    for size in [10, 1, 30, 1, 1, 8, 1]:
+        key, k_key, v_key = mx.random.split(key, 3)
+        keys = (2 * mx.random.normal((2, KV_HEADS, size, HEAD_DIM), key=k_key)).astype(mx.float16)
+        values = mx.random.normal((2, KV_HEADS, size, HEAD_DIM), key=v_key).astype(mx.float16)
+        our_k, our_v = ours.update_and_fetch(keys, values)
+        ref_k, ref_v = theirs.update_and_fetch(keys, values)
+        assert mx.array_equal(our_k, ref_k).item() and mx.array_equal(our_v, ref_v).item()
+        assert mx.array_equal(ours.keys, theirs.keys).item()
+        assert mx.array_equal(ours.values, theirs.values).item()
+        assert ours.offset == theirs.offset
+        for name in ("knorm_kept_bytes", "full_seq_bytes", "compression_ratio", "tokens_seen", "tokens_kept"):
+            assert getattr(ours, name) == getattr(theirs, name), name
+
+
+def chunked_prefill_reference(model, cache, prompt: mx.array, chunk: int, max_tokens: int) -> list[int]:
+    """generate_step's schedule done by hand: chunks of ``chunk`` leaving the
+    last prompt token for the first decode step, then greedy decoding."""
+    ids = prompt[None]
+    done = 0
+    while prompt.size - done > 1:
+        size = min(chunk, prompt.size - done - 1)
+        model(ids[:, done : done + size], cache=cache)
+        mx.eval([c.state for c in cache])
+        done += size
+    token, out = ids[:, done:], []
+    for _ in range(max_tokens):
+        token = mx.argmax(model(token, cache=cache)[:, -1:], axis=-1)
+        out.append(token.item())
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generate_step_with_chunked_prefill(arch):
+    model = tiny_model(arch, mx.bfloat16)
+    prompt = tokens(1, 45, seed=23)[0]
+    cache = make_knorm_cache(model, budget=16, n_sink=2)
+    generated = [
+        int(tok)
+        for tok, _ in generate_step(
+            prompt, model, prompt_cache=cache, prefill_step_size=8, max_tokens=12
+        )
+    ]
+    by_hand = chunked_prefill_reference(model, make_knorm_cache(model, budget=16, n_sink=2), prompt, 8, 12)
+    assert generated == by_hand
+    for layer in knorm_layers(cache):
+        # generate_step runs one step ahead: the 12th token was fed back too.
+        check_accounting(layer, 1, prompt.size + 12, 16)
+
+    # Layer 0's keys depend on nothing but the tokens, so with recent=0 its kept
+    # set is the same however the prompt was split (path independence).
+    whole = make_knorm_cache(model, budget=16, n_sink=2)
+    model(prompt[None, :-1], cache=whole)
+    chunked = make_knorm_cache(model, budget=16, n_sink=2)
+    chunked_prefill_reference(model, chunked, prompt, 8, 0)
+    assert mx.array_equal(whole[0].keys, chunked[0].keys).item()
+
+
+def test_skip_layers_keep_plain_kvcache_and_validation():
+    model = tiny_model("qwen2", layers=4)
+    cache = make_knorm_cache(model, budget=8, n_sink=1, skip_layers=(0, 1))
+    assert [type(c) for c in cache] == [KVCache, KVCache, L2NormKVCache, L2NormKVCache]
+    teacher_forced(model, cache, tokens(1, 30), [12, 1, 1, 16])
+    assert [c.size() for c in cache] == [30, 30, 8, 8]
+    assert all(c.offset == 30 for c in cache)
+    with pytest.raises(ValueError, match="skip_layers"):
+        make_knorm_cache(model, skip_layers=(4,))
+    with pytest.raises(TypeError, match="skip_layers"):
+        make_knorm_cache(model, skip_layers=("0",))
+
+
+def test_sliding_window_layers_keep_their_rotating_cache():
+    model = tiny_model(
+        "llama", layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=6
+    )
+    cache = make_knorm_cache(model, budget=8, n_sink=1)
+    assert [type(c) for c in cache] == [RotatingKVCache, L2NormKVCache]
+    teacher_forced(model, cache, tokens(1, 20), [10, 1, 9])
+    assert cache[1].size() == 8 and cache[1].offset == 20
+
+
+def test_save_load_round_trip_continues_identically(tmp_path):
+    model = tiny_model("llama", mx.bfloat16)
+    ids = tokens(1, 40, seed=29)
+    cache = make_knorm_cache(model, budget=10, n_sink=2, recent=1, keep="high", skip_layers=(0,))
+    teacher_forced(model, cache, ids[:, :25], [17, 1, 7])
+    path = str(tmp_path / "cache.safetensors")
+    save_prompt_cache(path, cache, {"note": "knorm"})
+    loaded, metadata = load_prompt_cache(path, return_metadata=True)
+    assert metadata == {"note": "knorm"}
+    assert [type(c) for c in loaded] == [type(c) for c in cache]
+    for ours, back in zip(knorm_layers(cache), knorm_layers(loaded)):
+        assert (back.budget, back.n_sink, back.recent, back.keep) == (10, 2, 1, "high")
+        assert back.offset == ours.offset and back.keys.dtype == mx.bfloat16
+        assert mx.array_equal(back.norms, ours.norms).item()
+    blocks = [1] * 6 + [4] + [1] * 5
+    for a, b in zip(
+        teacher_forced(model, cache, ids[:, 25:], blocks),
+        teacher_forced(model, loaded, ids[:, 25:], blocks),
+    ):
+        assert mx.array_equal(a, b).item()
+
+    empty_path = str(tmp_path / "empty.safetensors")
+    save_prompt_cache(empty_path, [L2NormKVCache(budget=5, n_sink=0)])
+    (empty,) = load_prompt_cache(empty_path)
+    assert empty.empty() and empty.budget == 5 and empty.nbytes == 0
+
+
+def word_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="w0", unk_token="w0")
+
+
+def test_mlx_lm_generate_and_stream_generate():
+    model = tiny_model("llama")
+    tokenizer = word_tokenizer()
+    prompt = [int(t) for t in tokens(1, 30, seed=31)[0] if int(t) != 0]
+    # A budget above prompt + output evicts nothing: same text as mlx-lm's own cache.
+    roomy = make_knorm_cache(model, budget=64)
+    assert generate(model, tokenizer, prompt, max_tokens=10, prompt_cache=roomy) == generate(
+        model, tokenizer, prompt, max_tokens=10
+    )
+    tight = make_knorm_cache(model, budget=12, n_sink=2, skip_layers=(0,))
+    pieces = list(
+        stream_generate(model, tokenizer, prompt, max_tokens=10, prompt_cache=tight, prefill_step_size=8)
+    )
+    assert pieces and all(c.size() <= 12 for c in knorm_layers(tight))
+    assert tight[0].size() == tight[1].offset
+
+
+def test_constructor_forms_and_validation():
+    default = L2NormKVCache()
+    assert (default.budget, default.n_sink, default.recent, default.keep) == (512, 4, 0, "low")
+    config = SimpleNamespace(knorm_budget=64, knorm_n_sink=2, knorm_recent=4, knorm_keep="high")
+    from_config = L2NormKVCache(config)
+    assert (from_config.budget, from_config.n_sink, from_config.recent, from_config.keep) == (64, 2, 4, "high")
+    overridden = L2NormKVCache(config, budget=32, keep="low")
+    assert (overridden.budget, overridden.n_sink, overridden.recent, overridden.keep) == (32, 2, 4, "low")
+    assert not default.is_trimmable() and default.empty() and default.size() == 0
+    assert default.nbytes == default.knorm_kept_bytes == default.tokens_seen == 0
+    assert default.compression_ratio == 1.0
+
+    for kwargs, error, name in [
+        (dict(budget=0), ValueError, "budget"),
+        (dict(n_sink=-1), ValueError, "n_sink"),
+        (dict(recent=-2), ValueError, "recent"),
+        (dict(budget=8, n_sink=4, recent=4), ValueError, "n_sink"),
+        (dict(keep="mid"), ValueError, "keep"),
+        (dict(budget=16.0), TypeError, "budget"),
+        (dict(n_sink=True), TypeError, "n_sink"),
+    ]:
+        with pytest.raises(error, match=name):
+            L2NormKVCache(**kwargs)
+        with pytest.raises(error, match=name):
+            make_knorm_cache(tiny_model("llama", layers=1), **kwargs)
+    with pytest.raises(ValueError, match="budget"):
+        L2NormKVCache(SimpleNamespace(knorm_budget=-3))
+
+
+def test_storage_dtype_follows_input():
+    for given, stored in [(mx.bfloat16, mx.bfloat16), (mx.float16, mx.float16), (mx.float32, mx.float16)]:
+        cache = L2NormKVCache(budget=4, n_sink=1)
+        kv = mx.random.normal((2, KV_HEADS, 6, HEAD_DIM)).astype(given)
+        keys, values = cache.update_and_fetch(kv, kv)
+        assert keys.dtype == values.dtype == cache.keys.dtype == cache.values.dtype == stored
+        keys, _ = cache.update_and_fetch(kv[:, :, :1], kv[:, :, :1])
+        assert keys.shape == (2, KV_HEADS, 5, HEAD_DIM) and keys.dtype == stored
+
+
+def test_meta_state_round_trip():
+    cache = L2NormKVCache(budget=9, n_sink=1, recent=2, keep="high")
+    other = L2NormKVCache()
+    other.meta_state = cache.meta_state
+    assert cache.meta_state == ("9", "1", "2", "high")
+    assert (other.budget, other.n_sink, other.recent, other.keep) == (9, 1, 2, "high")
+    with pytest.raises(ValueError, match="budget"):
+        other.meta_state = ("2", "1", "1", "low")
