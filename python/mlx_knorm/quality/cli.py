@@ -35,7 +35,7 @@ def eval_command(args) -> int:
             "seq_len": results.seq_len, "n_seqs": results.n_seqs, "n_sink": args.n_sink,
             "budgets": results.budgets, "full_perplexity": results.perplexity("full"),
             "perplexity": {f"{p}@{b}": results.perplexity(p, b) for p, b in results.nll if b},
-            "recall": {f"{p}@{b}": results.mean_recall(p, b) for p, b in results.recall},
+            "recall": {f"{p}@{b}": results.mean_recall(p, b) for p, b in results.recall if b},
             "layer_spearman": results.layer_spearman(),
         }
         with open(args.json, "w") as f:
