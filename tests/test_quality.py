@@ -96,3 +96,14 @@ def test_eval_on_a_tiny_slice_gives_sane_numbers(model, sequences):
         assert 0.0 < results.mean_recall(policy, small) < 1.0
         assert np.isfinite(results.perplexity(policy, small))
     assert all(-1.0 <= r <= 1.0 for r in results.layer_spearman())
+
+
+def test_eval_and_demo_commands_run(tmp_path, capsys):
+    from mlx_knorm.__main__ import main
+
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--n-seqs", "1", "--seq-len", "128", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["budgets"] == [32, 64, 96] and len(report["layer_spearman"]) == 4
+    assert main(["demo", "--max-tokens", "40", "--budget", "16"]) == 0
+    assert "% saved" in capsys.readouterr().out

@@ -84,6 +84,6 @@ def register(commands) -> None:
     demo.add_argument("--max-tokens", type=int, default=400)
     demo.add_argument("--budget", type=int, default=128)
     demo.add_argument("--n-sink", type=int, default=4)
-    demo.add_argument("--temp", type=float, default=0.5)
+    demo.add_argument("--temp", type=float, default=0.8)
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=demo_command)

@@ -211,6 +211,7 @@ def plot(results: Results, path: str) -> None:
     rho = results.layer_spearman()
     axes[2].bar(range(len(rho)), rho, color="tab:purple")
     axes[2].axhline(0.0, color="k", lw=0.8)
+    axes[2].set_xticks(range(len(rho)))
     axes[2].set(xlabel="layer", ylabel="Spearman rho", title="key norm vs attention received")
     for ax in axes[:2]:
         ax.legend(fontsize=8)
