@@ -1,4 +1,4 @@
-"""Command line: ``python -m mlx_knorm [bench | info]``.
+"""Command line: ``python -m mlx_knorm [bench | info | eval | demo]``.
 
 With no command it runs the quick benchmark suite.
 """
@@ -11,6 +11,7 @@ import sys
 
 from . import bench
 from .backend import backend_info, native_available
+from .quality.cli import register as register_quality
 from .selfcheck import decode_case, kernel_matches_fallback
 
 
@@ -24,23 +25,28 @@ def info(_args) -> int:
     return 0 if ok else 1
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="mlx-knorm", description=__doc__)
-    commands = parser.add_subparsers(dest="command")
-    bench_parser = commands.add_parser(
-        "bench", help="kernel vs fallback vs reference vs memcpy (default: --quick)")
-    bench.add_arguments(bench_parser)
-    commands.add_parser("info", help="backend info and a kernel-vs-fallback self-check")
-    args = parser.parse_args(argv)
-    if args.command == "info":
-        return info(args)
-    if args.command is None:
-        args = bench_parser.parse_args(["--quick"])
+def run_bench(args) -> int:
     if not native_available():
         print("mlx-knorm bench: the native extension is not loaded; see `mlx-knorm info`",
               file=sys.stderr)
         return 1
     return bench.run(args)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="mlx-knorm", description=__doc__)
+    commands = parser.add_subparsers(dest="command")
+    bench_parser = commands.add_parser(
+        "bench", help="kernel vs fallback vs reference vs memcpy (the default, with --quick)")
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(func=run_bench)
+    commands.add_parser(
+        "info", help="backend info and a kernel-vs-fallback self-check").set_defaults(func=info)
+    register_quality(commands)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        return run_bench(bench_parser.parse_args(["--quick"]))
+    return args.func(args)
 
 
 if __name__ == "__main__":
