@@ -22,7 +22,7 @@ mx::array key_norms(const mx::array& keys, Executor executor, mx::StreamOrDevice
       out_shape,
       mx::float32,
       std::make_shared<KeyNorms>(stream, executor),
-      {mx::contiguous(keys, false, stream)});
+      {row_contiguous(keys, stream)});
 }
 
 bool KeyNorms::is_equivalent(const mx::Primitive& other) const {

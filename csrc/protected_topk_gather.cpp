@@ -34,12 +34,12 @@ std::vector<mx::array> protected_topk_gather(
                              new_keys.shape(1));
   }
   auto inputs = std::vector<mx::array>{
-      mx::contiguous(prior_keys, false, stream),
-      mx::contiguous(prior_values, false, stream),
-      mx::contiguous(prior_norms, false, stream),
-      mx::contiguous(new_keys, false, stream),
-      mx::contiguous(new_values, false, stream),
-      mx::contiguous(new_norms, false, stream)};
+      row_contiguous(prior_keys, stream),
+      row_contiguous(prior_values, stream),
+      row_contiguous(prior_norms, stream),
+      row_contiguous(new_keys, stream),
+      row_contiguous(new_values, stream),
+      row_contiguous(new_norms, stream)};
   auto primitive =
       std::make_shared<ProtectedTopKGather>(stream, config, executor);
   auto shapes = primitive->output_shapes(inputs);

@@ -235,7 +235,7 @@ void ProtectedTopKGather::eval_cpu(
     // keys, values and norms may take over the prior's buffer when nothing
     // else holds it and the shape is unchanged (a step from a full cache):
     // the kernel then moves only the rows after the first evicted one.
-    // Inputs are row-contiguous (the op made them so).
+    // Inputs are row-contiguous (the op made sure of it).
     const bool donate = i < 3 && executor_ == Executor::Native &&
         inputs[i].is_donatable() && inputs[i].shape() == out.shape() &&
         inputs[i].data_size() == inputs[i].size();

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "mlx/array.h"
+#include "mlx/ops.h"
 
 namespace mlx_knorm {
 
@@ -21,6 +22,17 @@ Keep parse_keep(const std::string& keep);
 const char* keep_name(Keep keep);
 
 void check_key_norms_args(const mlx::core::array& keys);
+
+// The kernels read inputs as dense row-major buffers. An input already
+// evaluated as one is used as it is, which spares a graph node per input on
+// every decode step; any other goes through MLX's contiguous op (a view
+// when it turns out dense, a copy otherwise).
+inline mlx::core::array row_contiguous(const mlx::core::array& x, mlx::core::Stream s) {
+  if (x.status() != mlx::core::array::Status::unscheduled && x.flags().row_contiguous) {
+    return x;
+  }
+  return mlx::core::contiguous(x, false, s);
+}
 
 void check_protected_topk_gather_args(
     const mlx::core::array& prior_keys,
