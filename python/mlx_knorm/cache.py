@@ -39,7 +39,7 @@ import mlx.nn as nn
 from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
-from .ops import key_norms, protected_topk_gather
+from .ops import key_norms_unchecked, protected_topk_gather_unchecked
 from .validation import check_config
 
 DEFAULT_BUDGET = 512
@@ -144,16 +144,17 @@ class L2NormKVCache(_BaseCache):
 
         new_keys = keys.reshape(rows, steps, key_dim)
         new_values = values.reshape(rows, steps, value_dim)
-        # The ops directly, not knorm_update_batched: the rows are already in
-        # the storage dtype, and that wrapper would only repeat the validation.
-        # Norms are taken from the stored (cast) keys, as the reference does.
-        kept_keys, kept_values, kept_norms, _ = protected_topk_gather(
+        # The ops directly, unchecked: the cache builds these shapes itself and
+        # validated its configuration once; the native op still guards its
+        # buffers. Norms are taken from the stored (cast) keys, as the
+        # reference does.
+        kept_keys, kept_values, kept_norms, _ = protected_topk_gather_unchecked(
             prior_keys,
             prior_values,
             prior_norms,
             new_keys,
             new_values,
-            key_norms(new_keys),
+            key_norms_unchecked(new_keys),
             self.budget,
             self.n_sink,
             self.recent,

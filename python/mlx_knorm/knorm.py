@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .ops import key_norms, protected_topk_gather
+from .ops import key_norms_unchecked, protected_topk_gather_unchecked
 from .validation import check_config, check_floating, check_gather_args, check_rank
 
 
@@ -71,13 +71,13 @@ def knorm_update(state: KnormState, new_keys: mx.array, new_values: mx.array) ->
     check_gather_args(
         prior_keys[None], prior_values[None], prior_norms[None], new_keys[None], new_values[None]
     )
-    keys, values, norms, _ = protected_topk_gather(
+    keys, values, norms, _ = protected_topk_gather_unchecked(
         prior_keys[None].astype(mx.float16),
         prior_values[None].astype(mx.float16),
         prior_norms[None],
         new_keys[None].astype(mx.float16),
         new_values[None].astype(mx.float16),
-        key_norms(new_keys)[None],
+        key_norms_unchecked(new_keys)[None],
         state.budget,
         state.n_sink,
         state.recent,
@@ -109,13 +109,13 @@ def knorm_update_batched(
     """
     check_config(budget, n_sink, recent, keep)
     check_gather_args(prior_keys, prior_values, prior_norms, new_keys, new_values)
-    keys, values, norms, indices = protected_topk_gather(
+    keys, values, norms, indices = protected_topk_gather_unchecked(
         prior_keys,
         prior_values,
         prior_norms,
         new_keys.astype(prior_keys.dtype),
         new_values.astype(prior_values.dtype),
-        key_norms(new_keys),
+        key_norms_unchecked(new_keys),
         budget,
         n_sink,
         recent,

@@ -1,4 +1,9 @@
-"""The two public ops, dispatched to the native kernel or the fallback."""
+"""The two public ops, dispatched to the native kernel or the fallback.
+
+Each public op validates its arguments, then runs an unchecked twin; the
+state API validates once and calls the twins directly, so a decode step pays
+for its checks once.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,7 @@ import mlx.core as mx
 
 from . import _native, fallback
 from .backend import resolve
-from .validation import (
-    dtype_name,
-    check_config,
-    check_gather_args,
-    check_key_norms_args,
-)
+from .validation import check_config, check_gather_args, check_key_norms_args, dtype_name
 
 
 def _stream_scope(stream):
@@ -23,6 +23,10 @@ def _stream_scope(stream):
 def key_norms(keys: mx.array, *, stream=None) -> mx.array:
     """float32 L2 norm of each row of ``keys [..., D]``, SPEC section 2 exactly."""
     check_key_norms_args(keys)
+    return key_norms_unchecked(keys, stream)
+
+
+def key_norms_unchecked(keys: mx.array, stream=None) -> mx.array:
     backend = resolve(stream, key_dim=keys.shape[-1])
     if backend == "fallback":
         with _stream_scope(stream):
@@ -64,6 +68,16 @@ def protected_topk_gather(
                 f"mlx_knorm: {name} dtype {dtype_name(new.dtype)} must equal "
                 f"prior dtype {dtype_name(prior.dtype)}"
             )
+    return protected_topk_gather_unchecked(
+        prior_keys, prior_values, prior_norms, new_keys, new_values, new_norms,
+        budget, n_sink, recent, keep, stream,
+    )
+
+
+def protected_topk_gather_unchecked(
+    prior_keys, prior_values, prior_norms, new_keys, new_values, new_norms,
+    budget, n_sink, recent, keep, stream=None,
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     args = (prior_keys, prior_values, prior_norms, new_keys, new_values, new_norms,
             budget, n_sink, recent, keep)
     backend = resolve(stream)
