@@ -92,29 +92,29 @@ inline void norm_rows(
   }
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
-// Wheels target baseline x86-64; an AVX2 clone of each row loop, picked at
-// load time, gives the conversion and the adds 8-wide lanes.
-#define KNORM_AVX2_CLONE __attribute__((target_clones("avx2", "default")))
+// Wheels target baseline x86-64: the AVX2/F16C kernel below is compiled
+// for its target alone and chosen at run time with __builtin_cpu_supports
+// (not with target_clones, whose ifunc resolvers run before a sanitizer's
+// runtime starts and crash the sanitizer builds of .ci/sanitize).
+#if defined(__x86_64__) && defined(__GNUC__)
 #define KNORM_HAVE_F16C_PATH 1
 #else
-#define KNORM_AVX2_CLONE
 #define KNORM_HAVE_F16C_PATH 0
 #endif
 
-KNORM_AVX2_CLONE void norm_rows_float16(
+void norm_rows_float16(
     const uint16_t* keys, float* norms, int64_t rows, int64_t dim, int64_t width,
     float* squares) {
   norm_rows<Float16Format>(keys, norms, rows, dim, width, squares);
 }
 
-KNORM_AVX2_CLONE void norm_rows_bfloat16(
+void norm_rows_bfloat16(
     const uint16_t* keys, float* norms, int64_t rows, int64_t dim, int64_t width,
     float* squares) {
   norm_rows<BFloat16Format>(keys, norms, rows, dim, width, squares);
 }
 
-KNORM_AVX2_CLONE void norm_rows_float32(
+void norm_rows_float32(
     const float* keys, float* norms, int64_t rows, int64_t dim, int64_t width,
     float* squares) {
   norm_rows<Float32Format>(keys, norms, rows, dim, width, squares);
@@ -229,12 +229,13 @@ WideRows wide_kernel(int64_t width) {
     case 64: return norm_rows_avx2_erased<Load, 64>;
     case 128: return norm_rows_avx2_erased<Load, 128>;
     case 256: return norm_rows_avx2_erased<Load, 256>;
+    case 512: return norm_rows_avx2_erased<Load, 512>;
     default: return nullptr;
   }
 }
 
 // The eight-rows-at-a-time kernel for these keys, or nullptr where it does
-// not apply (no AVX2/F16C, D not a multiple of 8, D > 256).
+// not apply (no AVX2/F16C, D not a multiple of 8, D > 512).
 WideRows wide_norm_kernel(mx::Dtype dtype, int64_t dim, int64_t width) {
   static const bool has =
       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");

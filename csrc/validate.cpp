@@ -11,7 +11,7 @@ namespace {
 std::string shape_str(const mx::array& a) {
   std::ostringstream os;
   os << "[";
-  for (int i = 0; i < a.ndim(); ++i) {
+  for (size_t i = 0; i < a.ndim(); ++i) {
     os << (i ? ", " : "") << a.shape(i);
   }
   os << "]";
@@ -48,7 +48,7 @@ void check_floating(const mx::array& a, const char* name) {
 }
 
 void check_rank(const mx::array& a, int ndim, const char* name) {
-  if (a.ndim() != ndim) {
+  if (a.ndim() != static_cast<size_t>(ndim)) {
     throw std::invalid_argument(
         std::string("mlx_knorm: ") + name + " must have rank " +
         std::to_string(ndim) + ", got shape " + shape_str(a));
