@@ -1,7 +1,9 @@
-// CPU kernel of ProtectedTopKGather. Per row: one pass builds unique rank
-// keys for the evictable middle, nth_element finds the threshold key (O(n)),
-// and one pass copies the kept rows in temporal order as contiguous runs read
-// straight from prior and new: the concatenation is never materialised.
+// CPU kernel of ProtectedTopKGather. Per row: one pass builds the order keys
+// of the evictable middle, a radix select finds the threshold key and how
+// many rows at it are kept (O(n), the Metal kernel's method), and one pass
+// copies the kept rows in temporal order as contiguous runs read straight
+// from prior and new: the concatenation is never materialised. When one row
+// leaves (a decode step) a single scan finds it.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -76,6 +78,46 @@ void copy_run(
             b.n_prior);
   copy_part(split - b.n_prior, end - b.n_prior, out_row + (split - begin),
             b.new_keys, b.new_values, b.new_norms, b.n_new);
+}
+
+// Radix select over order keys, most significant digits first: 11 + 11 +
+// 10 bits, three counting passes instead of a comparison sort's
+// data-dependent branches.
+constexpr int kRadixBits[3] = {11, 11, 10};
+
+struct Threshold {
+  uint32_t key;        // the key of the rank-th smallest
+  int64_t take_equal;  // how many rows with exactly that key are kept
+};
+
+// The rank-th smallest (1-based) of keys, and how many of the keys equal to
+// it fall within the first rank: those are kept, earliest rows first, which
+// is SPEC section 3's tie rule.
+Threshold radix_select(
+    const std::vector<uint32_t>& keys,
+    int64_t rank,
+    std::vector<uint32_t>& histogram) {
+  uint32_t prefix = 0;
+  uint32_t mask = 0;
+  int shift = 32;
+  for (int bits : kRadixBits) {
+    shift -= bits;
+    const uint32_t digits = (uint32_t(1) << bits) - 1;
+    std::fill(histogram.begin(), histogram.begin() + digits + 1, 0u);
+    for (uint32_t key : keys) {
+      if ((key & mask) == prefix) {
+        ++histogram[(key >> shift) & digits];
+      }
+    }
+    uint32_t digit = 0;
+    while (rank > histogram[digit]) {
+      rank -= histogram[digit];
+      ++digit;
+    }
+    prefix |= digit << shift;
+    mask |= digits << shift;
+  }
+  return {prefix, rank};
 }
 
 struct Run {
@@ -155,22 +197,26 @@ void gather_rows(
     }
     return;
   }
-  std::vector<uint64_t> ranks(sel.mid_end - sel.n_sink);
+  std::vector<uint32_t> keys(sel.mid_end - sel.n_sink);
+  std::vector<uint32_t> histogram(size_t(1) << kRadixBits[0]);
   std::vector<Run> runs;
   runs.reserve(sel.kept);
   for (int64_t n = row_begin; n < row_end; ++n) {
     for (int64_t j = sel.n_sink; j < sel.mid_end; ++j) {
-      ranks[j - sel.n_sink] = rank_at(n, j);
+      keys[j - sel.n_sink] = norm_order_key(norm_at(n, j), config.keep);
     }
-    auto nth = ranks.begin() + (sel.mid_keep - 1);
-    std::nth_element(ranks.begin(), nth, ranks.end());
-    const uint64_t threshold = *nth;
+    const Threshold cut = radix_select(keys, sel.mid_keep, histogram);
 
-    // Stable compaction: the kept rows as maximal runs in temporal order.
+    // Stable compaction: every middle row below the threshold key, and the
+    // first take_equal rows at it (ties go to the earlier row), as maximal
+    // runs in temporal order.
     runs.clear();
     int64_t run_begin = 0;
+    int64_t equal_left = cut.take_equal;
     for (int64_t j = sel.n_sink; j < sel.mid_end; ++j) {
-      if (rank_at(n, j) > threshold) {
+      const uint32_t key = keys[j - sel.n_sink];
+      const bool kept = key < cut.key || (key == cut.key && equal_left-- > 0);
+      if (!kept) {
         if (j > run_begin) {
           runs.push_back({run_begin, j});
         }
@@ -181,6 +227,7 @@ void gather_rows(
     copy_runs(b, n, runs);
   }
 }
+
 } // namespace
 
 void protected_topk_gather_cpu(
