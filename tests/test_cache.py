@@ -9,7 +9,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-pytest.importorskip("mlx_lm")
 
 from mlx_lm.generate import generate, generate_step, stream_generate
 from mlx_lm.models import llama, qwen2
@@ -173,7 +172,8 @@ def test_never_more_than_budget_rows_and_keeps_lowest_norms():
 
 
 def test_same_kept_rows_and_accounting_as_reference_cache():
-    reference = pytest.importorskip("veloxquant_mlx.cache.knorm_cache")
+    from veloxquant_mlx.cache import knorm_cache as reference
+
     config = SimpleNamespace(knorm_budget=24, knorm_n_sink=4, knorm_recent=3, knorm_keep="low")
     ours, theirs = L2NormKVCache(config), reference.L2NormKVCache(config)
     key = mx.random.key(19)

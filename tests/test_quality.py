@@ -8,8 +8,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-pytest.importorskip("mlx_lm")
-pytest.importorskip("tqdm")
 
 from mlx_lm.utils import load_model
 
