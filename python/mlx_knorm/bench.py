@@ -132,7 +132,15 @@ def bit_exact(case: Case, inputs) -> bool:
 
 
 def time_runs(run, reps: int, warmup: int, max_seconds: float) -> list[float]:
-    """Seconds per call of ``run`` after ``warmup`` untimed calls."""
+    """Seconds per call of ``run`` after ``warmup`` untimed calls.
+
+    Every timing starts from an empty MLX buffer cache: MLX recycles a freed
+    buffer only while its cache has room, so buffers left by an earlier
+    timing would otherwise decide whether this one's outputs are reused or
+    faulted in fresh from the OS, and the result would depend on the order
+    of the cases.
+    """
+    mx.clear_cache()
     for _ in range(warmup):
         run()
     samples = []
