@@ -358,3 +358,21 @@ def test_meta_state_round_trip():
     assert (other.budget, other.n_sink, other.recent, other.keep) == (9, 1, 2, "high")
     with pytest.raises(ValueError, match="budget"):
         other.meta_state = ("2", "1", "1", "low")
+
+
+def test_decode_step_reuses_the_state_buffers():
+    """Once a step's attention has run, the cache holds the only reference to
+    its state, so the native op compacts it in place: storing the next state
+    allocates no second copy of it."""
+    cache = L2NormKVCache(budget=256, n_sink=4)
+    keys = mx.random.normal((1, 8, 256, 64), key=mx.random.key(23)).astype(mx.float16)
+    mx.eval(cache.update_and_fetch(keys, keys))
+    state_bytes = cache.keys.nbytes + cache.values.nbytes
+    for step in range(3):
+        token = mx.random.normal((1, 8, 1, 64), key=mx.random.key(step)).astype(mx.float16)
+        mx.eval(cache.update_and_fetch(token, token))
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(cache.keys, cache.values, cache.norms)
+        assert mx.get_peak_memory() - before < state_bytes // 4
+        assert cache.size() == 256 and cache.offset == 257 + step
