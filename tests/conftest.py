@@ -46,5 +46,10 @@ def assert_bitwise_equal(actual: mx.array, expected: mx.array, what: str = "") -
 
 
 @pytest.fixture
-def bitwise_equal():
-    return assert_bitwise_equal
+def cpu_default_device():
+    """In-place updates are a property of the CPU kernel: run on the CPU even
+    where the suite's default device is the GPU."""
+    previous = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(previous)

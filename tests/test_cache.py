@@ -360,6 +360,7 @@ def test_meta_state_round_trip():
         other.meta_state = ("2", "1", "1", "low")
 
 
+@pytest.mark.usefixtures("cpu_default_device")
 def test_decode_step_reuses_the_state_buffers():
     """Once a step's attention has run, the cache holds the only reference to
     its state, so the native op compacts it in place: storing the next state

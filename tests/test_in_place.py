@@ -1,14 +1,17 @@
-"""Decode steps on a donated state: the kernel reuses the prior's buffers
-when nothing else holds them, and only then."""
+"""Decode steps on a donated state: the CPU kernel reuses the prior's
+buffers when nothing else holds them, and only then."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 import mlx_knorm
 from conftest import assert_bitwise_equal
 from generators import fill
+
+pytestmark = pytest.mark.usefixtures("cpu_default_device")
 
 
 def full_state(n_rows=8, budget=64, dim=32, seed=0):

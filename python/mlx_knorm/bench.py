@@ -378,6 +378,7 @@ def _cpu_model() -> str | None:
 
 
 def run_suite(cases: list[Case], device: str, reps: int, quick: bool, show_progress: bool = True) -> dict:
+    previous_device = mx.default_device()
     mx.set_default_device(mx.gpu if device == "gpu" else mx.cpu)
     implementations = {
         "kernel": (knorm_update_batched, "kernel"),
@@ -396,6 +397,7 @@ def run_suite(cases: list[Case], device: str, reps: int, quick: bool, show_progr
         results = [run_case(c, implementations, reps, warmup, max_seconds, progress) for c in cases]
     finally:
         progress.close()
+        mx.set_default_device(previous_device)
     return {
         "mlx_knorm_version": __version__,
         "mlx_version": mx.__version__,
