@@ -234,9 +234,15 @@ def call_overhead_us(case: Case, inputs, calls: int = 200) -> float:
         return (time.perf_counter() - t0) / calls * 1e6
 
 
+# The cases the targets are set for: (kind, budget, S).
+TARGET_CASES = {("decode", 512, 1), ("decode", 2048, 1), ("prefill", 512, 4096), ("prefill", 2048, 8192)}
+
+
 def case_targets(case: Case, result: dict) -> dict:
-    """Each applicable speed target with its measured ratio and verdict."""
+    """Each speed target set for this case, with its measured ratio and verdict."""
     targets = {}
+    if (case.kind, case.budget, case.n_new) not in TARGET_CASES:
+        return targets
     vs_reference = result.get("speedup_vs_reference")
     if case.kind == "decode":
         if vs_reference is not None:
@@ -498,9 +504,10 @@ def plot(report: dict, path: str) -> None:
             title += f", budget {common}"
         cases.sort(key=lambda r: r["case"][axis_key])
         xs = [r["case"][axis_key] for r in cases]
-        for name in (*IMPLEMENTATIONS, "memcpy"):
+        for name in (*IMPLEMENTATIONS, "kernel in place", "memcpy"):
             ys = [
-                (r["memcpy"] if name == "memcpy" else r["timings"].get(name, {})).get("median_ms")
+                {"memcpy": r["memcpy"], "kernel in place": r.get("in_place", {})}
+                .get(name, r["timings"].get(name, {})).get("median_ms")
                 for r in cases
             ]
             if xs and all(y is not None for y in ys):
