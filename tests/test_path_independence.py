@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mlx_knorm
-from conftest import assert_bitwise_equal
+from conftest import assert_bitwise_equal, requires_emulator
 from generators import fill
 
 
@@ -21,15 +21,7 @@ def run_blocks(keys, values, splits, budget, n_sink, keep):
     return state
 
 
-@given(
-    n_tokens=st.integers(1, 80),
-    budget=st.integers(1, 40),
-    dim=st.sampled_from([3, 64, 128]),
-    palette=st.sampled_from(["normal", "ties", "special"]),
-    data=st.data(),
-    seed=st.integers(0, 2**32 - 1),
-)
-def test_token_by_token_random_splits_and_one_shot_agree(n_tokens, budget, dim, palette, data, seed):
+def splits_agree(data, n_tokens, budget, dim, palette, seed):
     n_sink = data.draw(st.integers(0, budget - 1))
     keep = data.draw(st.sampled_from(["low", "high"]))
     splits = sorted(data.draw(st.lists(st.integers(0, n_tokens), max_size=10)))
@@ -41,6 +33,33 @@ def test_token_by_token_random_splits_and_one_shot_agree(n_tokens, budget, dim, 
         other = run_blocks(keys, values, split, budget, n_sink, keep)
         for field in ("keys", "values", "norms"):
             assert_bitwise_equal(getattr(other, field), getattr(one_shot, field), field)
+
+
+@given(
+    n_tokens=st.integers(1, 80),
+    budget=st.integers(1, 40),
+    dim=st.sampled_from([3, 64, 128]),
+    palette=st.sampled_from(["normal", "ties", "special"]),
+    data=st.data(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_token_by_token_random_splits_and_one_shot_agree(n_tokens, budget, dim, palette, data, seed):
+    splits_agree(data, n_tokens, budget, dim, palette, seed)
+
+
+@requires_emulator
+@settings(max_examples=15)  # every token is two emulated launches
+@given(
+    n_tokens=st.integers(1, 16),
+    budget=st.integers(1, 10),
+    dim=st.sampled_from([3, 64]),
+    palette=st.sampled_from(["normal", "ties", "special"]),
+    data=st.data(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_path_independence_through_the_metal_emulator(n_tokens, budget, dim, palette, data, seed):
+    with mlx_knorm.use_backend("metal-emulator"):
+        splits_agree(data, n_tokens, budget, dim, palette, seed)
 
 
 def test_batched_decode_equals_one_shot_prefill():

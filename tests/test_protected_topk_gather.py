@@ -45,15 +45,26 @@ def test_metal_emulator_matches_fallback(case):
     )
 
 
-@given(case=gather_cases(max_rows=2, dims=[1, 3]))
-def test_selection_matches_spec_oracle(case):
+def check_against_spec_oracle(backend, case):
     arrays, config = case
     norms = mx.concatenate([arrays[2], arrays[5]], axis=1)
-    _, _, kept_norms, indices = gather_on("kernel", arrays, config)
+    _, _, kept_norms, indices = gather_on(backend, arrays, config)
     for row in range(norms.shape[0]):
         expected = kept_rows(norms[row].tolist(), *config)
         assert indices[row].tolist() == expected
     assert_bitwise_equal(kept_norms, mx.take_along_axis(norms, indices, axis=1), "norms")
+
+
+@given(case=gather_cases(max_rows=2, dims=[1, 3]))
+def test_selection_matches_spec_oracle(case):
+    check_against_spec_oracle("kernel", case)
+
+
+@requires_emulator
+@EMULATOR_SETTINGS
+@given(case=gather_cases(max_rows=2, dims=[1, 3], long_rows=True))
+def test_metal_emulator_selection_matches_spec_oracle(case):
+    check_against_spec_oracle("metal-emulator", case)
 
 
 @given(case=gather_cases(max_rows=2, max_prior=20, max_new=20, dims=[4, 80]))
