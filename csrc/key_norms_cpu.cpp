@@ -102,24 +102,6 @@ inline void norm_rows(
 #define KNORM_HAVE_F16C_PATH 0
 #endif
 
-void norm_rows_float16(
-    const uint16_t* keys, float* norms, int64_t rows, int64_t dim, int64_t width,
-    float* squares) {
-  norm_rows<Float16Format>(keys, norms, rows, dim, width, squares);
-}
-
-void norm_rows_bfloat16(
-    const uint16_t* keys, float* norms, int64_t rows, int64_t dim, int64_t width,
-    float* squares) {
-  norm_rows<BFloat16Format>(keys, norms, rows, dim, width, squares);
-}
-
-void norm_rows_float32(
-    const float* keys, float* norms, int64_t rows, int64_t dim, int64_t width,
-    float* squares) {
-  norm_rows<Float32Format>(keys, norms, rows, dim, width, squares);
-}
-
 #if KNORM_HAVE_F16C_PATH
 // Eight squares at a time, converted exactly: F16C for float16, a shift for
 // bfloat16, a plain load for float32.
@@ -272,14 +254,14 @@ void norm_rows_any(
 #endif
   const char* rest = keys + done * row_bytes;
   if (dtype == mx::float16) {
-    norm_rows_float16(reinterpret_cast<const uint16_t*>(rest), norms + done,
-                      rows - done, dim, width, squares);
+    norm_rows<Float16Format>(reinterpret_cast<const uint16_t*>(rest), norms + done,
+                             rows - done, dim, width, squares);
   } else if (dtype == mx::bfloat16) {
-    norm_rows_bfloat16(reinterpret_cast<const uint16_t*>(rest), norms + done,
-                       rows - done, dim, width, squares);
+    norm_rows<BFloat16Format>(reinterpret_cast<const uint16_t*>(rest), norms + done,
+                              rows - done, dim, width, squares);
   } else {
-    norm_rows_float32(reinterpret_cast<const float*>(rest), norms + done,
-                      rows - done, dim, width, squares);
+    norm_rows<Float32Format>(reinterpret_cast<const float*>(rest), norms + done,
+                             rows - done, dim, width, squares);
   }
 }
 

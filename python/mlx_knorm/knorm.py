@@ -71,13 +71,13 @@ def knorm_update(state: KnormState, new_keys: mx.array, new_values: mx.array) ->
     check_gather_args(
         prior_keys[None], prior_values[None], prior_norms[None], new_keys[None], new_values[None]
     )
-    keys, values, norms, _ = protected_topk_gather_unchecked(
+    # One head of the batched update; rows are stored as float16.
+    keys, values, norms = knorm_update_batched(
         prior_keys[None].astype(mx.float16),
         prior_values[None].astype(mx.float16),
         prior_norms[None],
-        new_keys[None].astype(mx.float16),
-        new_values[None].astype(mx.float16),
-        key_norms_unchecked(new_keys)[None],
+        new_keys[None],
+        new_values[None],
         state.budget,
         state.n_sink,
         state.recent,
