@@ -31,7 +31,6 @@ resolves the class names of a saved cache in that module's namespace.
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Iterable
 
 import mlx.core as mx
@@ -40,7 +39,7 @@ from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
 from .ops import key_norms_unchecked, protected_topk_gather_unchecked
-from .validation import check_config
+from .validation import check_config, check_int
 
 DEFAULT_BUDGET = 512
 DEFAULT_N_SINK = 4
@@ -48,23 +47,10 @@ DEFAULT_RECENT = 0
 DEFAULT_KEEP = "low"
 
 
-def _as_int(value, name: str) -> int:
-    # operator.index accepts Python and NumPy integers but not floats or bools
-    # masquerading as counts, so "budget=512.0" fails loudly instead of truncating.
-    if isinstance(value, bool):
-        raise TypeError(f"mlx_knorm: {name} must be an int, got bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"mlx_knorm: {name} must be an int, got {type(value).__name__}"
-        ) from None
-
-
 def _config(budget, n_sink, recent, keep) -> tuple[int, int, int, str]:
-    budget = _as_int(budget, "budget")
-    n_sink = _as_int(n_sink, "n_sink")
-    recent = _as_int(recent, "recent")
+    budget = check_int(budget, "budget")
+    n_sink = check_int(n_sink, "n_sink")
+    recent = check_int(recent, "recent")
     check_config(budget, n_sink, recent, keep)
     return budget, n_sink, recent, keep
 
@@ -230,7 +216,7 @@ class L2NormKVCache(_BaseCache):
         keys, values, norms, offset, budget, n_sink, recent, keep = v
         self.budget, self.n_sink, self.recent, self.keep = _config(budget, n_sink, recent, keep)
         self.keys, self.values, self.norms = keys, values, norms
-        self.offset = _as_int(offset, "offset")
+        self.offset = check_int(offset, "offset")
 
     @property
     def meta_state(self) -> tuple[str, str, str, str]:
@@ -305,7 +291,7 @@ def make_knorm_cache(
         caches = [KVCache() for _ in model.layers]
     skipped = set()
     for layer in skip_layers:
-        layer = _as_int(layer, "skip_layers entry")
+        layer = check_int(layer, "skip_layers entry")
         if not 0 <= layer < len(caches):
             raise ValueError(
                 f"mlx_knorm: skip_layers entry {layer} is out of range for a model "

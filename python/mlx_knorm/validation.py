@@ -7,6 +7,8 @@ lets a failed call raise before anything is scheduled.
 
 from __future__ import annotations
 
+import operator
+
 import mlx.core as mx
 
 FLOATING = (mx.float16, mx.bfloat16, mx.float32)
@@ -36,9 +38,15 @@ def check_rank(x: mx.array, ndim: int, name: str) -> None:
 
 
 def check_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"mlx_knorm: {name} must be an int, got {type(value).__name__}")
-    return value
+    """``value`` as a Python int. Python and NumPy integers pass; floats and
+    bools posing as counts raise, so ``budget=512.0`` fails loudly instead of
+    truncating."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"mlx_knorm: {name} must be an int, got {type(value).__name__}")
 
 
 def check_config(budget: int, n_sink: int, recent: int, keep: str) -> None:
