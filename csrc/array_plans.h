@@ -40,6 +40,7 @@ inline LaunchPlan protected_topk_gather_plan(
       inputs[0].shape(1),
       inputs[3].shape(1),
       inputs[0].shape(2),
+      inputs[1].shape(2),
       config.budget,
       config.n_sink,
       config.recent,

@@ -32,6 +32,9 @@ class KeyNorms : public mx::UnaryPrimitive {
   std::vector<mx::Shape> output_shapes(
       const std::vector<mx::array>& inputs) override;
 
+  // What the kernels rely on (see ProtectedTopKGather::check_inputs).
+  void check_inputs(const std::vector<mx::array>& inputs);
+
  private:
   Executor executor_;
 };

@@ -15,6 +15,7 @@
 #include "key_norms.h"
 #include "metal_emulated.h"
 #include "parallel.h"
+#include "validate.h"
 
 namespace mlx_knorm {
 
@@ -295,6 +296,8 @@ void key_norms_cpu(const mx::array& keys, mx::array& out) {
 }
 
 void KeyNorms::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  check_inputs(inputs);
+  check_row_contiguous(inputs, name());
   const auto& keys = inputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());

@@ -18,6 +18,7 @@
 #include "key_norms.h"
 #include "launch_plan.h"
 #include "protected_topk_gather.h"
+#include "validate.h"
 
 namespace mlx_knorm {
 
@@ -87,6 +88,8 @@ void encode(
 } // namespace
 
 void KeyNorms::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  check_inputs(inputs);
+  check_row_contiguous(inputs, name());
   const auto& keys = inputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
   const auto plan = key_norms_plan(keys, out);
@@ -97,6 +100,8 @@ void KeyNorms::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
 void ProtectedTopKGather::eval_gpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
+  check_inputs(inputs);
+  check_row_contiguous(inputs, name());
   for (auto& out : outputs) {
     out.set_data(mx::allocator::malloc(out.nbytes()));
   }

@@ -1,5 +1,6 @@
 #include "protected_topk_gather.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 
@@ -17,22 +18,12 @@ std::vector<mx::array> protected_topk_gather(
     GatherConfig config,
     Executor executor,
     mx::StreamOrDevice s) {
-  check_protected_topk_gather_args(
-      prior_keys, prior_values, prior_norms, new_keys, new_values, new_norms,
-      config.budget, config.n_sink, config.recent);
-  const int64_t n_total =
-      static_cast<int64_t>(prior_keys.shape(1)) + new_keys.shape(1);
-  if (n_total > static_cast<int64_t>(UINT32_MAX)) {
-    throw std::invalid_argument(
-        "mlx_knorm: n_prior + S must fit in uint32 row indices");
-  }
-  auto stream = mx::to_stream(s);
   check_executor(executor);
-  if (executor == Executor::MetalEmulator ||
-      stream.device == mx::Device::gpu) {
-    check_metal_gather_shape(prior_keys.shape(0), prior_keys.shape(1),
-                             new_keys.shape(1));
-  }
+  auto stream = mx::to_stream(s);
+  auto primitive =
+      std::make_shared<ProtectedTopKGather>(stream, config, executor);
+  primitive->check_inputs(
+      {prior_keys, prior_values, prior_norms, new_keys, new_values, new_norms});
   auto inputs = std::vector<mx::array>{
       row_contiguous(prior_keys, stream),
       row_contiguous(prior_values, stream),
@@ -40,8 +31,6 @@ std::vector<mx::array> protected_topk_gather(
       row_contiguous(new_keys, stream),
       row_contiguous(new_values, stream),
       row_contiguous(new_norms, stream)};
-  auto primitive =
-      std::make_shared<ProtectedTopKGather>(stream, config, executor);
   auto shapes = primitive->output_shapes(inputs);
   return mx::array::make_arrays(
       std::move(shapes),
@@ -50,20 +39,38 @@ std::vector<mx::array> protected_topk_gather(
       inputs);
 }
 
+void ProtectedTopKGather::check_inputs(
+    const std::vector<mx::array>& inputs) {
+  check_protected_topk_gather_args(
+      inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5],
+      config_.budget, config_.n_sink, config_.recent);
+  if (executor_ == Executor::MetalEmulator ||
+      stream().device == mx::Device::gpu) {
+    check_metal_gather_shape(
+        inputs[0].shape(0), inputs[0].shape(1), inputs[3].shape(1));
+  }
+}
+
 bool ProtectedTopKGather::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const ProtectedTopKGather&>(other);
   return config_ == o.config_ && executor_ == o.executor_;
 }
 
+// Also called by mx.compile(shapeless=True) for every new input shape,
+// without the op's argument checks having run: the shape relations the
+// kernels rely on are checked again here.
 std::vector<mx::Shape> ProtectedTopKGather::output_shapes(
     const std::vector<mx::array>& inputs) {
+  check_inputs(inputs);
   const int n_rows = inputs[0].shape(0);
-  const int dim = inputs[0].shape(2);
   const int64_t n_total =
       static_cast<int64_t>(inputs[0].shape(1)) + inputs[3].shape(1);
   const int kept = static_cast<int>(std::min<int64_t>(n_total, config_.budget));
   return {
-      {n_rows, kept, dim}, {n_rows, kept, dim}, {n_rows, kept}, {n_rows, kept}};
+      {n_rows, kept, inputs[0].shape(2)},
+      {n_rows, kept, inputs[1].shape(2)},
+      {n_rows, kept},
+      {n_rows, kept}};
 }
 
 #ifndef MLX_KNORM_METAL

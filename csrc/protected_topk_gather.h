@@ -57,6 +57,12 @@ class ProtectedTopKGather : public mx::Primitive {
   std::vector<mx::Shape> output_shapes(
       const std::vector<mx::array>& inputs) override;
 
+  // Every relation between the inputs' shapes and dtypes that the kernels
+  // rely on; throws std::invalid_argument (or dtype_error). Run when the op
+  // is built, when MLX asks for output shapes (shapeless compile) and before
+  // any kernel touches memory.
+  void check_inputs(const std::vector<mx::array>& inputs);
+
  private:
   GatherConfig config_;
   Executor executor_;

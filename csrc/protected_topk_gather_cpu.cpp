@@ -263,6 +263,8 @@ void protected_topk_gather_cpu(
 void ProtectedTopKGather::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
+  check_inputs(inputs);
+  check_row_contiguous(inputs, name());
   // Every sibling output holds its own copy of the input list until MLX
   // detaches them right after this eval; with four outputs no input would
   // ever look donatable. Dropping the siblings' copies now (never for

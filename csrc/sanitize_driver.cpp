@@ -131,6 +131,8 @@ void gather_case(std::mt19937_64& rng, int c) {
   const int n_new = static_cast<int>(rng() % 34);
   const int dims[] = {0, 1, 3, 8, 33, 80};
   const int dim = dims[rng() % 6];
+  // Keys and values may differ in width.
+  const int value_dim = rng() % 2 ? dim : dims[rng() % 6];
   const int n_total = n_prior + n_new;
   GatherConfig config;
   config.budget = 1 + static_cast<int>(rng() % (n_total + 3));
@@ -142,10 +144,10 @@ void gather_case(std::mt19937_64& rng, int c) {
   const int mode = static_cast<int>(rng() % 3);
   std::vector<std::unique_ptr<Buffer>> in;
   in.push_back(make({n_rows, n_prior, dim}, kt));
-  in.push_back(make({n_rows, n_prior, dim}, vt));
+  in.push_back(make({n_rows, n_prior, value_dim}, vt));
   in.push_back(make({n_rows, n_prior}, mx::float32));
   in.push_back(make({n_rows, n_new, dim}, kt));
-  in.push_back(make({n_rows, n_new, dim}, vt));
+  in.push_back(make({n_rows, n_new, value_dim}, vt));
   in.push_back(make({n_rows, n_new}, mx::float32));
   for (int i : {0, 1, 3, 4}) {
     fill_bits(*in[i], rng);
@@ -156,7 +158,7 @@ void gather_case(std::mt19937_64& rng, int c) {
   auto outputs = [&] {
     std::vector<std::unique_ptr<Buffer>> out;
     out.push_back(make({n_rows, kept, dim}, kt));
-    out.push_back(make({n_rows, kept, dim}, vt));
+    out.push_back(make({n_rows, kept, value_dim}, vt));
     out.push_back(make({n_rows, kept}, mx::float32));
     out.push_back(make({n_rows, kept}, mx::uint32));
     return out;

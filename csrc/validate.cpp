@@ -1,5 +1,6 @@
 #include "validate.h"
 
+#include <cstdint>
 #include <sstream>
 
 namespace mlx_knorm {
@@ -131,18 +132,26 @@ void check_protected_topk_gather_args(
         "mlx_knorm: new_values dtype " + dtype_str(new_values.dtype()) +
         " must equal prior_values dtype " + dtype_str(prior_values.dtype()));
   }
-  if (prior_keys.shape() != prior_values.shape()) {
-    mismatch("keys/values shape mismatch", "prior_keys", prior_keys,
+  // Keys and values may differ in width (D_k != D_v, as in multi-head latent
+  // attention) but not in heads or rows.
+  if (prior_keys.shape(0) != prior_values.shape(0) ||
+      prior_keys.shape(1) != prior_values.shape(1)) {
+    mismatch("keys/values mismatch in N or rows", "prior_keys", prior_keys,
              "prior_values", prior_values);
   }
-  if (new_keys.shape() != new_values.shape()) {
-    mismatch("keys/values shape mismatch", "new_keys", new_keys,
+  if (new_keys.shape(0) != new_values.shape(0) ||
+      new_keys.shape(1) != new_values.shape(1)) {
+    mismatch("keys/values mismatch in N or rows", "new_keys", new_keys,
              "new_values", new_values);
   }
   if (prior_keys.shape(0) != new_keys.shape(0) ||
       prior_keys.shape(2) != new_keys.shape(2)) {
     mismatch("prior vs new mismatch in N or D", "prior_keys", prior_keys,
              "new_keys", new_keys);
+  }
+  if (prior_values.shape(2) != new_values.shape(2)) {
+    mismatch("prior vs new mismatch in N or D", "prior_values", prior_values,
+             "new_values", new_values);
   }
   if (prior_norms.shape(0) != prior_keys.shape(0) ||
       prior_norms.shape(1) != prior_keys.shape(1)) {
@@ -153,6 +162,11 @@ void check_protected_topk_gather_args(
       new_norms.shape(1) != new_keys.shape(1)) {
     mismatch("new_norms must be [N, S]", "new_norms", new_norms, "new_keys",
              new_keys);
+  }
+  if (static_cast<int64_t>(prior_keys.shape(1)) + new_keys.shape(1) >
+      static_cast<int64_t>(UINT32_MAX)) {
+    throw std::invalid_argument(
+        "mlx_knorm: n_prior + S must fit in uint32 row indices");
   }
   if (budget < 1) {
     throw std::invalid_argument(

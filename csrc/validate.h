@@ -5,6 +5,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "mlx/array.h"
 #include "mlx/ops.h"
@@ -32,6 +33,22 @@ inline mlx::core::array row_contiguous(const mlx::core::array& x, mlx::core::Str
     return x;
   }
   return mlx::core::contiguous(x, false, s);
+}
+
+// The kernels index inputs as dense row-major buffers; the op builders make
+// them so (row_contiguous above). Checked again at evaluation, before any
+// memory is touched, because a replayed compiled graph reaches eval_cpu and
+// eval_gpu without passing through the op builders.
+inline void check_row_contiguous(
+    const std::vector<mlx::core::array>& inputs,
+    const char* primitive) {
+  for (const auto& x : inputs) {
+    if (!x.flags().row_contiguous) {
+      throw std::invalid_argument(
+          std::string("mlx_knorm: ") + primitive +
+          " received an input that is not row-contiguous");
+    }
+  }
 }
 
 void check_protected_topk_gather_args(

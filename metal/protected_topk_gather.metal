@@ -103,12 +103,13 @@ template <typename K, typename V>
     device uint* out_indices [[buffer(9)]],
     constant uint& n_prior [[buffer(10)]],
     constant uint& n_new [[buffer(11)]],
-    constant uint& dim [[buffer(12)]],
-    constant uint& kept [[buffer(13)]],
-    constant uint& sink_end [[buffer(14)]],
-    constant uint& mid_end [[buffer(15)]],
-    constant uint& mid_keep [[buffer(16)]],
-    constant uint& keep_high [[buffer(17)]],
+    constant uint& key_dim [[buffer(12)]],
+    constant uint& value_dim [[buffer(13)]],
+    constant uint& kept [[buffer(14)]],
+    constant uint& sink_end [[buffer(15)]],
+    constant uint& mid_end [[buffer(16)]],
+    constant uint& mid_keep [[buffer(17)]],
+    constant uint& keep_high [[buffer(18)]],
     uint row [[threadgroup_position_in_grid]],
     uint tid [[thread_position_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
@@ -189,19 +190,23 @@ template <typename K, typename V>
   // The copies below read indices written by other threads of the group.
   threadgroup_barrier(mem_flags::mem_device);
 
-  // 3. Gather the key and value rows.
-  const ulong out_base = ulong(row) * kept * dim;
+  // 3. Gather the key and value rows (keys and values may differ in width).
   for (uint p = simd_group; p < kept; p += kGatherSimdGroups) {
     const uint j = row_indices[p];
-    const ulong src = j < n_prior
-        ? (ulong(row) * n_prior + j) * dim
-        : (ulong(row) * n_new + (j - n_prior)) * dim;
-    device const K* src_keys = j < n_prior ? prior_keys : new_keys;
-    device const V* src_values = j < n_prior ? prior_values : new_values;
-    const ulong dst = out_base + ulong(p) * dim;
-    for (uint d = lane; d < dim; d += 32) {
-      out_keys[dst + d] = src_keys[src + d];
-      out_values[dst + d] = src_values[src + d];
+    const bool from_prior = j < n_prior;
+    const ulong src_row = from_prior ? ulong(row) * n_prior + j
+                                     : ulong(row) * n_new + (j - n_prior);
+    const ulong dst_row = ulong(row) * kept + p;
+    device const K* src_keys = (from_prior ? prior_keys : new_keys) + src_row * key_dim;
+    device const V* src_values =
+        (from_prior ? prior_values : new_values) + src_row * value_dim;
+    device K* dst_keys = out_keys + dst_row * key_dim;
+    device V* dst_values = out_values + dst_row * value_dim;
+    for (uint d = lane; d < key_dim; d += 32) {
+      dst_keys[d] = src_keys[d];
+    }
+    for (uint d = lane; d < value_dim; d += 32) {
+      dst_values[d] = src_values[d];
     }
   }
 }

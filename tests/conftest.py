@@ -41,7 +41,7 @@ def assert_bitwise_equal(actual: mx.array, expected: mx.array, what: str = "") -
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
     if actual.size:
-        same = mx.array_equal(actual.view(mx.uint8), expected.view(mx.uint8)).item()
+        same = mx.array_equal(actual.reshape(-1).view(mx.uint8), expected.reshape(-1).view(mx.uint8)).item()
         assert same, f"{what}: values differ\nactual={actual}\nexpected={expected}"
 
 

@@ -1,0 +1,154 @@
+"""Eager calls, ``mx.compile`` and ``mx.compile(shapeless=True)`` agree.
+
+A shapeless compiled function is traced once and replayed for new shapes
+without running any Python argument check, so the primitives must check the
+shape relations they rely on themselves (docs/spec.md, "Validation"). Each
+case traces with a valid call, then calls with drawn shapes, valid or not, on
+every backend: the outcome must equal the eager call's (the same arrays, or
+an exception), and nothing may crash or read past a buffer.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mlx_knorm
+from conftest import EMULATOR_SETTINGS, assert_bitwise_equal, emulator_built
+
+BACKENDS = ["kernel", "fallback"] + (["metal-emulator"] if emulator_built() else [])
+CONFIG = (6, 1, 1, "low")  # budget, n_sink, recent, keep
+
+
+def gather(*arrays):
+    return mlx_knorm.protected_topk_gather(*arrays, *CONFIG)
+
+
+def norms(keys):
+    return mlx_knorm.key_norms(keys)
+
+
+def gather_arrays(n_rows, n_prior, n_new, key_dim, value_dim, shape_changes, seed):
+    """Arrays of one gather call; ``shape_changes`` maps an argument index to
+    the shape it takes instead (an invalid relation)."""
+    shapes = [
+        (n_rows, n_prior, key_dim),
+        (n_rows, n_prior, value_dim),
+        (n_rows, n_prior),
+        (n_rows, n_new, key_dim),
+        (n_rows, n_new, value_dim),
+        (n_rows, n_new),
+    ]
+    shapes = [shape_changes.get(i, shape) for i, shape in enumerate(shapes)]
+    rng = np.random.default_rng(seed)
+    return [
+        mx.array(rng.standard_normal(shape).astype(np.float32)).astype(
+            mx.float32 if i in (2, 5) else mx.float16
+        )
+        for i, shape in enumerate(shapes)
+    ]
+
+
+@st.composite
+def gather_calls(draw):
+    n_rows = draw(st.integers(1, 3))
+    n_prior = draw(st.integers(0, 12))
+    n_new = draw(st.integers(0, 5))
+    key_dim = draw(st.sampled_from([1, 4, 8, 24]))
+    value_dim = draw(st.sampled_from([key_dim, 8, 64]))
+    changes = {}
+    if draw(st.booleans()):
+        # One argument takes a shape that breaks a relation the kernels rely on.
+        index = draw(st.integers(0, 5))
+        base = [
+            (n_rows, n_prior, key_dim), (n_rows, n_prior, value_dim), (n_rows, n_prior),
+            (n_rows, n_new, key_dim), (n_rows, n_new, value_dim), (n_rows, n_new),
+        ][index]
+        axis = draw(st.integers(0, len(base) - 1))
+        grown = draw(st.sampled_from([1, 7, 300]))
+        changes[index] = tuple(n + grown if a == axis else n for a, n in enumerate(base))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return gather_arrays(n_rows, n_prior, n_new, key_dim, value_dim, changes, seed)
+
+
+def outcome(fn, args):
+    """``("ok", outputs)`` or ``("error", exception type)``."""
+    try:
+        out = fn(*args)
+        mx.eval(out)
+    except (ValueError, TypeError, RuntimeError) as err:
+        return "error", type(err)
+    return "ok", out if isinstance(out, (tuple, list)) else (out,)
+
+
+def assert_same_outcome(eager, compiled, *, may_refuse: bool):
+    """Equal results or an exception; ``may_refuse``: a valid call may raise
+    (a backend that refuses shapeless tracing)."""
+    if eager[0] == "error":
+        assert compiled[0] == "error", "an invalid call succeeded when compiled"
+        return
+    if compiled[0] == "error":
+        assert may_refuse, f"a valid call raised {compiled[1].__name__} when compiled"
+        return
+    for got, want in zip(compiled[1], eager[1]):
+        assert_bitwise_equal(got, want, "compiled vs eager")
+
+
+def check_all_modes(op, trace_args, args, backend):
+    with mlx_knorm.use_backend(backend):
+        eager = outcome(op, args)
+        assert_same_outcome(eager, outcome(mx.compile(op), args), may_refuse=False)
+        shapeless = mx.compile(op, shapeless=True)
+        # Traced on a valid call first, so the drawn call is a replay.
+        traced = outcome(shapeless, trace_args)
+        replay = outcome(shapeless, args)
+        # The fallback computes its selection from the shapes in Python and
+        # refuses shapeless tracing; the primitives infer shapes themselves.
+        refuses = backend == "fallback"
+        assert traced[0] == ("error" if refuses else "ok")
+        assert_same_outcome(eager, replay, may_refuse=refuses)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(EMULATOR_SETTINGS)
+@given(args=gather_calls())
+def test_gather_agrees_under_compile(backend, args):
+    trace_args = gather_arrays(2, 4, 1, 8, 8, {}, 0)
+    check_all_modes(gather, trace_args, args, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(EMULATOR_SETTINGS)
+@given(
+    shape=st.lists(st.integers(0, 5), min_size=0, max_size=2),
+    dim=st.sampled_from([0, 1, 7, 64, 512, 1024]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_key_norms_agree_under_compile(backend, shape, dim, seed):
+    rng = np.random.default_rng(seed)
+    keys = mx.array(rng.standard_normal((*shape, dim)).astype(np.float32))
+    check_all_modes(norms, [mx.ones((2, 8))], [keys], backend)
+
+
+def test_replay_with_wider_values_writes_inside_its_buffers():
+    """Traced with D_v = D_k, replayed with D_v = 8 * D_k: the values output
+    takes the values' width (it once took the keys' and overflowed)."""
+    op = mx.compile(gather, shapeless=True)
+    mx.eval(op(*gather_arrays(2, 4, 1, 8, 8, {}, 0)))
+    args = gather_arrays(2, 40, 1, 8, 64, {}, 1)
+    got = op(*args)
+    want = gather(*args)
+    for g, w in zip(got, want):
+        assert_bitwise_equal(g, w, "replay")
+
+
+def test_replay_with_short_norms_raises():
+    """Norms [2, 4] beside keys [2, 4000, 8] would be read past their end."""
+    op = mx.compile(gather, shapeless=True)
+    mx.eval(op(*gather_arrays(2, 4, 1, 8, 8, {}, 0)))
+    args = gather_arrays(2, 4000, 1, 8, 8, {2: (2, 4)}, 1)
+    with pytest.raises(ValueError, match=r"prior_norms must be \[N, n_prior\]"):
+        mx.eval(op(*args))
