@@ -64,6 +64,8 @@ def gather_cases(draw, max_rows=4, max_prior=40, max_new=40, dims=DIMS, long_row
     n_prior = draw(prior_sizes)
     n_new = draw(st.integers(0, max_new))
     dim = draw(st.sampled_from(dims))
+    # Multi-head latent attention stores keys and values of different widths.
+    value_dim = draw(st.one_of(st.just(dim), st.sampled_from(dims)))
     n_total = n_prior + n_new
     budget = draw(
         st.one_of(
@@ -80,10 +82,10 @@ def gather_cases(draw, max_rows=4, max_prior=40, max_new=40, dims=DIMS, long_row
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     arrays = (
         fill(rng, (n_rows, n_prior, dim), palette, key_dtype),
-        fill(rng, (n_rows, n_prior, dim), "normal", value_dtype),
+        fill(rng, (n_rows, n_prior, value_dim), "normal", value_dtype),
         fill_norms(rng, (n_rows, n_prior), palette),
         fill(rng, (n_rows, n_new, dim), palette, key_dtype),
-        fill(rng, (n_rows, n_new, dim), "normal", value_dtype),
+        fill(rng, (n_rows, n_new, value_dim), "normal", value_dtype),
         fill_norms(rng, (n_rows, n_new), palette),
     )
     return arrays, (budget, n_sink, recent, keep)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import mlx_knorm
@@ -26,8 +27,9 @@ def good(n=2, n_prior=5, s=3, d=8, dtype=mx.float16):
 
 
 SHAPE_ERRORS = [
-    (dict(new_values=mx.ones((2, 4, 8), mx.float16)), "keys/values shape mismatch"),
-    (dict(prior_values=mx.ones((2, 5, 7), mx.float16)), "keys/values shape mismatch"),
+    (dict(new_values=mx.ones((2, 4, 8), mx.float16)), "keys/values mismatch in N or rows"),
+    (dict(prior_values=mx.ones((2, 4, 8), mx.float16)), "keys/values mismatch in N or rows"),
+    (dict(prior_values=mx.ones((2, 5, 7), mx.float16)), "prior vs new mismatch in N or D"),
     (dict(new_keys=mx.ones((3, 3, 8)), new_values=mx.ones((3, 3, 8))), "prior vs new mismatch in N or D"),
     (dict(new_keys=mx.ones((2, 3, 4)), new_values=mx.ones((2, 3, 4))), "prior vs new mismatch in N or D"),
     (dict(prior_norms=mx.zeros((2, 4))), "prior_norms must be [N, n_prior]"),
@@ -44,7 +46,12 @@ TYPE_ERRORS = [
     (dict(prior_values=mx.zeros((2, 5, 8), mx.uint8)), "prior_values must be float16"),
     (dict(prior_norms=mx.zeros((2, 5), mx.float16)), "prior_norms must be float32"),
     (dict(budget=6.0), "budget must be an int"),
+    (dict(budget=mx.array(6)), "budget must be an int, got array"),
+    (dict(n_sink=None), "n_sink must be an int, got NoneType"),
+    (dict(recent=np.array(1)), "recent must be an int, got ndarray"),
+    (dict(keep=None), "keep must be a str, got NoneType"),
     (dict(prior_keys=[[0.0]]), "prior_keys must be an mlx.core.array"),
+    (dict(new_values=None), "new_values must be an mlx.core.array, got NoneType"),
 ]
 
 
@@ -76,6 +83,40 @@ def test_empty_blocks_are_valid(backend):
         assert keys.shape == (2, 4, 8)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_numpy_integers_are_converted_before_any_arithmetic(backend):
+    """np.uint8(200) + np.uint8(100) wraps to 44; the checks must see 300."""
+    with mlx_knorm.use_backend(backend), pytest.raises(ValueError, match=r"n_sink \(200\) \+ recent \(100\)"):
+        mlx_knorm.knorm_update_batched(
+            **{**good(), "budget": 50, "n_sink": np.uint8(200), "recent": np.uint8(100)})
+    with pytest.raises(ValueError, match=r"n_sink \(100\) \+ recent \(100\)"):
+        mlx_knorm.init_knorm_state(n_sink=np.int8(100), budget=np.int8(127), head_dim=8, recent=np.int8(100))
+    state = mlx_knorm.init_knorm_state(n_sink=np.int8(2), budget=np.int64(6), head_dim=np.int16(8))
+    assert type(state.budget) is int and type(state.n_sink) is int
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_protected_topk_gather_names_missing_norms(backend):
+    """None where an array belongs is a TypeError naming it, on every backend."""
+    a = good()
+    with mlx_knorm.use_backend(backend), pytest.raises(TypeError, match="new_norms must be an mlx.core.array, got NoneType"):
+        mlx_knorm.protected_topk_gather(
+            a["prior_keys"], a["prior_values"], a["prior_norms"], a["new_keys"], a["new_values"],
+            None, 6, 1, 1, "low",
+        )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_keys_and_values_may_differ_in_width(backend):
+    """Multi-head latent attention stores keys of dim 192 beside values of dim 128."""
+    a = good()
+    a["prior_values"] = mx.zeros((2, 5, 3), mx.float16)
+    a["new_values"] = mx.ones((2, 3, 3), mx.float16)
+    with mlx_knorm.use_backend(backend):
+        keys, values, norms = mlx_knorm.knorm_update_batched(**a)
+    assert keys.shape == (2, 6, 8) and values.shape == (2, 6, 3) and norms.shape == (2, 6)
+
+
 def test_protected_topk_gather_requires_matching_dtypes():
     args = good()
     with pytest.raises(TypeError, match="new_keys dtype float32 must equal prior dtype float16"):
@@ -100,7 +141,7 @@ def test_extension_checks_its_own_inputs():
     """The bindings are reachable from Python, so they validate too: no crash."""
     a = good()
     ext = _native.ext
-    with pytest.raises(ValueError, match="keys/values shape mismatch"):
+    with pytest.raises(ValueError, match="keys/values mismatch in N or rows"):
         ext.protected_topk_gather(
             a["prior_keys"], a["prior_values"][:, :2], a["prior_norms"], a["new_keys"],
             a["new_values"], mx.zeros((2, 3)), 6, 1, 1, "low",
@@ -128,7 +169,7 @@ def test_failed_update_leaves_state_untouched():
     state = mlx_knorm.init_knorm_state(1, 4, 8)
     state = mlx_knorm.knorm_update(state, mx.ones((3, 8)), mx.ones((3, 8)))
     before = {f: mx.array(getattr(state, f)) for f in ("keys", "values", "norms")}
-    with pytest.raises(ValueError, match="keys/values shape mismatch"):
+    with pytest.raises(ValueError, match="keys/values mismatch in N or rows"):
         mlx_knorm.knorm_update(state, mx.ones((2, 8)), mx.ones((3, 8)))
     with pytest.raises(ValueError, match="prior vs new mismatch"):
         mlx_knorm.knorm_update(state, mx.ones((2, 4)), mx.ones((2, 4)))

@@ -47,14 +47,6 @@ DEFAULT_RECENT = 0
 DEFAULT_KEEP = "low"
 
 
-def _config(budget, n_sink, recent, keep) -> tuple[int, int, int, str]:
-    budget = check_int(budget, "budget")
-    n_sink = check_int(n_sink, "n_sink")
-    recent = check_int(recent, "recent")
-    check_config(budget, n_sink, recent, keep)
-    return budget, n_sink, recent, keep
-
-
 def _storage_dtype(keys: mx.array, values: mx.array) -> mx.Dtype:
     """bfloat16 models keep bfloat16 (no range loss); everything else is stored as float16."""
     if keys.dtype == values.dtype == mx.bfloat16:
@@ -92,7 +84,7 @@ class L2NormKVCache(_BaseCache):
         def pick(value, field, default):
             return value if value is not None else getattr(config, field, default)
 
-        self.budget, self.n_sink, self.recent, self.keep = _config(
+        self.budget, self.n_sink, self.recent, self.keep = check_config(
             pick(budget, "knorm_budget", DEFAULT_BUDGET),
             pick(n_sink, "knorm_n_sink", DEFAULT_N_SINK),
             pick(recent, "knorm_recent", DEFAULT_RECENT),
@@ -214,7 +206,7 @@ class L2NormKVCache(_BaseCache):
     @state.setter
     def state(self, v) -> None:
         keys, values, norms, offset, budget, n_sink, recent, keep = v
-        self.budget, self.n_sink, self.recent, self.keep = _config(budget, n_sink, recent, keep)
+        self.budget, self.n_sink, self.recent, self.keep = check_config(budget, n_sink, recent, keep)
         self.keys, self.values, self.norms = keys, values, norms
         self.offset = check_int(offset, "offset")
 
@@ -227,7 +219,7 @@ class L2NormKVCache(_BaseCache):
     @meta_state.setter
     def meta_state(self, v) -> None:
         budget, n_sink, recent, keep = v
-        self.budget, self.n_sink, self.recent, self.keep = _config(
+        self.budget, self.n_sink, self.recent, self.keep = check_config(
             int(budget), int(n_sink), int(recent), keep
         )
 
@@ -284,7 +276,7 @@ def make_knorm_cache(
     Layers whose model cache is something else (sliding-window
     ``RotatingKVCache``, recurrent state) keep that cache.
     """
-    budget, n_sink, recent, keep = _config(budget, n_sink, recent, keep)
+    budget, n_sink, recent, keep = check_config(budget, n_sink, recent, keep)
     if hasattr(model, "make_cache"):
         caches = list(model.make_cache())
     else:

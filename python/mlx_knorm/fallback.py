@@ -15,9 +15,21 @@ _SIGN = 0x80000000
 _NAN_KEY = 0xFFFFFFFF
 
 
+def _shape_pinned(x: mx.array) -> mx.array:
+    """``x`` as a dense view that ``mx.compile(shapeless=True)`` refuses to trace.
+
+    These functions compute their selection from the input shapes in Python,
+    so a graph traced for one shape would give wrong results when replayed
+    for another. MLX cannot infer the output shape of ``as_strided``, so a
+    shapeless compilation raises instead ("AsStrided cannot infer output
+    shapes"); eagerly and under ordinary ``mx.compile`` it is a view.
+    """
+    return mx.as_strided(x, x.shape)
+
+
 def key_norms(keys: mx.array) -> mx.array:
     """float32 L2 norm of each row of ``keys [..., D]`` (SPEC section 2)."""
-    x = keys.astype(mx.float32)
+    x = _shape_pinned(keys).astype(mx.float32)
     squares = x * x
     dim = squares.shape[-1]
     width = 1
@@ -82,7 +94,7 @@ def protected_topk_gather(
     """(keys, values, norms, indices) kept by SPEC section 3."""
     keys = mx.concatenate([prior_keys, new_keys], axis=1)
     values = mx.concatenate([prior_values, new_values], axis=1)
-    norms = mx.concatenate([prior_norms, new_norms], axis=1)
+    norms = mx.concatenate([_shape_pinned(prior_norms), new_norms], axis=1)
     indices = selected_rows(norms, budget, n_sink, recent, keep)
     rows = indices[:, :, None]
     return (

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .ops import key_norms_unchecked, protected_topk_gather_unchecked
-from .validation import check_config, check_floating, check_gather_args, check_rank
+from .validation import check_block_args, check_config, check_floating, check_rank
 
 
 @dataclass
@@ -47,7 +47,7 @@ def init_knorm_state(
         ValueError: if ``keep`` is invalid, ``budget < 1``, ``n_sink`` or
             ``recent`` is negative, or ``n_sink + recent >= budget``.
     """
-    check_config(budget, n_sink, recent, keep)
+    budget, n_sink, recent, keep = check_config(budget, n_sink, recent, keep)
     return KnormState(None, None, None, n_sink, budget, recent, keep)
 
 
@@ -58,17 +58,17 @@ def knorm_update(state: KnormState, new_keys: mx.array, new_values: mx.array) ->
     """
     if not isinstance(state, KnormState):
         raise TypeError(f"mlx_knorm: state must be a KnormState, got {type(state).__name__}")
-    check_config(state.budget, state.n_sink, state.recent, state.keep)
+    budget, n_sink, recent, keep = check_config(state.budget, state.n_sink, state.recent, state.keep)
     for name, x in (("new_keys", new_keys), ("new_values", new_values)):
         check_floating(x, name)
         check_rank(x, 2, name)
-    dim = new_keys.shape[1]
     if state.keys is None:
-        prior_keys = prior_values = mx.zeros((0, dim), dtype=mx.float16)
+        prior_keys = mx.zeros((0, new_keys.shape[1]), dtype=mx.float16)
+        prior_values = mx.zeros((0, new_values.shape[1]), dtype=mx.float16)
         prior_norms = mx.zeros((0,), dtype=mx.float32)
     else:
         prior_keys, prior_values, prior_norms = state.keys, state.values, state.norms
-    check_gather_args(
+    check_block_args(
         prior_keys[None], prior_values[None], prior_norms[None], new_keys[None], new_values[None]
     )
     # One head of the batched update; rows are stored as float16.
@@ -78,12 +78,12 @@ def knorm_update(state: KnormState, new_keys: mx.array, new_values: mx.array) ->
         prior_norms[None],
         new_keys[None],
         new_values[None],
-        state.budget,
-        state.n_sink,
-        state.recent,
-        state.keep,
+        budget,
+        n_sink,
+        recent,
+        keep,
     )
-    return KnormState(keys[0], values[0], norms[0], state.n_sink, state.budget, state.recent, state.keep)
+    return KnormState(keys[0], values[0], norms[0], n_sink, budget, recent, keep)
 
 
 def knorm_update_batched(
@@ -107,8 +107,8 @@ def knorm_update_batched(
     order, plus the uint32 kept row indices into ``prior ++ new`` when
     ``return_indices``.
     """
-    check_config(budget, n_sink, recent, keep)
-    check_gather_args(prior_keys, prior_values, prior_norms, new_keys, new_values)
+    budget, n_sink, recent, keep = check_config(budget, n_sink, recent, keep)
+    check_block_args(prior_keys, prior_values, prior_norms, new_keys, new_values)
     keys, values, norms, indices = protected_topk_gather_unchecked(
         prior_keys,
         prior_values,

@@ -13,7 +13,13 @@ import mlx.core as mx
 
 from . import _native, fallback
 from .backend import resolve
-from .validation import check_config, check_gather_args, check_key_norms_args, dtype_name
+from .validation import (
+    check_block_args,
+    check_config,
+    check_key_norms_args,
+    check_new_norms,
+    dtype_name,
+)
 
 
 def _stream_scope(stream):
@@ -57,8 +63,9 @@ def protected_topk_gather(
     budget)``. ``new_keys``/``new_values`` must have the dtypes of
     ``prior_keys``/``prior_values``.
     """
-    check_config(budget, n_sink, recent, keep)
-    check_gather_args(prior_keys, prior_values, prior_norms, new_keys, new_values, new_norms)
+    budget, n_sink, recent, keep = check_config(budget, n_sink, recent, keep)
+    check_block_args(prior_keys, prior_values, prior_norms, new_keys, new_values)
+    check_new_norms(new_norms, new_keys)
     for name, new, prior in (
         ("new_keys", new_keys, prior_keys),
         ("new_values", new_values, prior_values),
