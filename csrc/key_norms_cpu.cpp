@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <vector>
 
@@ -64,9 +65,21 @@ struct Float32Format {
   }
 };
 
-// SPEC section 2 for each row: squares, +0 padding to the power-of-two
-// width, then the halving adds in the pinned order. The loops carry no
-// dependence across i, so they vectorise without reordering any add.
+// Squares below the smallest normal float are +0 (docs/spec.md §2 step 2);
+// NaN compares false and passes through.
+inline float flushed_square(float v) {
+  const float square = v * v;
+  return square < std::numeric_limits<float>::min() ? 0.0f : square;
+}
+
+// docs/spec.md §2 step 6: one NaN bit pattern on every backend.
+inline float canonical_norm(float norm) {
+  return std::isnan(norm) ? float_from_bits(0x7FC00000u) : norm;
+}
+
+// docs/spec.md §2 for each row: flushed squares, +0 padding to the
+// power-of-two width, then the halving adds in the pinned order. The loops
+// carry no dependence across i, so they vectorise without reordering any add.
 template <typename Format>
 inline void norm_rows(
     const typename Format::Bits* __restrict keys,
@@ -81,15 +94,14 @@ inline void norm_rows(
   for (int64_t r = 0; r < rows; ++r) {
     const typename Format::Bits* x = keys + r * dim;
     for (int64_t i = 0; i < dim; ++i) {
-      const float v = Format::to_float(x[i]);
-      squares[i] = v * v;
+      squares[i] = flushed_square(Format::to_float(x[i]));
     }
     for (int64_t h = width / 2; h >= 1; h /= 2) {
       for (int64_t i = 0; i < h; ++i) {
         squares[i] = squares[i] + squares[i + h];
       }
     }
-    norms[r] = std::sqrt(squares[0]);
+    norms[r] = canonical_norm(std::sqrt(squares[0]));
   }
 }
 
@@ -144,6 +156,8 @@ __attribute__((target("avx2,f16c"))) void norm_rows_avx2(
   constexpr int kRegs = kWidth / 8;
   const int loaded = static_cast<int>(dim / 8);
   const int64_t blocks = rows / 8;
+  const __m256 smallest_normal = _mm256_set1_ps(std::numeric_limits<float>::min());
+  const __m256 canonical_nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
   for (int64_t b = 0; b < blocks; ++b) {
     __m256 head[8];
     for (int r = 0; r < 8; ++r) {
@@ -152,7 +166,10 @@ __attribute__((target("avx2,f16c"))) void norm_rows_avx2(
       for (int k = 0; k < kRegs; ++k) {
         if (k < loaded) {
           const __m256 v = Load::load8(x + 8 * k);
-          s[k] = _mm256_mul_ps(v, v);
+          const __m256 square = _mm256_mul_ps(v, v);
+          // Keep lanes that are not below the smallest normal (NaN kept).
+          const __m256 normal = _mm256_cmp_ps(square, smallest_normal, _CMP_NLT_UQ);
+          s[k] = _mm256_and_ps(square, normal);
         } else {
           s[k] = _mm256_setzero_ps();
         }
@@ -191,7 +208,9 @@ __attribute__((target("avx2,f16c"))) void norm_rows_avx2(
         t[i] = _mm256_add_ps(t[i], t[i + h]);
       }
     }
-    _mm256_storeu_ps(norms + b * 8, _mm256_sqrt_ps(t[0]));
+    const __m256 norm = _mm256_sqrt_ps(t[0]);
+    const __m256 is_nan = _mm256_cmp_ps(norm, norm, _CMP_UNORD_Q);
+    _mm256_storeu_ps(norms + b * 8, _mm256_blendv_ps(norm, canonical_nan, is_nan));
   }
 }
 

@@ -58,6 +58,11 @@ template <typename T>
     if (i < dim) {
       const float a = float(x[i]);
       square = a * a;
+      // docs/spec.md §2 step 2: squares below the smallest normal float are
+      // +0 whether or not this GPU flushes subnormals (NaN compares false).
+      if (square < FLT_MIN) {
+        square = 0.0f;
+      }
     }
     s[k] = square;
   }
@@ -72,7 +77,9 @@ template <typename T>
     acc = acc + other;
   }
   if (lane == 0) {
-    norms[row] = precise::sqrt(acc);
+    const float norm = precise::sqrt(acc);
+    // docs/spec.md §2 step 6: one NaN bit pattern on every GPU.
+    norms[row] = isnan(norm) ? as_type<float>(0x7FC00000u) : norm;
   }
 }
 

@@ -1,4 +1,4 @@
-"""KeyNorms: SPEC section 2 on every backend, bit for bit."""
+"""KeyNorms: docs/spec.md §2 on every backend, bit for bit."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mlx_knorm
-from conftest import EMULATOR_SETTINGS, assert_bitwise_equal, requires_emulator
+from conftest import EMULATOR_SETTINGS, assert_bitwise_equal, emulator_built, requires_emulator
 from generators import DIMS, DTYPES, PALETTES, fill
 
 
@@ -22,16 +22,21 @@ def norms_on(backend: str, keys: mx.array) -> mx.array:
         return out
 
 
+CANONICAL_NAN = np.uint32(0x7FC00000).view(np.float32)
+
+
 def pinned_norm(row: np.ndarray) -> np.float32:
-    """SPEC section 2 step by step in numpy float32."""
+    """docs/spec.md §2 step by step in numpy float32."""
     squares = row.astype(np.float32) * row.astype(np.float32)
+    squares[squares < np.finfo(np.float32).tiny] = 0.0
     width = 1
     while width < len(squares):
         width *= 2
     s = np.concatenate([squares, np.zeros(width - len(squares), np.float32)])
     while len(s) > 1:
         s = s[: len(s) // 2] + s[len(s) // 2 :]
-    return np.sqrt(s[0])
+    norm = np.sqrt(s[0])
+    return CANONICAL_NAN if np.isnan(norm) else norm
 
 
 @given(
@@ -68,6 +73,41 @@ def test_matches_pinned_order_in_numpy(backend, dim):
     expected = np.array([pinned_norm(r) for r in rows], dtype=np.float32)
     actual = np.array(norms_on(backend, mx.array(rows)))
     assert actual.tobytes() == expected.tobytes()
+
+
+ALL_BACKENDS = ["kernel", "fallback"] + (["metal-emulator"] if emulator_built() else [])
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("dim", [3, 8, 64, 100])
+def test_subnormal_squares_flush_to_zero(backend, dtype, dim):
+    """Keys of magnitude 2^-65 .. 2^-75 have float32-subnormal squares: each is
+    +0 on every backend, whatever the hardware does with subnormals."""
+    rng = np.random.default_rng(dim)
+    exponents = rng.integers(-75, -64, size=(9, dim))
+    rows = (rng.choice([-1.0, 1.0], size=(9, dim)) * np.exp2(exponents.astype(np.float64))).astype(np.float32)
+    rows[0, 0] = 2.0**-60  # one normal square beside subnormal ones
+    rows[1, :] = 2.0**-63  # the square 2^-126 is the smallest normal: kept
+    keys = mx.array(rows).astype(dtype)
+    expected = np.array([pinned_norm(r) for r in np.array(keys.astype(mx.float32))], dtype=np.float32)
+    assert expected[0] == np.float32(2.0**-60) and expected[1] > 0 and (expected[2:] == 0).all()
+    assert np.array(norms_on(backend, keys)).tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_nan_norms_are_one_canonical_nan(backend, dtype):
+    """Keys with NaNs of any payload and sign give the norm 0x7FC00000."""
+    payloads = {"float16": [0x7E01, 0xFD55, 0x7C01], "bfloat16": [0x7FC1, 0xFF81, 0x7F81],
+                "float32": [0x7FC00123, 0xFFA00000, 0x7F800001]}[dtype]
+    bits_dtype = np.uint32 if dtype == "float32" else np.uint16
+    # 17 rows: two blocks of eight for the CPU's eight-row kernel, one more.
+    rows = np.zeros((17, 16), dtype=bits_dtype)
+    for i in range(17):
+        rows[i, i % 16] = payloads[i % len(payloads)]
+    keys = mx.array(rows).view(DTYPES[dtype])
+    assert np.array(norms_on(backend, keys)).view(np.uint32).tolist() == [0x7FC00000] * 17
 
 
 @pytest.mark.parametrize("backend", ["kernel", "fallback"])

@@ -15,6 +15,7 @@
 // includes nothing else: the qualifier macros below would break other code.
 #pragma once
 
+#include <cfloat>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>

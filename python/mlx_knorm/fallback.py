@@ -13,6 +13,8 @@ import mlx.core as mx
 
 _SIGN = 0x80000000
 _NAN_KEY = 0xFFFFFFFF
+_SMALLEST_NORMAL = 2.0**-126
+_CANONICAL_NAN = mx.array(0x7FC00000, mx.uint32).view(mx.float32)
 
 
 def _shape_pinned(x: mx.array) -> mx.array:
@@ -31,6 +33,9 @@ def key_norms(keys: mx.array) -> mx.array:
     """float32 L2 norm of each row of ``keys [..., D]`` (SPEC section 2)."""
     x = _shape_pinned(keys).astype(mx.float32)
     squares = x * x
+    # Squares below the smallest normal float are +0 on every backend
+    # (NaN compares false and stays).
+    squares = mx.where(squares < _SMALLEST_NORMAL, mx.array(0.0, mx.float32), squares)
     dim = squares.shape[-1]
     width = 1
     while width < dim:
@@ -41,7 +46,8 @@ def key_norms(keys: mx.array) -> mx.array:
     while squares.shape[-1] > 1:
         half = squares.shape[-1] // 2
         squares = squares[..., :half] + squares[..., half:]
-    return mx.sqrt(squares[..., 0])
+    norms = mx.sqrt(squares[..., 0])
+    return mx.where(mx.isnan(norms), _CANONICAL_NAN, norms)
 
 
 def score_order_key(score: mx.array) -> mx.array:
