@@ -4,24 +4,38 @@ feeds them tokens, for the cache tests and the distributed worker."""
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models import deepseek_v2, gemma2, llama, qwen2
+from mlx_lm.models import deepseek_v2, deepseek_v3, gemma2, llama, qwen2
 
 VOCAB = 64
 HEAD_DIM = 16
 KV_HEADS = 2
+# deepseek_v2 caches one key and value row per query head.
+QUERY_HEADS = 4
 
-# deepseek_v2's multi-head latent attention caches keys of width
+# Multi-head latent attention: deepseek_v2 caches keys of width
 # qk_nope_head_dim + qk_rope_head_dim and values of width v_head_dim.
-MLA_KEY_DIM = 16 + 8
+MLA_ROPE_DIM = 8
+MLA_KEY_DIM = 16 + MLA_ROPE_DIM
 MLA_VALUE_DIM = 16
+# deepseek_v3 caches the compressed latent (kv_lora_rank wide) and the rope part.
+MLA_LATENT_DIM = 16
 
 _COMMON = dict(
     hidden_size=64,
     intermediate_size=96,
-    num_attention_heads=4,
+    num_attention_heads=QUERY_HEADS,
     num_key_value_heads=KV_HEADS,
     rms_norm_eps=1e-5,
     vocab_size=VOCAB,
+)
+
+_MLA = dict(
+    q_lora_rank=None,
+    kv_lora_rank=MLA_LATENT_DIM,
+    qk_nope_head_dim=MLA_KEY_DIM - MLA_ROPE_DIM,
+    qk_rope_head_dim=MLA_ROPE_DIM,
+    v_head_dim=MLA_VALUE_DIM,
+    max_position_embeddings=512,
 )
 
 ARCHS = {
@@ -29,19 +43,9 @@ ARCHS = {
     "qwen2": (qwen2, dict(model_type="qwen2")),
     # Every layer attends through one array mask built from the first cache.
     "gemma2": (gemma2, dict(model_type="gemma2", head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM)),
-    "deepseek_v2": (
-        deepseek_v2,
-        dict(
-            model_type="deepseek_v2",
-            q_lora_rank=None,
-            kv_lora_rank=16,
-            qk_nope_head_dim=MLA_KEY_DIM - 8,
-            qk_rope_head_dim=8,
-            v_head_dim=MLA_VALUE_DIM,
-            rope_scaling={"factor": 1.0},
-            max_position_embeddings=512,
-        ),
-    ),
+    "deepseek_v2": (deepseek_v2, dict(model_type="deepseek_v2", **_MLA, rope_scaling={"factor": 1.0})),
+    # Caches the compressed latent and the rotary part; one array mask for all layers.
+    "deepseek_v3": (deepseek_v3, dict(model_type="deepseek_v3", **_MLA)),
 }
 
 
