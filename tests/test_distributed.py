@@ -56,8 +56,14 @@ def ranks(tmp_path_factory) -> dict[str, list[dict[str, np.ndarray]]]:
         # Its own session, so that a timeout ends the launcher and both ranks.
         # stdin stays an open pipe: the launcher forwards it to the ranks and
         # would spin on a closed one.
+        # mlx.launch leaves its pid and host files in $TMPDIR: keep them in out.
         launch = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            command,
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "TMPDIR": str(out)},
         )
         try:
             launch.wait(timeout=LAUNCH_TIMEOUT_S)
