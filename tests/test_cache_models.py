@@ -5,6 +5,7 @@ layers, and skip_layers. Tiny random models, no downloads."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
@@ -48,21 +49,27 @@ SHARED_ARRAY_MASK = ("gemma2", "deepseek_v3")
 SKIP_WORKS = ("llama", "qwen2", "deepseek_v2")
 
 
+def stored(layer) -> tuple[mx.array, mx.array]:
+    """The keys and values a layer holds: the first ``size()`` rows of the
+    first two parts of its mlx-lm state (KVCache's state is its buffers)."""
+    keys, values = layer.state[:2]
+    return keys[..., : layer.size(), :], values[..., : layer.size(), :]
+
+
 def check_layers(cache, arch: str, seen: int) -> None:
-    """Every compressed layer holds min(seen, budget) rows of the right widths
-    and the norms of its own keys; skipped layers hold everything."""
+    """Every compressed layer holds min(seen, budget) rows of the right widths;
+    skipped layers hold everything."""
     heads, key_dim, value_dim = CACHE_SHAPES[arch]
     for layer in cache:
+        rows = min(seen, BUDGET) if isinstance(layer, L2NormKVCache) else seen
+        keys, values = stored(layer)
+        assert keys.shape == (1, heads, rows, key_dim) and values.shape == (1, heads, rows, value_dim)
+        assert layer.size() == rows and layer.offset == seen
         if isinstance(layer, L2NormKVCache):
-            kept = min(seen, BUDGET)
-            assert layer.keys.shape == (1, heads, kept, key_dim)
-            assert layer.values.shape == (1, heads, kept, value_dim)
-            assert layer.knorm_kept_bytes == heads * kept * (key_dim + value_dim) * 2
+            assert layer.knorm_kept_bytes == heads * rows * (key_dim + value_dim) * 2
             assert layer.full_seq_bytes == heads * seen * (key_dim + value_dim) * 2
-            assert mx.array_equal(layer.norms, mlx_knorm.key_norms(layer.keys)).item()
         else:
             assert type(layer) is KVCache
-        assert layer.offset == seen
 
 
 def run(arch: str, backend: str, skip_layers=()):
@@ -99,8 +106,7 @@ def test_every_backend_gives_kvcache_logits_until_the_budget_and_one_result_afte
         for step, (ours, theirs) in enumerate(zip(logits, kernel_logits)):
             assert mx.array_equal(ours, theirs).item(), f"{backend}, step {step}"
         for ours, theirs in zip(cache, kernel_cache):
-            assert mx.array_equal(ours.keys, theirs.keys).item()
-            assert mx.array_equal(ours.values, theirs.values).item()
+            assert all(mx.array_equal(a, b).item() for a, b in zip(stored(ours), stored(theirs)))
     assert [type(c) for c in kernel_cache] == [
         KVCache if index in skip_layers else L2NormKVCache for index in range(4)
     ]
@@ -114,9 +120,30 @@ def test_a_skipped_first_layer_keeps_what_kvcache_keeps(arch):
     model = tiny_model(arch, layers=4)
     full = [KVCache() for _ in model.layers]
     teacher_forced(model, full, tokens(1, sum(BLOCKS), seed=13), BLOCKS)
-    state, full_state = cache[0].state, full[0].state
-    assert all(mx.array_equal(a, b).item() for a, b in zip(state, full_state))
+    assert all(mx.array_equal(a, b).item() for a, b in zip(stored(cache[0]), stored(full[0])))
     assert [c.size() for c in cache] == [sum(BLOCKS)] + [BUDGET] * 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_latent_attention_keeps_the_lowest_key_norm_rows_with_their_values(backend):
+    """deepseek_v2, keys 24 wide and values 16: layer 0's rows depend on the
+    tokens alone, so a full cache has them all. The kept rows are the sinks
+    and the lowest key norms of the rest, each key with its own value."""
+    model = tiny_model("deepseek_v2", layers=2)
+    ids = tokens(1, 40, seed=19)
+    cache = make_knorm_cache(model, budget=BUDGET, n_sink=N_SINK)
+    with mlx_knorm.use_backend(backend):
+        teacher_forced(model, cache, ids, [25, 1, 1, 13])
+    full = [KVCache() for _ in model.layers]
+    teacher_forced(model, full, ids, [40])
+    all_keys, all_values = stored(full[0])
+    norms = np.array(mlx_knorm.key_norms(all_keys))
+    keys, values = stored(cache[0])
+    for head in range(QUERY_HEADS):
+        rest = N_SINK + np.argsort(norms[0, head, N_SINK:], kind="stable")[: BUDGET - N_SINK]
+        rows = mx.array(np.concatenate([np.arange(N_SINK), np.sort(rest)]))
+        assert mx.array_equal(keys[0, head], all_keys[0, head][rows]).item()
+        assert mx.array_equal(values[0, head], all_values[0, head][rows]).item()
 
 
 @pytest.mark.parametrize("arch", SHARED_ARRAY_MASK)
