@@ -11,61 +11,19 @@ import pytest
 
 
 from mlx_lm.generate import generate, generate_step, stream_generate
-from mlx_lm.models import llama, qwen2
 from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
 
 import mlx_knorm
 from mlx_knorm.cache import L2NormKVCache, make_knorm_cache
 
-VOCAB = 64
-HEAD_DIM = 16
-KV_HEADS = 2
+from tiny_models import HEAD_DIM, KV_HEADS, VOCAB, teacher_forced, tiny_model, tokens
 
-ARCHS = {
-    "llama": (llama, dict(model_type="llama")),
-    "qwen2": (qwen2, dict(model_type="qwen2")),
-}
+ARCHS = ("llama", "qwen2")
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16}
-
-
-def tiny_model(arch: str, dtype=mx.float16, layers: int = 3, **extra):
-    module, kind = ARCHS[arch]
-    args = module.ModelArgs(
-        **kind,
-        hidden_size=64,
-        num_hidden_layers=layers,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=KV_HEADS,
-        rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
-        **extra,
-    )
-    mx.random.seed(7)
-    model = module.Model(args)
-    model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    return model
-
-
-def tokens(batch: int, length: int, seed: int = 3) -> mx.array:
-    return mx.random.randint(0, VOCAB, (batch, length), key=mx.random.key(seed))
 
 
 def knorm_layers(cache) -> list[L2NormKVCache]:
     return [c for c in cache if isinstance(c, L2NormKVCache)]
-
-
-def teacher_forced(model, cache, ids: mx.array, blocks: list[int]):
-    """Logits of each forward call, feeding ``ids`` in blocks of the given sizes."""
-    out, start = [], 0
-    for size in blocks:
-        logits = model(ids[:, start : start + size], cache=cache)
-        mx.eval(logits, [c.state for c in cache])
-        out.append(logits)
-        start += size
-    assert start == ids.shape[1]
-    return out
 
 
 def check_accounting(cache: L2NormKVCache, batch: int, seen: int, budget: int) -> None:

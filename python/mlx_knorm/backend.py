@@ -4,8 +4,10 @@
 stream's device and the pure-MLX fallback elsewhere; ``"kernel"`` insists on
 the native kernel; ``"fallback"`` always uses the fallback;
 ``"metal-emulator"`` runs the Metal kernels through the CPU emulator of the
-Metal execution model (slow; for testing). ``MLX_KNORM_BACKEND`` sets the
-default.
+Metal execution model (slow; for testing), on the CPU: on ``stream`` when that
+is a CPU stream or device, on the CPU's default stream when it is None, and a
+GPU ``stream`` raises ``ValueError``. ``MLX_KNORM_BACKEND`` sets the default
+for the whole process; ``use_backend`` overrides it for one thread or context.
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ class use_backend:
 
     >>> with mlx_knorm.use_backend("fallback"):
     ...     ...
+
+    The choice lives in a ``contextvars.ContextVar``, so it applies to the
+    calling thread (and to asyncio tasks and ``contextvars.copy_context()``
+    copies made from it afterwards) only. Other threads, including threads
+    started later, keep ``MLX_KNORM_BACKEND`` (read on every call) or
+    ``"auto"``: call ``use_backend`` in each thread, or set
+    ``MLX_KNORM_BACKEND`` for the whole process.
     """
 
     def __init__(self, name: str):
@@ -92,6 +101,20 @@ def _device_of(stream) -> mx.Device:
         "mlx_knorm: stream must be an mlx.core.Stream, Device, DeviceType or None, "
         f"got {type(stream).__name__}"
     )
+
+
+def emulator_stream(stream):
+    """Where the Metal emulator runs: ``stream`` if it is on the CPU, the CPU's
+    default stream for None. The emulator is CPU code, so a GPU stream raises
+    instead of being ignored."""
+    if stream is None:
+        return mx.cpu
+    if _device_of(stream).type != mx.DeviceType.cpu:
+        raise ValueError(
+            "mlx_knorm: the metal-emulator backend runs on the CPU; stream must be "
+            f"None or a CPU stream or device, got {stream}"
+        )
+    return stream
 
 
 def resolve(stream, key_dim: int | None = None) -> str:

@@ -17,11 +17,11 @@ what ``KVCache`` returns, and logits are bit-identical.
 
 Limits: mlx-lm models build one attention mask from one layer's cache and
 share it across layers. Every ``L2NormKVCache`` of a model holds the same
-row count, so they agree; a model that asks for array masks
-(``return_array=True``, e.g. gemma2, deepseek_v3) must not take its mask
-from a ``skip_layers`` layer, whose row count differs once eviction starts.
-There is no ``merge``, so mlx-lm's ``BatchGenerator`` (and ``mlx_lm.server``
-batching) does not batch these caches; batches built by the caller
+row count, so they agree; a model that asks for an array mask
+(``return_array=True``, e.g. gemma2, deepseek_v3) would apply it to a
+``skip_layers`` layer, whose row count differs once eviction starts, so
+``make_knorm_cache`` refuses ``skip_layers`` for such models. There is no
+``merge``, so mlx-lm's ``BatchGenerator`` (and ``mlx_lm.server`` batching) does not batch these caches; batches built by the caller
 (``[B, S]`` inputs) are supported.
 
 Importing this module registers ``L2NormKVCache`` in
@@ -224,9 +224,10 @@ class L2NormKVCache(_BaseCache):
         )
 
     def _fp16_bytes(self, tokens: int) -> int:
-        # The reference's accounting: K + V at 2 bytes per element, all B*H heads.
+        # The reference's accounting: K + V at 2 bytes per element, all B*H
+        # heads; keys and values may differ in width (multi-head latent attention).
         batch, heads, _, key_dim = self.keys.shape
-        return batch * heads * tokens * key_dim * 2 * 2
+        return batch * heads * tokens * (key_dim + self.values.shape[-1]) * 2
 
     @property
     def knorm_kept_bytes(self) -> int:
@@ -258,6 +259,37 @@ class L2NormKVCache(_BaseCache):
         return self.size()
 
 
+def _model_cache(model: nn.Module) -> list:
+    """The cache mlx-lm would build: ``model.make_cache()``, else a KVCache per layer."""
+    if hasattr(model, "make_cache"):
+        return list(model.make_cache())
+    return [KVCache() for _ in model.layers]
+
+
+def _array_mask_sources(model: nn.Module) -> list[int]:
+    """The layers whose plain KVCache the model asks for an array mask.
+
+    mlx-lm models build a mask from one layer's cache and hand it to every
+    layer. A ``"causal"`` mask adapts to each layer's own row count; an array
+    mask (``return_array=True``, or any ``window_size``) has the row count of
+    the cache it came from. Found by building, never evaluating, one 2-token
+    forward pass over a throwaway cache that records the requests.
+    """
+    asked = set()
+    probe = _model_cache(model)
+    for index, cache in enumerate(probe):
+        if type(cache) is KVCache:
+
+            def make_mask(N, return_array=False, window_size=None, _index=index, _cache=cache):
+                if return_array or window_size is not None:
+                    asked.add(_index)
+                return KVCache.make_mask(_cache, N, return_array=return_array, window_size=window_size)
+
+            cache.make_mask = make_mask
+    model(mx.zeros((1, 2), mx.int32), cache=probe)
+    return sorted(asked)
+
+
 def make_knorm_cache(
     model: nn.Module,
     budget: int = DEFAULT_BUDGET,
@@ -275,12 +307,29 @@ def make_knorm_cache(
     (``skip_layers=(0, 1)``), since their key norms do not predict attention.
     Layers whose model cache is something else (sliding-window
     ``RotatingKVCache``, recurrent state) keep that cache.
+
+    ``skip_layers`` needs a model that gives each layer a mask fitting its own
+    row count. A model that builds one array mask from one layer's cache and
+    shares it across layers (in mlx-lm 0.32 gemma2 and deepseek_v3, among
+    others) would apply it to layers holding another number of rows once
+    eviction starts, so for such a model ``skip_layers`` raises
+    ``ValueError``. To tell, ``make_knorm_cache`` builds a 2-token forward
+    pass that records the masks asked for, only when ``skip_layers`` names a
+    layer; the pass is never evaluated, so nothing runs and no process of a
+    distributed group communicates.
+
+    After mlx-lm's ``pipeline()``, ``model.layers`` is the rank's own share
+    of the layers, so ``skip_layers`` counts from the rank's first layer
+    (``model.model.start_idx`` of the whole model).
+
+    Tried on tiny random mlx-lm models: llama (also with ``skip_layers``, and
+    split over ``mx.distributed`` by ``shard()``), qwen2 (also with
+    ``skip_layers``), deepseek_v2 (keys 24 wide, values 16; also with
+    ``skip_layers``, and split by ``pipeline()``), gemma2 and deepseek_v3
+    (which refuse ``skip_layers``).
     """
     budget, n_sink, recent, keep = check_config(budget, n_sink, recent, keep)
-    if hasattr(model, "make_cache"):
-        caches = list(model.make_cache())
-    else:
-        caches = [KVCache() for _ in model.layers]
+    caches = _model_cache(model)
     skipped = set()
     for layer in skip_layers:
         layer = check_int(layer, "skip_layers entry")
@@ -290,11 +339,21 @@ def make_knorm_cache(
                 f"with {len(caches)} layers"
             )
         skipped.add(layer)
+    compress = [type(cache) is KVCache and index not in skipped for index, cache in enumerate(caches)]
+    if any(compress) and any(type(caches[index]) is KVCache for index in skipped):
+        sources = _array_mask_sources(model)
+        if sources:
+            raise ValueError(
+                f"mlx_knorm: skip_layers={sorted(skipped)} cannot work with this "
+                f"{type(model).__module__} model: it builds one array attention mask "
+                f"from the cache of layer {sources[0]} and shares it across layers, and "
+                "once eviction starts a skipped layer holds every token while the others "
+                f"hold at most budget={budget} rows, so the mask fits only one of them. "
+                "Use skip_layers=() with this model."
+            )
     return [
-        L2NormKVCache(budget=budget, n_sink=n_sink, recent=recent, keep=keep)
-        if type(cache) is KVCache and index not in skipped
-        else cache
-        for index, cache in enumerate(caches)
+        L2NormKVCache(budget=budget, n_sink=n_sink, recent=recent, keep=keep) if replace else cache
+        for replace, cache in zip(compress, caches)
     ]
 
 

@@ -12,7 +12,7 @@ import contextlib
 import mlx.core as mx
 
 from . import _native, fallback
-from .backend import resolve
+from .backend import emulator_stream, resolve
 from .validation import (
     check_block_args,
     check_config,
@@ -38,7 +38,7 @@ def key_norms_unchecked(keys: mx.array, stream=None) -> mx.array:
         with _stream_scope(stream):
             return fallback.key_norms(keys)
     if backend == "metal-emulator":
-        return _native.ext.key_norms(keys, emulate_metal=True, stream=mx.cpu)
+        return _native.ext.key_norms(keys, emulate_metal=True, stream=emulator_stream(stream))
     return _native.ext.key_norms(keys, stream=stream)
 
 
@@ -92,5 +92,7 @@ def protected_topk_gather_unchecked(
         with _stream_scope(stream):
             return fallback.protected_topk_gather(*args)
     if backend == "metal-emulator":
-        return tuple(_native.ext.protected_topk_gather(*args, emulate_metal=True, stream=mx.cpu))
+        return tuple(
+            _native.ext.protected_topk_gather(*args, emulate_metal=True, stream=emulator_stream(stream))
+        )
     return tuple(_native.ext.protected_topk_gather(*args, stream=stream))
