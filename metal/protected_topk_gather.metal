@@ -1,36 +1,28 @@
-// ProtectedTopKGather on the GPU: one eviction step of SPEC section 3.
+// ProtectedTopKGather on the GPU: one eviction step of docs/spec.md
+// section 3.
 //
-// One threadgroup of 256 threads per row n, all N rows in one dispatch.
+// One threadgroup of kGatherGroupSize threads per row n, all N rows in one
+// dispatch.
 // 1. Radix select (4 passes of 8 bits) over the order-preserving uint32 key
 //    of the middle rows' scores finds the key `threshold` of the m-th best
 //    middle row and how many middle rows with exactly that key are kept
 //    (`take_equal`: ties go to the earliest rows).
-// 2. A stable compaction walks the rows in temporal order, 256 at a time;
-//    two threadgroup prefix sums give each row its rank among equal keys
-//    and its output position. Kept rows write their index and norm.
+// 2. A stable compaction walks the rows in temporal order, a threadgroup at
+//    a time; two threadgroup prefix sums give each row its rank among equal
+//    keys and its output position. Kept rows write their index and norm.
 // 3. One SIMD group per output row copies the key and value rows, read
 //    straight from prior or new (the concatenation is never built), lanes on
 //    consecutive elements so that loads and stores coalesce.
 // All indices into K/V buffers are 64-bit.
 //
-// This file compiles as Metal Shading Language and, through
-// csrc/metal_emulator/metal_emulator.h, as C++.
-#ifdef __METAL_VERSION__
-#include <metal_stdlib>
-// threadgroup qualifies both declarations and pointers; only the declaration
-// form needs a macro for the C++ build of this file.
-#define KNORM_THREADGROUP_ARRAY(type, name, count) threadgroup type name[count]
-#define KNORM_KERNEL_INSTANCE(name, ...) \
-  template [[host_name(name)]] [[kernel]] decltype(__VA_ARGS__) __VA_ARGS__;
-#endif
+// Launched by csrc/protected_topk_gather/metal.cpp. Compiles as Metal
+// Shading Language and, through csrc/metal_emulator/metal_emulator.h, as C++.
+#include "knorm_defines.h"
 
-using namespace metal;
-
-// Must equal kGatherGroupSize in csrc/launch_plan.cpp: one radix bin per
-// thread.
-constant constexpr uint kGatherGroupSize = 256;
-constant constexpr uint kGatherSimdGroups = kGatherGroupSize / 32;
+constant constexpr uint kGatherSimdGroups = kGatherGroupSize / kSimdWidth;
+// One radix bin per thread.
 constant constexpr uint kRadixBins = 256;
+static_assert(kRadixBins == kGatherGroupSize, "one radix bin per thread");
 
 // score -> uint32 with a < b iff key(a) < key(b); -0 == +0; NaN after +inf.
 // keep="high" ranks by -norm, a flip of the sign bit.
@@ -85,7 +77,7 @@ inline KnormScan knorm_block_scan(
   return out;
 }
 
-// Row selection constants are computed on the host (launch_plan.cpp) from
+// Row selection constants are computed on the host (the launch plan) from
 // the shapes: rows [0, sink_end) and [mid_end, n_total) are protected, and
 // mid_keep > 0 middle rows are kept when the row evicts. Without eviction
 // the plan protects every row and sets mid_keep = 0.

@@ -1,20 +1,16 @@
-// CPU kernel of ProtectedTopKGather. Per row: one pass builds the order keys
-// of the evictable middle, a radix select finds the threshold key and how
-// many rows at it are kept (O(n), the Metal kernel's method), and one pass
-// copies the kept rows in temporal order as contiguous runs read straight
-// from prior and new: the concatenation is never materialised. When one row
-// leaves (a decode step) a single scan finds it.
+// CPU kernel of ProtectedTopKGather (docs/spec.md §3). Per head: one pass
+// builds the order keys of the evictable middle, a radix select finds the
+// threshold key and how many rows at it are kept (O(n), the Metal kernel's
+// method), and one pass copies the kept rows in temporal order as contiguous
+// runs read straight from prior and new: the concatenation is never
+// materialised. When one row leaves (a decode step) a single scan finds it.
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
-#include "mlx/backend/cpu/encoder.h"
-
-#include "huge_pages.h"
-#include "metal_emulated.h"
-#include "parallel.h"
-#include "protected_topk_gather.h"
-#include "selection.h"
+#include "common/parallel.h"
+#include "protected_topk_gather/protected_topk_gather.h"
 
 namespace mlx_knorm {
 
@@ -92,7 +88,7 @@ struct Threshold {
 
 // The rank-th smallest (1-based) of keys, and how many of the keys equal to
 // it fall within the first rank: those are kept, earliest rows first, which
-// is SPEC section 3's tie rule.
+// is the tie rule of docs/spec.md §3.
 Threshold radix_select(
     const std::vector<uint32_t>& keys,
     int64_t rank,
@@ -161,11 +157,10 @@ void copy_runs(const GatherBuffers& b, int64_t n, const std::vector<Run>& runs) 
 
 void gather_rows(
     const GatherBuffers& b,
-    const GatherConfig& config,
+    const SelectionConfig& config,
     int64_t row_begin,
     int64_t row_end) {
-  const RowSelection sel(
-      b.n_prior + b.n_new, config.budget, config.n_sink, config.recent);
+  const RowSelection sel(b.n_prior + b.n_new, config);
   if (!sel.evicts) {
     for (int64_t n = row_begin; n < row_end; ++n) {
       copy_run(b, n, 0, sel.n_total, 0);
@@ -231,91 +226,29 @@ void gather_rows(
 } // namespace
 
 void protected_topk_gather_cpu(
-    const std::vector<mx::array>& inputs,
+    const GatherInputs& in,
     std::vector<mx::array>& outputs,
-    const GatherConfig& config) {
-  const auto& prior_keys = inputs[0];
-  const auto& new_keys = inputs[3];
+    const SelectionConfig& config) {
   GatherBuffers b{
-      inputs[0].data<char>(),
-      inputs[1].data<char>(),
-      inputs[2].data<float>(),
-      inputs[3].data<char>(),
-      inputs[4].data<char>(),
-      inputs[5].data<float>(),
+      in.prior_keys.data<char>(),
+      in.prior_values.data<char>(),
+      in.prior_norms.data<float>(),
+      in.new_keys.data<char>(),
+      in.new_values.data<char>(),
+      in.new_norms.data<float>(),
       outputs[0].data<char>(),
       outputs[1].data<char>(),
       outputs[2].data<float>(),
       outputs[3].data<uint32_t>(),
-      prior_keys.shape(1),
-      new_keys.shape(1),
+      in.n_prior(),
+      in.n_new(),
       outputs[0].shape(1),
-      static_cast<size_t>(prior_keys.shape(2)) * prior_keys.itemsize(),
-      static_cast<size_t>(inputs[1].shape(2)) * inputs[1].itemsize()};
-  const int64_t n_rows = prior_keys.shape(0);
+      static_cast<size_t>(in.key_dim()) * in.prior_keys.itemsize(),
+      static_cast<size_t>(in.value_dim()) * in.prior_values.itemsize()};
   const size_t bytes_per_row =
       b.kept * (b.key_row_bytes + b.value_row_bytes + 8);
-  parallel_for(n_rows, bytes_per_row, [&](int64_t begin, int64_t end) {
+  parallel_for(in.n_heads(), bytes_per_row, [&](int64_t begin, int64_t end) {
     gather_rows(b, config, begin, end);
-  });
-}
-
-void ProtectedTopKGather::eval_cpu(
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
-  check_inputs(inputs);
-  check_row_contiguous(inputs, name());
-  // Every sibling output holds its own copy of the input list until MLX
-  // detaches them right after this eval; with four outputs no input would
-  // ever look donatable. Dropping the siblings' copies now (never for
-  // tracers, whose graph is still needed) leaves is_donatable() counting
-  // only real outside references: the caller's arrays, other consumers.
-  for (auto& out : outputs) {
-    if (&out.inputs() != &inputs && !out.is_tracer()) {
-      out.inputs().clear();
-    }
-  }
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (auto& in : inputs) {
-    encoder.set_input_array(in);
-  }
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    auto& out = outputs[i];
-    // keys, values and norms may take over the prior's buffer when nothing
-    // else holds it and the shape is unchanged (a step from a full cache):
-    // the kernel then moves only the rows after the first evicted one.
-    // Inputs are row-contiguous (the op made sure of it).
-    const bool donate = i < 3 && executor_ == Executor::Native &&
-        inputs[i].is_donatable() && inputs[i].shape() == out.shape() &&
-        inputs[i].data_size() == inputs[i].size();
-    if (donate) {
-      out.copy_shared_buffer(inputs[i]);
-    } else {
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-      prefer_huge_pages(out.data<void>(), out.nbytes());
-    }
-    encoder.set_output_array(out);
-  }
-  std::vector<mx::array> in_refs;
-  std::vector<mx::array> out_refs;
-  for (auto& in : inputs) {
-    in_refs.push_back(mx::array::unsafe_weak_copy(in));
-  }
-  for (auto& out : outputs) {
-    out_refs.push_back(mx::array::unsafe_weak_copy(out));
-  }
-  encoder.dispatch([in_refs = std::move(in_refs),
-                    out_refs = std::move(out_refs),
-                    config = config_,
-                    executor = executor_]() mutable {
-#ifdef MLX_KNORM_EMULATOR
-    if (executor == Executor::MetalEmulator) {
-      protected_topk_gather_metal_emulated(in_refs, out_refs, config);
-      return;
-    }
-#endif
-    (void)executor;
-    protected_topk_gather_cpu(in_refs, out_refs, config);
   });
 }
 

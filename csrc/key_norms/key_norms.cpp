@@ -1,9 +1,8 @@
-#include "key_norms.h"
+#include "key_norms/key_norms.h"
 
-#include <stdexcept>
+#include "mlx/backend/cpu/encoder.h"
 
-#include "launch_plan.h"
-#include "validate.h"
+#include "common/validation.h"
 
 namespace mlx_knorm {
 
@@ -18,13 +17,15 @@ mx::array key_norms(const mx::array& keys, Executor executor, mx::StreamOrDevice
 }
 
 void KeyNorms::check_inputs(const std::vector<mx::array>& inputs) {
-  const auto& keys = inputs[0];
-  check_key_norms_args(keys);
+  const auto& keys = inputs.at(0);
+  check_floating(keys, "keys");
+  if (keys.ndim() < 1) {
+    throw std::invalid_argument(
+        "mlx_knorm: keys must have at least one axis [..., D], got a scalar");
+  }
   if (executor_ == Executor::MetalEmulator ||
       stream().device == mx::Device::gpu) {
-    const int64_t dim = keys.shape(-1);
-    check_metal_key_norms_shape(
-        dim == 0 ? 0 : static_cast<int64_t>(keys.size()) / dim, dim);
+    check_metal_key_norms_shape(keys);
   }
 }
 
@@ -41,13 +42,25 @@ std::vector<mx::Shape> KeyNorms::output_shapes(
   return {mx::Shape(shape.begin(), shape.end() - 1)};
 }
 
-#ifndef MLX_KNORM_METAL
-// With Metal, eval_gpu is in metal_kernels.cpp.
-void KeyNorms::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error(
-      "mlx_knorm: KeyNorms has no GPU kernel in this build; "
-      "use the fallback backend for GPU streams");
-}
+void KeyNorms::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  check_inputs(inputs);
+  check_row_contiguous(inputs, name());
+  auto kernel = &key_norms_cpu;
+#ifdef MLX_KNORM_EMULATOR
+  if (executor_ == Executor::MetalEmulator) {
+    kernel = &key_norms_emulated;
+  }
 #endif
+  const auto& keys = inputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  encoder.set_input_array(keys);
+  encoder.set_output_array(out);
+  encoder.dispatch([kernel,
+                    keys = mx::array::unsafe_weak_copy(keys),
+                    out = mx::array::unsafe_weak_copy(out)]() mutable {
+    kernel(keys, out);
+  });
+}
 
 } // namespace mlx_knorm

@@ -1,6 +1,7 @@
 // Which implementation a primitive runs. Native: the CPU kernel on a CPU
 // stream, the Metal kernel on a GPU stream. MetalEmulator: the Metal kernels
-// compiled as C++ and run on the CPU stream through the emulator.
+// compiled as C++ and run on the CPU stream through the emulator
+// (csrc/metal_emulator/).
 #pragma once
 
 #include <stdexcept>

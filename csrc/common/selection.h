@@ -1,15 +1,40 @@
-// The per-row selection rule of SPEC section 3, shared by every host-side
-// kernel (the native CPU kernel and the launch plans of the Metal kernels).
+// The eviction configuration and the per-row selection rule of docs/spec.md
+// §3, shared by every host-side kernel (the CPU kernels and the launch plans
+// of the Metal kernels).
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-
-#include "validate.h"
+#include <stdexcept>
+#include <string>
 
 namespace mlx_knorm {
+
+enum class Keep { Low, High };
+
+inline Keep parse_keep(const std::string& keep) {
+  if (keep == "low") {
+    return Keep::Low;
+  }
+  if (keep == "high") {
+    return Keep::High;
+  }
+  throw std::invalid_argument(
+      "mlx_knorm: keep must be 'low' or 'high', got '" + keep + "'");
+}
+
+// budget, n_sink, recent and keep of docs/spec.md §1, checked by
+// check_selection_config (common/validation.h).
+struct SelectionConfig {
+  int budget;
+  int n_sink;
+  int recent;
+  Keep keep;
+
+  bool operator==(const SelectionConfig&) const = default;
+};
 
 // Order-preserving map of a score to uint32: a < b as floats iff
 // key(a) < key(b); -0 and +0 map together; every NaN maps after +inf.
@@ -29,8 +54,8 @@ inline uint32_t norm_order_key(float norm, Keep keep) {
   return score_order_key(keep == Keep::Low ? norm : -norm);
 }
 
-// The strict total order of SPEC section 3 as one unique 64-bit key:
-// score first, then row index.
+// The strict total order of docs/spec.md §3 as one unique 64-bit key: score
+// first, then row index.
 inline uint64_t rank_key(float norm, Keep keep, uint32_t row) {
   return (static_cast<uint64_t>(norm_order_key(norm, keep)) << 32) | row;
 }
@@ -45,14 +70,14 @@ struct RowSelection {
   int64_t mid_keep;  // m: middle rows kept when evicting
   bool evicts;       // n_total > budget
 
-  RowSelection(int64_t n_total_, int budget, int n_sink_, int recent)
+  RowSelection(int64_t n_total_, const SelectionConfig& config)
       : n_total(n_total_),
-        kept(std::min<int64_t>(n_total_, budget)),
-        n_sink(std::min<int64_t>(n_sink_, n_total_)),
-        evicts(n_total_ > budget) {
-    int64_t r = std::min<int64_t>(recent, n_total - n_sink);
+        kept(std::min<int64_t>(n_total_, config.budget)),
+        n_sink(std::min<int64_t>(config.n_sink, n_total_)),
+        evicts(n_total_ > config.budget) {
+    const int64_t r = std::min<int64_t>(config.recent, n_total - n_sink);
     mid_end = n_total - r;
-    mid_keep = budget - n_sink - r;
+    mid_keep = config.budget - n_sink - r;
   }
 };
 

@@ -1,5 +1,5 @@
-// Standalone check of the emulated Metal kernels, built under a sanitizer by
-// .ci/sanitize: random cases (random bit patterns, ties, NaN, infinities,
+// Standalone check of the emulated Metal kernels (csrc/metal_emulator/),
+// built under a sanitizer by .ci/sanitize: random cases (random bit patterns, ties, NaN, infinities,
 // rows spanning several threadgroup chunks) run through the emulator and the
 // CPU kernels, and every output must agree bit for bit. Under
 // ThreadSanitizer a missing barrier in a kernel is a reported race; under
@@ -20,13 +20,12 @@
 #include "mlx/types/bf16.h"
 #include "mlx/types/half_types.h"
 
-#include "key_norms.h"
-#include "metal_emulated.h"
-#include "protected_topk_gather.h"
+#include "key_norms/key_norms.h"
+#include "protected_topk_gather/protected_topk_gather.h"
 
+// Included after every other header, and its qualifier macros undefined at
+// once: only its half and bfloat types are needed here.
 #include "metal_emulator/metal_emulator.h"
-// Only the types are needed here; the qualifier macros would rewrite the
-// rest of this file.
 #undef kernel
 #undef device
 #undef constant
@@ -118,7 +117,7 @@ void key_norms_case(std::mt19937_64& rng, int c) {
   auto native = make({rows}, mx::float32);
   auto emulated = make({rows}, mx::float32);
   key_norms_cpu(keys->array, native->array);
-  key_norms_metal_emulated(keys->array, emulated->array);
+  key_norms_emulated(keys->array, emulated->array);
   if (!same_bits(*native, *emulated, true)) {
     fail("key norms case " + std::to_string(c) + " D=" + std::to_string(dim));
   }
@@ -134,7 +133,7 @@ void gather_case(std::mt19937_64& rng, int c) {
   // Keys and values may differ in width.
   const int value_dim = rng() % 2 ? dim : dims[rng() % 6];
   const int n_total = n_prior + n_new;
-  GatherConfig config;
+  SelectionConfig config;
   config.budget = 1 + static_cast<int>(rng() % (n_total + 3));
   config.n_sink = static_cast<int>(rng() % config.budget);
   config.recent = static_cast<int>(rng() % (config.budget - config.n_sink));
@@ -174,8 +173,9 @@ void gather_case(std::mt19937_64& rng, int c) {
   };
   std::vector<mx::array> native_out = arrays(native);
   std::vector<mx::array> emulated_out = arrays(emulated);
-  protected_topk_gather_cpu(arrays(in), native_out, config);
-  protected_topk_gather_metal_emulated(arrays(in), emulated_out, config);
+  const GatherInputs inputs = GatherInputs::from(arrays(in));
+  protected_topk_gather_cpu(inputs, native_out, config);
+  protected_topk_gather_emulated(inputs, emulated_out, config);
   const char* names[] = {"keys", "values", "norms", "indices"};
   for (int i = 0; i < 4; ++i) {
     if (!same_bits(*native[i], *emulated[i], false)) {

@@ -1,22 +1,22 @@
 // CPU kernel of KeyNorms. Compiled with -ffp-contract=off: each square and
-// each add is one correctly rounded binary32 operation (SPEC section 2).
+// each add is one correctly rounded binary32 operation (docs/spec.md §2).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
-#include "mlx/backend/cpu/encoder.h"
+#include "mlx/dtype_utils.h"
 
-#include "key_norms.h"
-#include "metal_emulated.h"
-#include "parallel.h"
-#include "validate.h"
+#include "common/parallel.h"
+#include "key_norms/key_norms.h"
 
 namespace mlx_knorm {
 
@@ -34,10 +34,31 @@ uint32_t bits_from_float(float f) {
   return bits;
 }
 
-// Exact binary16 -> binary32, the branch-free form of the conversion MLX's
-// float16_t uses (Maratyszcza's FP16), so that it vectorises; NaN payloads
-// come out as MLX's do.
-struct Float16Format {
+// Wheels target baseline x86-64: the AVX2/F16C kernel below is compiled
+// for its target alone and chosen at run time with __builtin_cpu_supports
+// (not with target_clones, whose ifunc resolvers run before a sanitizer's
+// runtime starts and crash the sanitizer builds of .ci/sanitize).
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KNORM_HAVE_F16C_PATH 1
+#else
+#define KNORM_HAVE_F16C_PATH 0
+#endif
+
+#if KNORM_HAVE_F16C_PATH
+#define KNORM_F16C_TARGET __attribute__((target("avx2,f16c")))
+#endif
+
+// How keys of MLX element type T are read: their storage bits, to_float (an
+// exact conversion of one key) and, where the AVX2/F16C kernel exists, load8
+// (eight exact conversions at a time).
+template <typename T>
+struct KeyFormat;
+
+// The branch-free form of the conversion MLX's float16_t uses (Maratyszcza's
+// FP16), so that it vectorises; NaN payloads come out as MLX's do. F16C
+// converts exactly too.
+template <>
+struct KeyFormat<mx::float16_t> {
   using Bits = uint16_t;
   static float to_float(uint16_t h) {
     const uint32_t w = static_cast<uint32_t>(h) << 16;
@@ -49,20 +70,40 @@ struct Float16Format {
         two_w < (1u << 27) ? bits_from_float(subnormal) : bits_from_float(normal);
     return float_from_bits(magnitude | sign);
   }
+#if KNORM_HAVE_F16C_PATH
+  KNORM_F16C_TARGET static __m256 load8(const uint16_t* x) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  }
+#endif
 };
 
-struct BFloat16Format {
+// bfloat16 is the top half of a binary32: a shift.
+template <>
+struct KeyFormat<mx::bfloat16_t> {
   using Bits = uint16_t;
   static float to_float(uint16_t h) {
     return float_from_bits(static_cast<uint32_t>(h) << 16);
   }
+#if KNORM_HAVE_F16C_PATH
+  KNORM_F16C_TARGET static __m256 load8(const uint16_t* x) {
+    const __m256i wide = _mm256_cvtepu16_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+#endif
 };
 
-struct Float32Format {
+template <>
+struct KeyFormat<float> {
   using Bits = float;
   static float to_float(float x) {
     return x;
   }
+#if KNORM_HAVE_F16C_PATH
+  KNORM_F16C_TARGET static __m256 load8(const float* x) {
+    return _mm256_loadu_ps(x);
+  }
+#endif
 };
 
 // Squares below the smallest normal float are +0 (docs/spec.md §2 step 2);
@@ -105,51 +146,16 @@ inline void norm_rows(
   }
 }
 
-// Wheels target baseline x86-64: the AVX2/F16C kernel below is compiled
-// for its target alone and chosen at run time with __builtin_cpu_supports
-// (not with target_clones, whose ifunc resolvers run before a sanitizer's
-// runtime starts and crash the sanitizer builds of .ci/sanitize).
-#if defined(__x86_64__) && defined(__GNUC__)
-#define KNORM_HAVE_F16C_PATH 1
-#else
-#define KNORM_HAVE_F16C_PATH 0
-#endif
-
 #if KNORM_HAVE_F16C_PATH
-// Eight squares at a time, converted exactly: F16C for float16, a shift for
-// bfloat16, a plain load for float32.
-struct LoadFloat16 {
-  using Bits = uint16_t;
-  __attribute__((target("avx2,f16c"))) static __m256 load8(const uint16_t* x) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
-  }
-};
-
-struct LoadBFloat16 {
-  using Bits = uint16_t;
-  __attribute__((target("avx2,f16c"))) static __m256 load8(const uint16_t* x) {
-    const __m256i wide = _mm256_cvtepu16_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-  }
-};
-
-struct LoadFloat32 {
-  using Bits = float;
-  __attribute__((target("avx2,f16c"))) static __m256 load8(const float* x) {
-    return _mm256_loadu_ps(x);
-  }
-};
-
 // Rows of D = 8k, padded width kWidth (the power of two >= D, >= 8), eight
 // rows per step. Within a row the squares sit in kWidth / 8 registers, s[i]
 // in register i / 8, lane i % 8: every halving level down to h = 8 adds
 // register k + h/8 to register k, which is exactly s[i] + s[i + h] lane by
 // lane. The last levels (h = 4, 2, 1) run after an 8x8 transpose, with one
 // row per lane, so they are lane-wise adds too: no add is reordered.
-template <typename Load, int kWidth>
-__attribute__((target("avx2,f16c"))) void norm_rows_avx2(
-    const typename Load::Bits* __restrict keys,
+template <typename Format, int kWidth>
+KNORM_F16C_TARGET void norm_rows_avx2(
+    const typename Format::Bits* __restrict keys,
     float* __restrict norms,
     int64_t rows,
     int64_t dim) {
@@ -161,11 +167,11 @@ __attribute__((target("avx2,f16c"))) void norm_rows_avx2(
   for (int64_t b = 0; b < blocks; ++b) {
     __m256 head[8];
     for (int r = 0; r < 8; ++r) {
-      const typename Load::Bits* x = keys + (b * 8 + r) * dim;
+      const typename Format::Bits* x = keys + (b * 8 + r) * dim;
       __m256 s[kRegs];
       for (int k = 0; k < kRegs; ++k) {
         if (k < loaded) {
-          const __m256 v = Load::load8(x + 8 * k);
+          const __m256 v = Format::load8(x + 8 * k);
           const __m256 square = _mm256_mul_ps(v, v);
           // Keep lanes that are not below the smallest normal (NaN kept).
           const __m256 normal = _mm256_cmp_ps(square, smallest_normal, _CMP_NLT_UQ);
@@ -214,125 +220,79 @@ __attribute__((target("avx2,f16c"))) void norm_rows_avx2(
   }
 }
 
-using WideRows = void (*)(const void*, float*, int64_t, int64_t);
-
-template <typename Load, int kWidth>
-void norm_rows_avx2_erased(const void* keys, float* norms, int64_t rows, int64_t dim) {
-  norm_rows_avx2<Load, kWidth>(
-      static_cast<const typename Load::Bits*>(keys), norms, rows, dim);
-}
-
-template <typename Load>
-WideRows wide_kernel(int64_t width) {
-  switch (width) {
-    case 8: return norm_rows_avx2_erased<Load, 8>;
-    case 16: return norm_rows_avx2_erased<Load, 16>;
-    case 32: return norm_rows_avx2_erased<Load, 32>;
-    case 64: return norm_rows_avx2_erased<Load, 64>;
-    case 128: return norm_rows_avx2_erased<Load, 128>;
-    case 256: return norm_rows_avx2_erased<Load, 256>;
-    case 512: return norm_rows_avx2_erased<Load, 512>;
-    default: return nullptr;
-  }
-}
+template <typename Format>
+using WideRows = void (*)(const typename Format::Bits*, float*, int64_t, int64_t);
 
 // The eight-rows-at-a-time kernel for these keys, or nullptr where it does
 // not apply (no AVX2/F16C, D not a multiple of 8, D > 512).
-WideRows wide_norm_kernel(mx::Dtype dtype, int64_t dim, int64_t width) {
+template <typename Format>
+WideRows<Format> wide_norm_kernel(int64_t dim, int64_t width) {
   static const bool has =
       __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
   if (!has || dim % 8 != 0) {
     return nullptr;
   }
-  if (dtype == mx::float16) {
-    return wide_kernel<LoadFloat16>(width);
+  switch (width) {
+    case 8: return norm_rows_avx2<Format, 8>;
+    case 16: return norm_rows_avx2<Format, 16>;
+    case 32: return norm_rows_avx2<Format, 32>;
+    case 64: return norm_rows_avx2<Format, 64>;
+    case 128: return norm_rows_avx2<Format, 128>;
+    case 256: return norm_rows_avx2<Format, 256>;
+    case 512: return norm_rows_avx2<Format, 512>;
+    default: return nullptr;
   }
-  if (dtype == mx::bfloat16) {
-    return wide_kernel<LoadBFloat16>(width);
-  }
-  return wide_kernel<LoadFloat32>(width);
 }
 #endif
 
 // Rows [0, rows) of keys with the best kernel: eight rows at a time where
 // the wide kernel applies, the remaining rows one by one.
+template <typename Format>
 void norm_rows_any(
-    mx::Dtype dtype,
-    const char* keys,
+    const typename Format::Bits* keys,
     float* norms,
     int64_t rows,
     int64_t dim,
     int64_t width,
     float* squares) {
-  const size_t row_bytes = static_cast<size_t>(dim) * mx::size_of(dtype);
   int64_t done = 0;
 #if KNORM_HAVE_F16C_PATH
-  if (WideRows wide = wide_norm_kernel(dtype, dim, width)) {
+  if (WideRows<Format> wide = wide_norm_kernel<Format>(dim, width)) {
     done = rows - rows % 8;
     wide(keys, norms, done, dim);
   }
 #endif
-  const char* rest = keys + done * row_bytes;
-  if (dtype == mx::float16) {
-    norm_rows<Float16Format>(reinterpret_cast<const uint16_t*>(rest), norms + done,
-                             rows - done, dim, width, squares);
-  } else if (dtype == mx::bfloat16) {
-    norm_rows<BFloat16Format>(reinterpret_cast<const uint16_t*>(rest), norms + done,
-                              rows - done, dim, width, squares);
-  } else {
-    norm_rows<Float32Format>(reinterpret_cast<const float*>(rest), norms + done,
-                             rows - done, dim, width, squares);
-  }
+  norm_rows<Format>(keys + done * dim, norms + done, rows - done, dim, width, squares);
 }
 
 } // namespace
 
-void key_norms_cpu(const mx::array& keys, mx::array& out) {
+void key_norms_cpu(const mx::array& keys, mx::array& norms) {
   const int64_t dim = keys.shape(-1);
-  const int64_t rows = dim == 0 ? static_cast<int64_t>(out.size())
-                                : static_cast<int64_t>(keys.size()) / dim;
-  float* norms = out.data<float>();
+  const int64_t rows = static_cast<int64_t>(norms.size());
+  float* out = norms.data<float>();
   if (dim == 0) {
-    std::fill(norms, norms + rows, 0.0f);
+    std::fill(out, out + rows, 0.0f);
     return;
   }
   int64_t width = 1;
   while (width < dim) {
     width <<= 1;
   }
-  const auto dtype = keys.dtype();
-  if (dtype != mx::float16 && dtype != mx::bfloat16 && dtype != mx::float32) {
-    throw std::invalid_argument("mlx_knorm: unsupported key dtype");
-  }
-  const char* bytes = keys.data<char>();
-  const size_t row_bytes = static_cast<size_t>(dim) * keys.itemsize();
-  parallel_for(rows, row_bytes, [&](int64_t begin, int64_t end) {
-    // One scratch row per thread, reused for every row of its range.
-    std::vector<float> squares(width);
-    norm_rows_any(dtype, bytes + begin * row_bytes, norms + begin, end - begin,
-                  dim, width, squares.data());
-  });
-}
-
-void KeyNorms::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  check_inputs(inputs);
-  check_row_contiguous(inputs, name());
-  const auto& keys = inputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(keys);
-  encoder.set_output_array(out);
-  encoder.dispatch([keys = mx::array::unsafe_weak_copy(keys),
-                    out = mx::array::unsafe_weak_copy(out),
-                    executor = executor_]() mutable {
-#ifdef MLX_KNORM_EMULATOR
-    if (executor == Executor::MetalEmulator) {
-      key_norms_metal_emulated(keys, out);
-      return;
+  mx::dispatch_float_types(keys.dtype(), "mlx_knorm: key_norms", [&](auto type) {
+    using T = MLX_GET_TYPE(type);
+    if constexpr (std::is_same_v<T, double>) {
+      throw std::invalid_argument("mlx_knorm: keys must be float16, bfloat16 or float32");
+    } else {
+      using Format = KeyFormat<T>;
+      const auto* bits = keys.data<typename Format::Bits>();
+      parallel_for(rows, dim * keys.itemsize(), [&](int64_t begin, int64_t end) {
+        // One scratch row per thread, reused for every row of its range.
+        std::vector<float> squares(width);
+        norm_rows_any<Format>(bits + begin * dim, out + begin, end - begin, dim,
+                              width, squares.data());
+      });
     }
-#endif
-    (void)executor;
-    key_norms_cpu(keys, out);
   });
 }
 
