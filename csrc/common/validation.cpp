@@ -70,6 +70,17 @@ void shape_mismatch(
       " vs " + b_name + " " + shape_str(b));
 }
 
+void check_heads_and_rows(
+    const char* what,
+    const char* a_name,
+    const mx::array& a,
+    const char* b_name,
+    const mx::array& b) {
+  if (a.shape(0) != b.shape(0) || a.shape(1) != b.shape(1)) {
+    shape_mismatch(what, a_name, a, b_name, b);
+  }
+}
+
 void check_selection_config(const SelectionConfig& config) {
   if (config.budget < 1) {
     throw std::invalid_argument(

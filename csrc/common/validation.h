@@ -42,6 +42,14 @@ void check_same_dtype(
     const mlx::core::array& a,
     const char* b_name,
     const mlx::core::array& b);
+// a and b agree in their first two axes (heads and rows), else
+// shape_mismatch(what, ...).
+void check_heads_and_rows(
+    const char* what,
+    const char* a_name,
+    const mlx::core::array& a,
+    const char* b_name,
+    const mlx::core::array& b);
 void check_selection_config(const SelectionConfig& config);
 
 // The kernels read inputs as dense row-major buffers. An input already
