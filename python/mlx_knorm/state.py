@@ -1,5 +1,5 @@
 """The reference's state API (``veloxquant_mlx.quantizers.knorm``), name for
-name, built on the two native ops.
+name, built on the two ops (``mlx_knorm.ops``).
 
 States are immutable: every update returns a new ``KnormState`` and a failed
 call raises before anything is computed, leaving the caller's state as it was.
@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .ops import key_norms_unchecked, protected_topk_gather_unchecked
-from .validation import check_block_args, check_config, check_floating, check_rank
+from .ops.key_norms import key_norms_unchecked
+from .ops.protected_topk_gather import check_block, protected_topk_gather_unchecked
+from .validation import check_config, check_floating, check_rank
 
 
 @dataclass
@@ -68,7 +69,7 @@ def knorm_update(state: KnormState, new_keys: mx.array, new_values: mx.array) ->
         prior_norms = mx.zeros((0,), dtype=mx.float32)
     else:
         prior_keys, prior_values, prior_norms = state.keys, state.values, state.norms
-    check_block_args(
+    check_block(
         prior_keys[None], prior_values[None], prior_norms[None], new_keys[None], new_values[None]
     )
     # One head of the batched update; rows are stored as float16.
@@ -108,7 +109,7 @@ def knorm_update_batched(
     ``return_indices``.
     """
     budget, n_sink, recent, keep = check_config(budget, n_sink, recent, keep)
-    check_block_args(prior_keys, prior_values, prior_norms, new_keys, new_values)
+    check_block(prior_keys, prior_values, prior_norms, new_keys, new_values)
     keys, values, norms, indices = protected_topk_gather_unchecked(
         prior_keys,
         prior_values,
