@@ -59,8 +59,7 @@ def protected_topk_gather(
     ``prior_keys``/``prior_values``.
     """
     budget, n_sink, recent, keep = check_config(budget, n_sink, recent, keep)
-    inputs = GatherInputs(prior_keys, prior_values, prior_norms, new_keys, new_values, new_norms)
-    check_block(*inputs[:5])
+    check_block(prior_keys, prior_values, prior_norms, new_keys, new_values)
     check_new_norms(new_norms, new_keys)
     for name, new, prior in (
         ("new_keys", new_keys, prior_keys),
@@ -71,7 +70,10 @@ def protected_topk_gather(
                 f"mlx_knorm: {name} dtype {dtype_name(new.dtype)} must equal "
                 f"prior dtype {dtype_name(prior.dtype)}"
             )
-    return protected_topk_gather_unchecked(*inputs, budget, n_sink, recent, keep, stream)
+    return protected_topk_gather_unchecked(
+        prior_keys, prior_values, prior_norms, new_keys, new_values, new_norms,
+        budget, n_sink, recent, keep, stream,
+    )
 
 
 def check_block(prior_keys, prior_values, prior_norms, new_keys, new_values) -> None:
