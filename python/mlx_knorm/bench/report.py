@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 
 from .cases import TARGET_STEPS, Case
@@ -47,10 +48,14 @@ def case_targets(case: Case, result: dict) -> dict:
 
 
 def machine() -> dict:
+    """The machine, with its load when the suite started: on a shared
+    machine other work slows some timings more than others."""
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "load_average_1_5_15_min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "python": platform.python_version(),
     }
 

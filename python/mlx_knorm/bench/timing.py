@@ -218,6 +218,7 @@ def run_suite(cases: list[Case], device: str, reps: int, quick: bool, command: s
               show_progress: bool = True) -> dict:
     """Every case on ``device``: the report's figures, with the command, the
     versions and the machine they were measured with."""
+    host = machine()
     previous_device = mx.default_device()
     mx.set_default_device(mx.gpu if device == "gpu" else mx.cpu)
     implementations = {
@@ -244,7 +245,7 @@ def run_suite(cases: list[Case], device: str, reps: int, quick: bool, command: s
         "device": device,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command,
-        "machine": machine(),
+        "machine": host,
         "backend": backend_info(),
         "reference_installed": reference is not None,
         "cases": results,
