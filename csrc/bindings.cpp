@@ -1,14 +1,17 @@
-// Python bindings of the two primitives. Built with NB_DOMAIN mlx so that
-// mlx.core's array, Stream and Device types are shared with MLX's module.
+// Python bindings of the two primitives (the package's mlx_knorm._ext).
+// Built with NB_DOMAIN mlx so that mlx.core's array, Stream and Device types
+// are shared with MLX's module.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/filesystem.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
-#include "key_norms.h"
-#include "launch_plan.h"
-#include "protected_topk_gather.h"
-#include "validate.h"
+#include "common/kernel_source.h"
+#include "common/validation.h"
+#include "key_norms/key_norms.h"
+#include "metal/knorm_defines.h"
+#include "protected_topk_gather/protected_topk_gather.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -35,7 +38,7 @@ NB_MODULE(_ext, m) {
   });
 
   m.attr("built_mlx_version") = MLX_KNORM_BUILT_MLX_VERSION;
-  m.attr("metal_key_norms_max_dim") = mlx_knorm::kMetalMaxDim;
+  m.attr("metal_key_norms_max_dim") = mlx_knorm::kKeyNormsMaxDim;
 #ifdef MLX_KNORM_METAL
   m.attr("has_metal_kernels") = true;
 #else
@@ -56,7 +59,7 @@ NB_MODULE(_ext, m) {
       nb::kw_only(),
       "emulate_metal"_a = false,
       "stream"_a = nb::none(),
-      "float32 L2 norm of each key row, in the pinned order of SPEC section 2.");
+      "float32 L2 norm of each key row, in the pinned order of docs/spec.md §2.");
 
   m.def(
       "protected_topk_gather",
@@ -72,11 +75,11 @@ NB_MODULE(_ext, m) {
          const std::string& keep,
          bool emulate,
          mx::StreamOrDevice s) {
-        mlx_knorm::GatherConfig config{
-            budget, n_sink, recent, mlx_knorm::parse_keep(keep)};
         return mlx_knorm::protected_topk_gather(
-            prior_keys, prior_values, prior_norms, new_keys, new_values,
-            new_norms, config, executor_for(emulate), s);
+            {prior_keys, prior_values, prior_norms, new_keys, new_values, new_norms},
+            {budget, n_sink, recent, mlx_knorm::parse_keep(keep)},
+            executor_for(emulate),
+            s);
       },
       "prior_keys"_a,
       "prior_values"_a,
@@ -91,5 +94,13 @@ NB_MODULE(_ext, m) {
       nb::kw_only(),
       "emulate_metal"_a = false,
       "stream"_a = nb::none(),
-      "Protected top-k of SPEC section 3: (keys, values, norms, indices).");
+      "Protected top-k of docs/spec.md §3: (keys, values, norms, indices).");
+
+  m.def(
+      "metal_kernel_source",
+      &mlx_knorm::metal_kernel_source,
+      "metal_dir"_a,
+      "name"_a,
+      "The source the JIT path compiles for metal_dir/<name>.metal, with "
+      "knorm_defines.h inlined (for tests).");
 }

@@ -1,36 +1,20 @@
-// ProtectedTopKGather on the GPU: one eviction step of SPEC section 3.
+// ProtectedTopKGather on the GPU: one eviction step of docs/spec.md
+// section 3 for every head in one dispatch, one threadgroup of
+// kGatherGroupSize threads per head:
+//   knorm_select     radix select of the threshold among the middle rows;
+//   knorm_compact    the kept rows' indices and norms, in temporal order;
+//   knorm_copy_rows  their key and value rows.
+// Rows are read straight from prior or new: the concatenation is never
+// built. All offsets into K/V buffers are 64-bit.
 //
-// One threadgroup of 256 threads per row n, all N rows in one dispatch.
-// 1. Radix select (4 passes of 8 bits) over the order-preserving uint32 key
-//    of the middle rows' scores finds the key `threshold` of the m-th best
-//    middle row and how many middle rows with exactly that key are kept
-//    (`take_equal`: ties go to the earliest rows).
-// 2. A stable compaction walks the rows in temporal order, 256 at a time;
-//    two threadgroup prefix sums give each row its rank among equal keys
-//    and its output position. Kept rows write their index and norm.
-// 3. One SIMD group per output row copies the key and value rows, read
-//    straight from prior or new (the concatenation is never built), lanes on
-//    consecutive elements so that loads and stores coalesce.
-// All indices into K/V buffers are 64-bit.
-//
-// This file compiles as Metal Shading Language and, through
-// csrc/metal_emulator/metal_emulator.h, as C++.
-#ifdef __METAL_VERSION__
-#include <metal_stdlib>
-// threadgroup qualifies both declarations and pointers; only the declaration
-// form needs a macro for the C++ build of this file.
-#define KNORM_THREADGROUP_ARRAY(type, name, count) threadgroup type name[count]
-#define KNORM_KERNEL_INSTANCE(name, ...) \
-  template [[host_name(name)]] [[kernel]] decltype(__VA_ARGS__) __VA_ARGS__;
-#endif
+// Launched by csrc/protected_topk_gather/metal.cpp. Compiles as Metal
+// Shading Language and, through csrc/metal_emulator/metal_emulator.h, as C++.
+#include "knorm_defines.h"
 
-using namespace metal;
-
-// Must equal kGatherGroupSize in csrc/launch_plan.cpp: one radix bin per
-// thread.
-constant constexpr uint kGatherGroupSize = 256;
-constant constexpr uint kGatherSimdGroups = kGatherGroupSize / 32;
+constant constexpr uint kGatherSimdGroups = kGatherGroupSize / kSimdWidth;
+// Radix select in four passes of 8 bits: one histogram bin per thread.
 constant constexpr uint kRadixBins = 256;
+static_assert(kRadixBins == kGatherGroupSize, "one radix bin per thread");
 
 // score -> uint32 with a < b iff key(a) < key(b); -0 == +0; NaN after +inf.
 // keep="high" ranks by -norm, a flip of the sign bit.
@@ -48,12 +32,25 @@ inline uint knorm_score_key(float norm, bool keep_high) {
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
-inline float knorm_norm_at(
-    device const float* prior_norms,
-    device const float* new_norms,
-    uint n_prior,
-    uint j) {
-  return j < n_prior ? prior_norms[j] : new_norms[j - n_prior];
+// One head: where its rows are and the plan's selection constants, computed
+// on the host from the shapes. Rows [0, sink_end) and [mid_end, n_total)
+// are protected, and mid_keep middle rows are kept; without eviction the
+// plan protects every row and sets mid_keep = 0.
+struct KnormHead {
+  uint index;  // n, the head's position in the batch
+  uint n_prior;
+  uint n_new;
+  uint kept;
+  uint sink_end;
+  uint mid_end;
+  uint mid_keep;
+  bool keep_high;
+  device const float* prior_norms;  // this head's rows
+  device const float* new_norms;
+};
+
+inline float knorm_norm_at(KnormHead head, uint j) {
+  return j < head.n_prior ? head.prior_norms[j] : head.new_norms[j - head.n_prior];
 }
 
 struct KnormScan {
@@ -69,7 +66,7 @@ inline KnormScan knorm_block_scan(
     uint lane,
     uint simd_group) {
   const uint inclusive = simd_prefix_inclusive_sum(v);
-  if (lane == 31) {
+  if (lane == kSimdWidth - 1) {
     simd_totals[simd_group] = inclusive;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -85,10 +82,121 @@ inline KnormScan knorm_block_scan(
   return out;
 }
 
-// Row selection constants are computed on the host (launch_plan.cpp) from
-// the shapes: rows [0, sink_end) and [mid_end, n_total) are protected, and
-// mid_keep > 0 middle rows are kept when the row evicts. Without eviction
-// the plan protects every row and sets mid_keep = 0.
+// What the selection keeps of the middle rows: every row whose order key is
+// below `key`, and the first `take_equal` rows with exactly that key (ties
+// go to the earliest rows).
+struct KnormThreshold {
+  uint key;
+  uint take_equal;
+};
+
+// Radix select over the order keys of the middle rows, most significant 8
+// bits first: after the four passes `prefix` is the key of the mid_keep-th
+// smallest middle key and `rank` how many middle rows with that key are
+// kept. Needs mid_keep > 0.
+inline KnormThreshold knorm_select(
+    KnormHead head,
+    threadgroup atomic_uint* histogram,
+    threadgroup uint* simd_totals,
+    threadgroup uint* picked,
+    uint tid,
+    uint lane,
+    uint simd_group) {
+  uint prefix = 0;
+  uint mask = 0;
+  uint rank = head.mid_keep;  // 1-based rank among the rows matching prefix
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    atomic_store_explicit(&histogram[tid], 0u, memory_order_relaxed);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint j = head.sink_end + tid; j < head.mid_end; j += kGatherGroupSize) {
+      const uint key = knorm_score_key(knorm_norm_at(head, j), head.keep_high);
+      if ((key & mask) == prefix) {
+        atomic_fetch_add_explicit(
+            &histogram[(key >> shift) & 0xFFu], 1u, memory_order_relaxed);
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    const uint count =
+        atomic_load_explicit(&histogram[tid], memory_order_relaxed);
+    const KnormScan bins = knorm_block_scan(count, simd_totals, lane, simd_group);
+    if (bins.exclusive < rank && rank <= bins.exclusive + count) {
+      picked[0] = tid;
+      picked[1] = bins.exclusive;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    prefix |= picked[0] << shift;
+    mask |= 0xFFu << shift;
+    rank -= picked[1];
+  }
+  KnormThreshold out = {prefix, rank};
+  return out;
+}
+
+// Stable compaction in temporal order, kGatherGroupSize rows at a time: two
+// threadgroup prefix sums give each row its rank among the middle rows at
+// the threshold key and its output position. Kept rows write their index
+// and norm.
+inline void knorm_compact(
+    KnormHead head,
+    KnormThreshold cut,
+    device uint* row_indices,
+    device float* row_norms,
+    threadgroup uint* simd_totals,
+    uint tid,
+    uint lane,
+    uint simd_group) {
+  const uint n_total = head.n_prior + head.n_new;
+  uint equal_before = 0;
+  uint kept_before = 0;
+  for (uint base = 0; base < n_total; base += kGatherGroupSize) {
+    const uint j = base + tid;
+    const bool valid = j < n_total;
+    const float norm = valid ? knorm_norm_at(head, j) : 0.0f;
+    const bool protect = j < head.sink_end || j >= head.mid_end;
+    const uint key = knorm_score_key(norm, head.keep_high);
+    const bool equal = valid && !protect && key == cut.key;
+    const KnormScan eq =
+        knorm_block_scan(equal ? 1u : 0u, simd_totals, lane, simd_group);
+    const bool keep = valid &&
+        (protect || key < cut.key ||
+         (equal && equal_before + eq.exclusive < cut.take_equal));
+    const KnormScan pos =
+        knorm_block_scan(keep ? 1u : 0u, simd_totals, lane, simd_group);
+    if (keep) {
+      row_indices[kept_before + pos.exclusive] = j;
+      row_norms[kept_before + pos.exclusive] = norm;
+    }
+    equal_before += eq.total;
+    kept_before += pos.total;
+  }
+}
+
+// Copies the kept rows of keys or values (which may differ in width): one
+// SIMD group per output row, lanes on consecutive elements so that loads and
+// stores coalesce; the bits move as they are.
+template <typename T>
+inline void knorm_copy_rows(
+    KnormHead head,
+    device const uint* row_indices,
+    device const T* prior,
+    device const T* fresh,
+    device T* out,
+    uint dim,
+    uint lane,
+    uint simd_group) {
+  for (uint p = simd_group; p < head.kept; p += kGatherSimdGroups) {
+    const uint j = row_indices[p];
+    const bool from_prior = j < head.n_prior;
+    const ulong src_row = from_prior ? ulong(head.index) * head.n_prior + j
+                                     : ulong(head.index) * head.n_new + (j - head.n_prior);
+    device const T* src = (from_prior ? prior : fresh) + src_row * dim;
+    device T* dst = out + (ulong(head.index) * head.kept + p) * dim;
+    for (uint d = lane; d < dim; d += kSimdWidth) {
+      dst[d] = src[d];
+    }
+  }
+}
+
 template <typename K, typename V>
 [[kernel]] void knorm_protected_topk_gather(
     device const K* prior_keys [[buffer(0)]],
@@ -118,97 +226,22 @@ template <typename K, typename V>
   KNORM_THREADGROUP_ARRAY(uint, simd_totals, kGatherSimdGroups);
   KNORM_THREADGROUP_ARRAY(uint, picked, 2);
 
-  const uint n_total = n_prior + n_new;
-  const bool high = keep_high != 0;
-  device const float* row_prior_norms = prior_norms + ulong(row) * n_prior;
-  device const float* row_new_norms = new_norms + ulong(row) * n_new;
-
-  // 1. Radix select: after the four passes `prefix` is the key of the
-  // mid_keep-th smallest middle key and `rank` how many middle rows with
-  // that key are kept.
-  uint threshold = 0;
-  uint take_equal = 0;
+  const KnormHead head = {
+      row, n_prior, n_new, kept, sink_end, mid_end, mid_keep, keep_high != 0,
+      prior_norms + ulong(row) * n_prior, new_norms + ulong(row) * n_new};
+  KnormThreshold cut = {0u, 0u};
   if (mid_keep > 0) {
-    uint prefix = 0;
-    uint mask = 0;
-    uint rank = mid_keep;  // 1-based rank among the rows matching prefix
-    for (int shift = 24; shift >= 0; shift -= 8) {
-      atomic_store_explicit(&histogram[tid], 0u, memory_order_relaxed);
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-      for (uint j = sink_end + tid; j < mid_end; j += kGatherGroupSize) {
-        const uint key = knorm_score_key(
-            knorm_norm_at(row_prior_norms, row_new_norms, n_prior, j), high);
-        if ((key & mask) == prefix) {
-          atomic_fetch_add_explicit(
-              &histogram[(key >> shift) & 0xFFu], 1u, memory_order_relaxed);
-        }
-      }
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-      const uint count =
-          atomic_load_explicit(&histogram[tid], memory_order_relaxed);
-      const KnormScan bins = knorm_block_scan(count, simd_totals, lane, simd_group);
-      if (bins.exclusive < rank && rank <= bins.exclusive + count) {
-        picked[0] = tid;
-        picked[1] = bins.exclusive;
-      }
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-      prefix |= picked[0] << shift;
-      mask |= 0xFFu << shift;
-      rank -= picked[1];
-    }
-    threshold = prefix;
-    take_equal = rank;
+    cut = knorm_select(head, histogram, simd_totals, picked, tid, lane, simd_group);
   }
-
-  // 2. Stable compaction in temporal order.
   device uint* row_indices = out_indices + ulong(row) * kept;
-  device float* row_norms = out_norms + ulong(row) * kept;
-  uint equal_before = 0;
-  uint kept_before = 0;
-  for (uint base = 0; base < n_total; base += kGatherGroupSize) {
-    const uint j = base + tid;
-    const bool valid = j < n_total;
-    const float norm =
-        valid ? knorm_norm_at(row_prior_norms, row_new_norms, n_prior, j) : 0.0f;
-    const bool protect = j < sink_end || j >= mid_end;
-    const uint key = knorm_score_key(norm, high);
-    const bool equal = valid && !protect && key == threshold;
-    const KnormScan eq =
-        knorm_block_scan(equal ? 1u : 0u, simd_totals, lane, simd_group);
-    const bool keep = valid &&
-        (protect || key < threshold ||
-         (equal && equal_before + eq.exclusive < take_equal));
-    const KnormScan pos =
-        knorm_block_scan(keep ? 1u : 0u, simd_totals, lane, simd_group);
-    if (keep) {
-      row_indices[kept_before + pos.exclusive] = j;
-      row_norms[kept_before + pos.exclusive] = norm;
-    }
-    equal_before += eq.total;
-    kept_before += pos.total;
-  }
-  // The copies below read indices written by other threads of the group.
+  knorm_compact(head, cut, row_indices, out_norms + ulong(row) * kept,
+                simd_totals, tid, lane, simd_group);
+  // The copies read indices written by other threads of the group.
   threadgroup_barrier(mem_flags::mem_device);
-
-  // 3. Gather the key and value rows (keys and values may differ in width).
-  for (uint p = simd_group; p < kept; p += kGatherSimdGroups) {
-    const uint j = row_indices[p];
-    const bool from_prior = j < n_prior;
-    const ulong src_row = from_prior ? ulong(row) * n_prior + j
-                                     : ulong(row) * n_new + (j - n_prior);
-    const ulong dst_row = ulong(row) * kept + p;
-    device const K* src_keys = (from_prior ? prior_keys : new_keys) + src_row * key_dim;
-    device const V* src_values =
-        (from_prior ? prior_values : new_values) + src_row * value_dim;
-    device K* dst_keys = out_keys + dst_row * key_dim;
-    device V* dst_values = out_values + dst_row * value_dim;
-    for (uint d = lane; d < key_dim; d += 32) {
-      dst_keys[d] = src_keys[d];
-    }
-    for (uint d = lane; d < value_dim; d += 32) {
-      dst_values[d] = src_values[d];
-    }
-  }
+  knorm_copy_rows(head, row_indices, prior_keys, new_keys, out_keys, key_dim,
+                  lane, simd_group);
+  knorm_copy_rows(head, row_indices, prior_values, new_values, out_values,
+                  value_dim, lane, simd_group);
 }
 
 #define KNORM_GATHER_INSTANCE(kname, ktype, vname, vtype)                  \

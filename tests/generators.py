@@ -6,7 +6,8 @@ import mlx.core as mx
 import numpy as np
 from hypothesis import strategies as st
 
-DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+from mlx_knorm.validation import FLOAT_DTYPES as DTYPES
+
 DIMS = [1, 2, 3, 7, 31, 33, 64, 80, 96, 112, 128, 256]
 PALETTES = ["normal", "ties", "special", "large", "subnormal", "zeros"]
 

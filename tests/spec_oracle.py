@@ -1,4 +1,4 @@
-"""SPEC section 3 written as plainly as possible, for checking the backends.
+"""docs/spec.md §3 written as plainly as possible, for checking the backends.
 
 Slow (a Python sort per row) and independent of the package's code.
 """

@@ -2,11 +2,14 @@
 flags. Never asserts timings (they belong to the benchmark's own table)."""
 
 import json
+import runpy
+from pathlib import Path
 
 import pytest
 
 import mlx_knorm
 from mlx_knorm.__main__ import main
+from mlx_knorm.bench.cases import TARGET_STEPS
 
 pytestmark = pytest.mark.skipif(
     not mlx_knorm.native_available(), reason="native extension not loaded"
@@ -48,6 +51,21 @@ def test_default_command_is_the_quick_bench(monkeypatch):
         seen["args"] = args
         return 0
 
-    monkeypatch.setattr("mlx_knorm.bench.run", record_run)
+    monkeypatch.setattr("mlx_knorm.bench.cli.run", record_run)
     assert main([]) == 0
     assert seen["args"].quick and seen["args"].budget is None
+
+
+def test_sweep_program_runs_the_same_bench(tmp_path):
+    """bench/ops.py (a checkout's sweep program) on a tiny grid."""
+    program = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "ops.py"))
+    assert set(TARGET_STEPS) <= set(program["SWEEP"])
+    path = tmp_path / "sweep.json"
+    rc = program["main"]([
+        "--quick", "--no-progress", "--n", "2", "--d", "8", "--budget", "16", "--s", "1",
+        "--reps", "3", "--json", str(path),
+    ])
+    assert rc == 0
+    report = json.loads(path.read_text())
+    assert report["command"].startswith("python bench/ops.py")
+    assert [c["label"] for c in report["cases"]] == ["decode S=1 budget=16"]

@@ -1,4 +1,4 @@
-"""ProtectedTopKGather: SPEC section 3 on every backend, bit for bit."""
+"""ProtectedTopKGather: docs/spec.md §3 on every backend, bit for bit."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 A shapeless compiled function is traced once and replayed for new shapes
 without running any Python argument check, so the primitives must check the
-shape relations they rely on themselves (docs/spec.md, "Validation"). Each
-case traces with a valid call, then calls with drawn shapes, valid or not, on
+shape relations they rely on themselves (docs/spec.md §6). Each case
+traces with a valid call, then calls with drawn shapes, valid or not, on
 every backend: the outcome must equal the eager call's (the same arrays, or
 an exception), and nothing may crash or read past a buffer.
 """

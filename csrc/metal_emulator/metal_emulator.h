@@ -497,14 +497,18 @@ inline uint atomic_fetch_add_explicit(atomic_uint* a, uint value, memory_order) 
 
 } // namespace metal
 
+// Tells metal/knorm_defines.h that the kernels compile against this
+// emulator.
+#define KNORM_METAL_EMULATOR 1
+
 // Address spaces are one flat memory here.
 #define kernel
 #define device
 #define constant const
 #define threadgroup
 
-// Project macros that the .metal files define differently under the Metal
-// compiler (see the top of each .metal file).
+// Project macros that metal/knorm_defines.h defines differently for the
+// Metal compiler.
 #define KNORM_THREADGROUP_ARRAY(type, name, count) \
   type* name = ::metal_emu::threadgroup_array<type>(count)
 #define KNORM_CONCAT_(a, b) a##b

@@ -6,7 +6,7 @@ top-k per incoming block. The state API mirrors
 """
 
 from .backend import backend_info, current_backend, native_available, use_backend
-from .knorm import (
+from .state import (
     KnormState,
     full_knorm_fp16_bytes,
     init_knorm_state,

@@ -9,10 +9,11 @@ import argparse
 import json
 import sys
 
-from . import bench
 from .backend import backend_info, native_available
+from .bench import cli as bench_cli
+from .bench.cases import case_inputs, make_case
 from .quality.cli import register as register_quality
-from .selfcheck import decode_case, kernel_matches_fallback
+from .selfcheck import kernel_matches_fallback
 
 
 def info(_args) -> int:
@@ -20,7 +21,7 @@ def info(_args) -> int:
     if not native_available():
         print("self-check skipped: the native extension is not loaded")
         return 1
-    ok = kernel_matches_fallback(decode_case())
+    ok = kernel_matches_fallback(case_inputs(make_case(512, 1, 32, 128, "float16")), budget=512)
     print(f"self-check (decode, N=32, D=128, budget=512, float16): kernel == fallback bit for bit: {ok}")
     return 0 if ok else 1
 
@@ -30,7 +31,7 @@ def run_bench(args) -> int:
         print("mlx-knorm bench: the native extension is not loaded; see `mlx-knorm info`",
               file=sys.stderr)
         return 1
-    return bench.run(args)
+    return bench_cli.run(args)
 
 
 def main(argv=None) -> int:
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
     commands = parser.add_subparsers(dest="command")
     bench_parser = commands.add_parser(
         "bench", help="kernel vs fallback vs reference vs memcpy (the default, with --quick)")
-    bench.add_arguments(bench_parser)
+    bench_cli.add_arguments(bench_parser)
     bench_parser.set_defaults(func=run_bench)
     commands.add_parser(
         "info", help="backend info and a kernel-vs-fallback self-check").set_defaults(func=info)

@@ -38,7 +38,8 @@ import mlx.nn as nn
 from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
-from .ops import key_norms_unchecked, protected_topk_gather_unchecked
+from .ops.key_norms import key_norms_unchecked
+from .ops.protected_topk_gather import protected_topk_gather_unchecked
 from .validation import check_config, check_int
 
 DEFAULT_BUDGET = 512

@@ -8,7 +8,7 @@ a fixed random number (random eviction).
 Semantics are those of ``mlx_knorm.cache.L2NormKVCache`` decoding one token
 at a time: query ``t`` attends to the ``budget`` rows kept from ``[0, t)``
 plus itself, and the kept set of ``[0, t)`` is the protected top-``budget``
-of that whole prefix (SPEC section 3; with ``recent = 0`` the selection is
+of that whole prefix (docs/spec.md §3; with ``recent = 0`` the selection is
 path independent, so one call per prefix gives the streaming result).
 """
 

@@ -1,0 +1,171 @@
+#include "protected_topk_gather/protected_topk_gather.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+
+#include "mlx/backend/cpu/encoder.h"
+
+#include "common/huge_pages.h"
+#include "common/validation.h"
+
+namespace mlx_knorm {
+
+GatherInputs GatherInputs::from(const std::vector<mx::array>& inputs) {
+  if (inputs.size() != 6) {
+    throw std::invalid_argument(
+        "mlx_knorm: ProtectedTopKGather takes 6 inputs, got " +
+        std::to_string(inputs.size()));
+  }
+  return {inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5]};
+}
+
+std::vector<mx::array> GatherInputs::to_vector() const {
+  return {prior_keys, prior_values, prior_norms, new_keys, new_values, new_norms};
+}
+
+std::vector<mx::array> protected_topk_gather(
+    const GatherInputs& inputs,
+    SelectionConfig config,
+    Executor executor,
+    mx::StreamOrDevice s) {
+  check_executor(executor);
+  auto stream = mx::to_stream(s);
+  auto primitive =
+      std::make_shared<ProtectedTopKGather>(stream, config, executor);
+  primitive->check_inputs(inputs);
+  std::vector<mx::array> dense;
+  for (const auto& x : inputs.to_vector()) {
+    dense.push_back(row_contiguous(x, stream));
+  }
+  auto shapes = primitive->output_shapes(dense);
+  return mx::array::make_arrays(
+      std::move(shapes),
+      {inputs.prior_keys.dtype(), inputs.prior_values.dtype(), mx::float32, mx::uint32},
+      primitive,
+      dense);
+}
+
+void ProtectedTopKGather::check_inputs(const GatherInputs& in) {
+  check_rank(in.prior_keys, 3, "prior_keys");
+  check_rank(in.prior_values, 3, "prior_values");
+  check_rank(in.prior_norms, 2, "prior_norms");
+  check_rank(in.new_keys, 3, "new_keys");
+  check_rank(in.new_values, 3, "new_values");
+  check_rank(in.new_norms, 2, "new_norms");
+  check_floating(in.prior_keys, "prior_keys");
+  check_floating(in.prior_values, "prior_values");
+  check_floating(in.new_keys, "new_keys");
+  check_floating(in.new_values, "new_values");
+  check_float32(in.prior_norms, "prior_norms");
+  check_float32(in.new_norms, "new_norms");
+  check_same_dtype(in.new_keys, "new_keys", in.prior_keys, "prior_keys");
+  check_same_dtype(in.new_values, "new_values", in.prior_values, "prior_values");
+  // Keys and values may differ in width (D_k != D_v, as in multi-head latent
+  // attention) but not in heads or rows.
+  check_heads_and_rows("keys/values mismatch in N or rows", "prior_keys",
+                       in.prior_keys, "prior_values", in.prior_values);
+  check_heads_and_rows("keys/values mismatch in N or rows", "new_keys",
+                       in.new_keys, "new_values", in.new_values);
+  if (in.prior_keys.shape(0) != in.new_keys.shape(0) ||
+      in.prior_keys.shape(2) != in.new_keys.shape(2)) {
+    shape_mismatch("prior vs new mismatch in N or D", "prior_keys", in.prior_keys,
+                   "new_keys", in.new_keys);
+  }
+  if (in.prior_values.shape(2) != in.new_values.shape(2)) {
+    shape_mismatch("prior vs new mismatch in N or D", "prior_values", in.prior_values,
+                   "new_values", in.new_values);
+  }
+  check_heads_and_rows("prior_norms must be [N, n_prior]", "prior_norms",
+                       in.prior_norms, "prior_keys", in.prior_keys);
+  check_heads_and_rows("new_norms must be [N, S]", "new_norms", in.new_norms,
+                       "new_keys", in.new_keys);
+  if (static_cast<int64_t>(in.n_prior()) + in.n_new() > kMaxRows) {
+    throw std::invalid_argument(
+        "mlx_knorm: n_prior + S must fit in uint32 row indices");
+  }
+  check_selection_config(config_);
+}
+
+bool ProtectedTopKGather::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const ProtectedTopKGather&>(other);
+  return config_ == o.config_ && executor_ == o.executor_;
+}
+
+// Also called by mx.compile(shapeless=True) for every new input shape,
+// without the op's argument checks having run: the shape relations the
+// kernels rely on are checked again here.
+std::vector<mx::Shape> ProtectedTopKGather::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  const auto in = GatherInputs::from(inputs);
+  check_inputs(in);
+  const int n_heads = in.n_heads();
+  const int64_t n_total = static_cast<int64_t>(in.n_prior()) + in.n_new();
+  const int kept = static_cast<int>(std::min<int64_t>(n_total, config_.budget));
+  return {
+      {n_heads, kept, in.key_dim()},
+      {n_heads, kept, in.value_dim()},
+      {n_heads, kept},
+      {n_heads, kept}};
+}
+
+void ProtectedTopKGather::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  check_inputs(GatherInputs::from(inputs));
+  check_row_contiguous(inputs, name());
+  auto kernel = &protected_topk_gather_cpu;
+#ifdef MLX_KNORM_EMULATOR
+  if (executor_ == Executor::MetalEmulator) {
+    kernel = &protected_topk_gather_emulated;
+  }
+#endif
+  // Every sibling output holds its own copy of the input list until MLX
+  // detaches them right after this eval; with four outputs no input would
+  // ever look donatable. Dropping the siblings' copies now (never for
+  // tracers, whose graph is still needed) leaves is_donatable() counting
+  // only real outside references: the caller's arrays, other consumers.
+  for (auto& out : outputs) {
+    if (&out.inputs() != &inputs && !out.is_tracer()) {
+      out.inputs().clear();
+    }
+  }
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& in : inputs) {
+    encoder.set_input_array(in);
+  }
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    auto& out = outputs[i];
+    // keys, values and norms (outputs 0-2) may take over the prior's buffer
+    // (inputs 0-2) when nothing else holds it and the shape is unchanged (a
+    // step from a full cache): the CPU kernel then moves only the rows after
+    // the first evicted one (docs/spec.md §7). Inputs are row-contiguous
+    // (the op made sure of it).
+    const bool donate = i < 3 && executor_ == Executor::Native &&
+        inputs[i].is_donatable() && inputs[i].shape() == out.shape() &&
+        inputs[i].data_size() == inputs[i].size();
+    if (donate) {
+      out.copy_shared_buffer(inputs[i]);
+    } else {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      prefer_huge_pages(out.data<void>(), out.nbytes());
+    }
+    encoder.set_output_array(out);
+  }
+  std::vector<mx::array> in_refs;
+  std::vector<mx::array> out_refs;
+  for (auto& in : inputs) {
+    in_refs.push_back(mx::array::unsafe_weak_copy(in));
+  }
+  for (auto& out : outputs) {
+    out_refs.push_back(mx::array::unsafe_weak_copy(out));
+  }
+  encoder.dispatch([kernel,
+                    in_refs = std::move(in_refs),
+                    out_refs = std::move(out_refs),
+                    config = config_]() mutable {
+    kernel(GatherInputs::from(in_refs), out_refs, config);
+  });
+}
+
+} // namespace mlx_knorm

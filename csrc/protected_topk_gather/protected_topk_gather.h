@@ -1,0 +1,111 @@
+// ProtectedTopKGather: one eviction step of docs/spec.md §3 for N heads.
+// Keeps the protected rows plus the best-scoring middle rows of the virtual
+// concatenation prior ++ new, and gathers them in temporal order.
+//
+//   protected_topk_gather.cpp  the op, the primitive, its input checks,
+//                              eval_cpu (CPU kernel or emulator, donation)
+//   cpu.cpp                    the CPU kernel
+//   metal.cpp                  the Metal launch plan and eval_gpu
+//                              (metal/protected_topk_gather.metal)
+//   emulated.cpp               the Metal kernel run through the emulator
+#pragma once
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+#include "common/executor.h"
+#include "common/launch_plan.h"
+#include "common/selection.h"
+
+namespace mlx_knorm {
+
+namespace mx = mlx::core;
+
+// The primitive's inputs, in its input order: a prior state [N, n_prior, *]
+// and a new block [N, S, *] of keys, values and float32 norms.
+struct GatherInputs {
+  mx::array prior_keys;
+  mx::array prior_values;
+  mx::array prior_norms;
+  mx::array new_keys;
+  mx::array new_values;
+  mx::array new_norms;
+
+  // From and to the primitive's input vector (six arrays in this order).
+  static GatherInputs from(const std::vector<mx::array>& inputs);
+  std::vector<mx::array> to_vector() const;
+
+  int n_heads() const {
+    return prior_keys.shape(0);
+  }
+  int n_prior() const {
+    return prior_keys.shape(1);
+  }
+  int n_new() const {
+    return new_keys.shape(1);
+  }
+  int key_dim() const {
+    return prior_keys.shape(2);
+  }
+  int value_dim() const {
+    return prior_values.shape(2);
+  }
+};
+
+// Returns {keys [N, kept, D_k], values [N, kept, D_v], norms [N, kept]
+// float32, indices [N, kept] uint32}, kept = min(n_prior + S, budget).
+std::vector<mx::array> protected_topk_gather(
+    const GatherInputs& inputs,
+    SelectionConfig config,
+    Executor executor = Executor::Native,
+    mx::StreamOrDevice s = {});
+
+class ProtectedTopKGather : public mx::Primitive {
+ public:
+  ProtectedTopKGather(mx::Stream stream, SelectionConfig config, Executor executor)
+      : mx::Primitive(stream), config_(config), executor_(executor) {}
+
+  void eval_cpu(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs) override;
+  void eval_gpu(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "ProtectedTopKGather";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+
+  // Every relation between the inputs' shapes and dtypes that the kernels
+  // rely on, and the configuration (docs/spec.md §6); throws
+  // std::invalid_argument or dtype_error. Run when the op is built, when MLX
+  // asks for output shapes (shapeless compile) and before any kernel touches
+  // memory.
+  void check_inputs(const GatherInputs& inputs);
+
+ private:
+  SelectionConfig config_;
+  Executor executor_;
+};
+
+// The kernels, on row-contiguous inputs and allocated outputs: the CPU
+// kernel (cpu.cpp) and the Metal kernel through the emulator (emulated.cpp,
+// in builds with the emulator).
+void protected_topk_gather_cpu(
+    const GatherInputs& inputs,
+    std::vector<mx::array>& outputs,
+    const SelectionConfig& config);
+void protected_topk_gather_emulated(
+    const GatherInputs& inputs,
+    std::vector<mx::array>& outputs,
+    const SelectionConfig& config);
+
+// metal.cpp: the launch plan of the Metal kernel.
+LaunchPlan protected_topk_gather_plan(
+    const GatherInputs& inputs,
+    const SelectionConfig& config);
+
+} // namespace mlx_knorm

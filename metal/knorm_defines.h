@@ -1,0 +1,58 @@
+// What the Metal kernels in this folder and the host code that launches them
+// must agree on, and the preamble every kernel source needs. One file, read
+// four ways:
+//   - by the Metal compiler, included from metal/*.metal (the metallib build);
+//   - as text inlined into each kernel source by the JIT loader
+//     (csrc/common/kernel_source.cpp);
+//   - as C++ by the emulator (csrc/metal_emulator/kernels.cpp includes
+//     metal_emulator.h, then the .metal files);
+//   - by the host C++ (the launch plans), for the constants alone.
+// An include guard rather than #pragma once: in the JIT build this text is
+// part of the main file, where #pragma once draws a warning. This file and
+// the kernel sources stay ASCII (hence "docs/spec.md section N" in their
+// comments): MLX hands the JIT source to Metal as an ASCII string.
+#ifndef MLX_KNORM_METAL_KNORM_DEFINES_H
+#define MLX_KNORM_METAL_KNORM_DEFINES_H
+
+#if defined(__METAL_VERSION__)
+#include <metal_stdlib>
+// No fused multiply-add: each square and each add is rounded on its own
+// (docs/spec.md section 2).
+#pragma clang fp contract(off)
+using namespace metal;
+#define KNORM_CONSTANT static constant constexpr
+// threadgroup qualifies both declarations and pointers; only the declaration
+// form needs a macro for the emulator's C++ build.
+#define KNORM_THREADGROUP_ARRAY(type, name, count) threadgroup type name[count]
+// Instantiates a kernel template under the host name its launch plan uses.
+#define KNORM_KERNEL_INSTANCE(name, ...) \
+  template [[host_name(name)]] [[kernel]] decltype(__VA_ARGS__) __VA_ARGS__;
+#elif defined(KNORM_METAL_EMULATOR)
+// metal_emulator.h defines the Metal language surface, the address-space
+// qualifiers, and its own KNORM_THREADGROUP_ARRAY and KNORM_KERNEL_INSTANCE.
+using namespace metal;
+#define KNORM_CONSTANT static constant constexpr
+#else
+#include <cstdint>
+#define KNORM_CONSTANT inline constexpr
+namespace mlx_knorm {
+#endif
+
+// Lanes of an Apple GPU SIMD group.
+KNORM_CONSTANT uint32_t kSimdWidth = 32;
+
+// Largest D the key-norm kernel takes: each lane keeps kKeyNormsMaxDim / 32
+// squares in registers. auto sends larger rows on a GPU to the fallback.
+KNORM_CONSTANT uint32_t kKeyNormsMaxDim = 512;
+// Rows per threadgroup of the key-norm kernel, one SIMD group each: small
+// groups, so that many are resident.
+KNORM_CONSTANT uint32_t kKeyNormsRowsPerGroup = 4;
+
+// Threads per threadgroup of the gather kernel (one threadgroup per head).
+KNORM_CONSTANT uint32_t kGatherGroupSize = 256;
+
+#if !defined(__METAL_VERSION__) && !defined(KNORM_METAL_EMULATOR)
+} // namespace mlx_knorm
+#endif
+
+#endif // MLX_KNORM_METAL_KNORM_DEFINES_H

@@ -1,0 +1,57 @@
+"""``mlx-knorm bench``: the target cases (or any budget x S grid) timed side
+by side, printed as tables, optionally written as JSON and plotted."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import mlx.core as mx
+
+from ..validation import FLOAT_DTYPES
+from .cases import TARGET_STEPS, suite
+from .plot import plot
+from .report import print_report
+from .timing import run_suite
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help="few repetitions, about a second per timing (under a minute)")
+    parser.add_argument("--n", type=int, default=32, help="rows N = B*H (default 32)")
+    parser.add_argument("--d", type=int, default=128, help="head dim D (default 128)")
+    parser.add_argument("--budget", type=int, nargs="+",
+                        help="budgets; with --s, every budget x S pair replaces the built-in cases")
+    parser.add_argument("--s", type=int, nargs="+",
+                        help="new tokens per step: 1 is a decode step from a full cache, "
+                             "more a prefill into an empty one")
+    parser.add_argument("--dtype", choices=sorted(FLOAT_DTYPES), default="float16")
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--reps", type=int, help="timed repetitions per implementation "
+                        "(default 7 with --quick, else 30; capped by time for slow ones)")
+    parser.add_argument("--json", metavar="PATH", help="write the raw figures as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="time vs budget and vs S (needs matplotlib)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args, steps=TARGET_STEPS, command: str | None = None) -> int:
+    """Runs the (budget, S) ``steps`` unless ``--budget``/``--s`` name others;
+    0 when every case was bit-exact. ``command`` is recorded in the JSON
+    (default: this process's ``mlx-knorm`` command line)."""
+    if args.device == "gpu" and not mx.metal.is_available():
+        print("mlx-knorm bench: --device gpu needs Metal; none is available here", file=sys.stderr)
+        return 2
+    if args.budget is not None or args.s is not None:
+        steps = [(b, s) for b in args.budget or [512, 2048] for s in args.s or [1]]
+    cases = suite(steps, args.n, args.d, args.dtype)
+    reps = args.reps or (7 if args.quick else 30)
+    command = command or " ".join(["mlx-knorm", *sys.argv[1:]])
+    report = run_suite(cases, args.device, reps, args.quick, command,
+                       show_progress=not args.no_progress)
+    print_report(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.plot:
+        plot(report, args.plot)
+    return 0 if all(r["bit_exact"] for r in report["cases"]) else 1

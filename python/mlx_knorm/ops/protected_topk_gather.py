@@ -1,0 +1,191 @@
+"""``protected_topk_gather`` (docs/spec.md §3): the public op, its checks,
+the dispatch to the native kernel, the Metal emulator or the fallback, and
+the fallback."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from ..backend import resolve
+from ..validation import (
+    MAX_ROWS,
+    check_array,
+    check_config,
+    check_float32,
+    check_floating,
+    check_rank,
+    dtype_name,
+    shape_mismatch,
+)
+from .common import on_stream, run_native, shape_pinned
+
+_SIGN = 0x80000000
+_NAN_KEY = 0xFFFFFFFF
+
+
+class GatherInputs(NamedTuple):
+    """The op's arrays: a prior state ``[N, n_prior, *]`` and a new block
+    ``[N, S, *]`` of keys, values and float32 norms, in the op's order."""
+
+    prior_keys: mx.array
+    prior_values: mx.array
+    prior_norms: mx.array
+    new_keys: mx.array
+    new_values: mx.array
+    new_norms: mx.array
+
+
+def protected_topk_gather(
+    prior_keys: mx.array,
+    prior_values: mx.array,
+    prior_norms: mx.array,
+    new_keys: mx.array,
+    new_values: mx.array,
+    new_norms: mx.array,
+    budget: int,
+    n_sink: int,
+    recent: int,
+    keep: str,
+    *,
+    stream=None,
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """Protected top-k + temporal-order gather over ``prior ++ new`` (docs/spec.md §3).
+
+    Returns ``(keys, values, norms, indices)``: ``[N, kept, D]`` twice,
+    float32 ``[N, kept]`` and uint32 ``[N, kept]``, ``kept = min(n_prior + S,
+    budget)``. ``new_keys``/``new_values`` must have the dtypes of
+    ``prior_keys``/``prior_values``.
+    """
+    budget, n_sink, recent, keep = check_config(budget, n_sink, recent, keep)
+    check_block(prior_keys, prior_values, prior_norms, new_keys, new_values)
+    check_new_norms(new_norms, new_keys)
+    for name, new, prior in (
+        ("new_keys", new_keys, prior_keys),
+        ("new_values", new_values, prior_values),
+    ):
+        if new.dtype != prior.dtype:
+            raise TypeError(
+                f"mlx_knorm: {name} dtype {dtype_name(new.dtype)} must equal "
+                f"prior dtype {dtype_name(prior.dtype)}"
+            )
+    return protected_topk_gather_unchecked(
+        prior_keys, prior_values, prior_norms, new_keys, new_values, new_norms,
+        budget, n_sink, recent, keep, stream,
+    )
+
+
+def check_block(prior_keys, prior_values, prior_norms, new_keys, new_values) -> None:
+    """Shapes and dtypes of one batched step: a prior state and a new block.
+    Keys and values may differ in width (D_k != D_v), not in heads or rows."""
+    named = [
+        ("prior_keys", prior_keys, 3),
+        ("prior_values", prior_values, 3),
+        ("prior_norms", prior_norms, 2),
+        ("new_keys", new_keys, 3),
+        ("new_values", new_values, 3),
+    ]
+    for name, x, ndim in named:
+        check_array(x, name)
+        check_rank(x, ndim, name)
+    for name, x, _ in named[:2] + named[3:]:
+        check_floating(x, name)
+    check_float32(prior_norms, "prior_norms")
+    for keys_name, keys, values_name, values in (
+        ("prior_keys", prior_keys, "prior_values", prior_values),
+        ("new_keys", new_keys, "new_values", new_values),
+    ):
+        if keys.shape[:2] != values.shape[:2]:
+            raise shape_mismatch("keys/values mismatch in N or rows", keys_name, keys, values_name, values)
+    if prior_keys.shape[0] != new_keys.shape[0] or prior_keys.shape[2] != new_keys.shape[2]:
+        raise shape_mismatch("prior vs new mismatch in N or D", "prior_keys", prior_keys, "new_keys", new_keys)
+    if prior_values.shape[2] != new_values.shape[2]:
+        raise shape_mismatch(
+            "prior vs new mismatch in N or D", "prior_values", prior_values, "new_values", new_values
+        )
+    if tuple(prior_norms.shape) != tuple(prior_keys.shape[:2]):
+        raise shape_mismatch(
+            "prior_norms must be [N, n_prior]", "prior_norms", prior_norms, "prior_keys", prior_keys
+        )
+    if prior_keys.shape[1] + new_keys.shape[1] > MAX_ROWS:
+        raise ValueError("mlx_knorm: n_prior + S must fit in uint32 row indices")
+
+
+def check_new_norms(new_norms, new_keys: mx.array) -> None:
+    """The norms a caller passes for a new block: float32 ``[N, S]``."""
+    check_array(new_norms, "new_norms")
+    check_rank(new_norms, 2, "new_norms")
+    check_float32(new_norms, "new_norms")
+    if tuple(new_norms.shape) != tuple(new_keys.shape[:2]):
+        raise shape_mismatch("new_norms must be [N, S]", "new_norms", new_norms, "new_keys", new_keys)
+
+
+def protected_topk_gather_unchecked(
+    prior_keys, prior_values, prior_norms, new_keys, new_values, new_norms,
+    budget, n_sink, recent, keep, stream=None,
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """``protected_topk_gather`` for callers that checked their arguments
+    already (the state API, the cache): one check per step."""
+    inputs = GatherInputs(prior_keys, prior_values, prior_norms, new_keys, new_values, new_norms)
+    backend = resolve(stream)
+    if backend == "fallback":
+        with on_stream(stream):
+            return fallback(inputs, budget, n_sink, recent, keep)
+    return tuple(run_native(
+        backend, "protected_topk_gather", *inputs, budget, n_sink, recent, keep, stream=stream
+    ))
+
+
+def fallback(
+    inputs: GatherInputs, budget: int, n_sink: int, recent: int, keep: str
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """The pure-MLX op, bit-identical to the kernels. Rows are selected by
+    unique (score, index) keys, so any correct partition algorithm picks
+    exactly the rows the kernels pick."""
+    keys = mx.concatenate([inputs.prior_keys, inputs.new_keys], axis=1)
+    values = mx.concatenate([inputs.prior_values, inputs.new_values], axis=1)
+    norms = mx.concatenate([shape_pinned(inputs.prior_norms), inputs.new_norms], axis=1)
+    indices = selected_rows(norms, budget, n_sink, recent, keep)
+    rows = indices[:, :, None]
+    return (
+        mx.take_along_axis(keys, rows, axis=1),
+        mx.take_along_axis(values, rows, axis=1),
+        mx.take_along_axis(norms, indices, axis=1),
+        indices,
+    )
+
+
+def score_order_key(score: mx.array) -> mx.array:
+    """Order-preserving uint32 image of float32 scores: -0 and +0 together,
+    every NaN after +inf."""
+    bits = score.view(mx.uint32)
+    bits = mx.where((bits & 0x7FFFFFFF) == 0, mx.array(0, mx.uint32), bits)
+    key = mx.where(bits >= _SIGN, ~bits, bits | _SIGN)
+    return mx.where(mx.isnan(score), mx.array(_NAN_KEY, mx.uint32), key)
+
+
+def selected_rows(
+    norms: mx.array, budget: int, n_sink: int, recent: int, keep: str
+) -> mx.array:
+    """uint32 [N, kept] indices into ``norms [N, n_total]`` that docs/spec.md
+    §3 keeps, in temporal order."""
+    n_rows, n_total = norms.shape
+    if n_total <= budget:
+        return mx.broadcast_to(mx.arange(n_total, dtype=mx.uint32), (n_rows, n_total))
+    sinks = min(n_sink, n_total)
+    tail = min(recent, n_total - sinks)
+    mid_end = n_total - tail
+    mid_keep = budget - sinks - tail
+    scores = norms[:, sinks:mid_end]
+    if keep == "high":
+        scores = -scores
+    positions = mx.arange(sinks, mid_end, dtype=mx.uint64)
+    rank = (score_order_key(scores).astype(mx.uint64) << 32) | positions
+    chosen = mx.argpartition(rank, kth=mid_keep - 1, axis=1)[:, :mid_keep]
+    middle = mx.sort(chosen.astype(mx.uint32), axis=1) + sinks
+
+    def protected(start: int, stop: int) -> mx.array:
+        return mx.broadcast_to(mx.arange(start, stop, dtype=mx.uint32), (n_rows, stop - start))
+
+    return mx.concatenate([protected(0, sinks), middle, protected(mid_end, n_total)], axis=1)
