@@ -1,4 +1,4 @@
-// Python bindings of the two primitives (the package's mlx_knorm._ext).
+// Python bindings of the primitives (the package's mlx_knorm._ext).
 // Built with NB_DOMAIN mlx so that mlx.core's array, Stream and Device types
 // are shared with MLX's module.
 #include <nanobind/nanobind.h>
@@ -9,6 +9,7 @@
 
 #include "common/kernel_source.h"
 #include "common/validation.h"
+#include "evict_and_fill/evict_and_fill.h"
 #include "key_norms/key_norms.h"
 #include "metal/knorm_defines.h"
 #include "protected_topk_gather/protected_topk_gather.h"
@@ -95,6 +96,55 @@ NB_MODULE(_ext, m) {
       "emulate_metal"_a = false,
       "stream"_a = nb::none(),
       "Protected top-k of docs/spec.md §3: (keys, values, norms, indices).");
+
+  m.def(
+      "evict_and_fill",
+      [](const mx::array& keys,
+         const mx::array& values,
+         const mx::array& norms,
+         const mx::array& positions,
+         const mx::array& new_keys,
+         const mx::array& new_values,
+         int64_t filled,
+         int64_t offset,
+         int64_t capacity,
+         int budget,
+         int n_sink,
+         int recent,
+         const std::string& keep,
+         const std::string& layout,
+         bool emulate,
+         mx::StreamOrDevice s) {
+        mlx_knorm::StepConfig config{
+            {budget, n_sink, recent, mlx_knorm::parse_keep(keep)},
+            filled,
+            offset,
+            capacity,
+            mlx_knorm::parse_layout(layout)};
+        return mlx_knorm::evict_and_fill(
+            {keys, values, norms, positions, new_keys, new_values},
+            config,
+            executor_for(emulate),
+            s);
+      },
+      "keys"_a,
+      "values"_a,
+      "norms"_a,
+      "positions"_a,
+      "new_keys"_a,
+      "new_values"_a,
+      "filled"_a,
+      "offset"_a,
+      "capacity"_a,
+      "budget"_a,
+      "n_sink"_a,
+      "recent"_a,
+      "keep"_a,
+      "layout"_a,
+      nb::kw_only(),
+      "emulate_metal"_a = false,
+      "stream"_a = nb::none(),
+      "One cache step of docs/spec.md §4: (keys, values, norms, positions).");
 
   m.def(
       "metal_kernel_source",

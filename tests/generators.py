@@ -90,3 +90,78 @@ def gather_cases(draw, max_rows=4, max_prior=40, max_new=40, dims=DIMS, long_row
         fill_norms(rng, (n_rows, n_new), palette),
     )
     return arrays, (budget, n_sink, recent, keep)
+
+
+def _cache_positions(rng, filled, offset, n_sink, recent, layout):
+    """Distinct positions below ``offset`` for ``filled`` slots, the sinks and
+    the recent window among them, as the cache stores them: any slot order
+    for the slot layout, ascending for the temporal one."""
+    must = sorted(set(range(min(n_sink, offset))) | set(range(max(0, offset - recent), offset)))
+    rest = np.setdiff1d(np.arange(offset), must)
+    chosen = np.concatenate([must, rng.choice(rest, size=filled - len(must), replace=False)])
+    chosen = np.sort(chosen) if layout == "temporal" else rng.permutation(chosen)
+    return chosen.astype(np.int32)
+
+
+@st.composite
+def step_cases(draw, cache_like=True, max_heads=3, max_budget=24, max_new=6, dims=DIMS, long_rows=False):
+    """Arguments of one evict_and_fill call: ``(arrays, config)``.
+
+    ``cache_like``: states the cache produces (distinct positions below
+    ``offset`` with the sinks and the recent window present, shuffled slots
+    for the slot layout, sorted for the temporal one), decode steps
+    (``filled = budget + 1``) drawn often. Otherwise anything the op
+    accepts: random and duplicate positions, any ``offset`` and ``filled``.
+    Slots past ``filled`` hold garbage in both. ``long_rows`` also draws
+    budgets of 250-700, which span several 256-row chunks of the Metal
+    kernel.
+    """
+    n_heads = draw(st.integers(1, max_heads))
+    budgets = st.integers(1, max_budget)
+    if long_rows:
+        budgets = st.one_of(budgets, st.integers(250, 700))
+    budget = draw(budgets)
+    n_sink = draw(st.integers(0, budget - 1))
+    recent = draw(st.integers(0, budget - 1 - n_sink))
+    keep = draw(st.sampled_from(["low", "high"]))
+    layout = draw(st.sampled_from(["slots", "temporal"]))
+    n_new = draw(st.integers(0, max_new))
+    filled = draw(st.one_of(
+        st.just(budget + 1),  # a decode step: one row leaves
+        st.integers(budget + 2, budget + max_new + 2),  # several leave
+        st.integers(0, budget + max_new + 2),
+    ))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if cache_like:
+        offset = filled + draw(st.integers(0, 2 * budget))
+        must = len(set(range(min(n_sink, offset))) | set(range(max(0, offset - recent), offset)))
+        filled = max(filled, must)
+    else:
+        offset = draw(st.integers(0, budget + 8))
+    slots = filled + draw(st.integers(0, 3))
+    kept = min(filled, budget)
+    capacity = draw(st.sampled_from(sorted({max(slots, kept + n_new), kept + n_new, kept + n_new + 2})))
+    key_dim = draw(st.sampled_from(dims))
+    value_dim = draw(st.one_of(st.just(key_dim), st.sampled_from(dims)))
+    key_dtype = draw(st.sampled_from(sorted(DTYPES)))
+    value_dtype = draw(st.sampled_from(sorted(DTYPES)))
+    palette = draw(st.sampled_from(PALETTES))
+    positions = rng.integers(-(2**31), 2**31, size=(n_heads, slots), dtype=np.int64).astype(np.int32)
+    for n in range(n_heads):
+        if cache_like:
+            positions[n, :filled] = _cache_positions(rng, filled, offset, n_sink, recent, layout)
+        else:
+            positions[n, :filled] = rng.integers(-3, offset + 4, size=filled)
+    arrays = (
+        fill(rng, (n_heads, slots, key_dim), palette, key_dtype),
+        fill(rng, (n_heads, slots, value_dim), "special", value_dtype),
+        fill_norms(rng, (n_heads, slots), palette),
+        mx.array(positions),
+        fill(rng, (n_heads, n_new, key_dim), palette, key_dtype),
+        fill(rng, (n_heads, n_new, value_dim), "special", value_dtype),
+    )
+    config = dict(
+        filled=filled, offset=offset, capacity=capacity, budget=budget,
+        n_sink=n_sink, recent=recent, keep=keep, layout=layout,
+    )
+    return arrays, config

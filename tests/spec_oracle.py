@@ -1,4 +1,5 @@
-"""docs/spec.md §3 written as plainly as possible, for checking the backends.
+"""docs/spec.md §3 and §4 written as plainly as possible, for checking the
+backends.
 
 Slow (a Python sort per row) and independent of the package's code.
 """
@@ -22,3 +23,35 @@ def kept_rows(norms: list[float], budget: int, n_sink: int, recent: int, keep: s
 
     chosen = sorted(middle, key=rank)[: budget - sinks - tail]
     return sorted([*range(sinks), *chosen, *range(n_total - tail, n_total)])
+
+
+def step_sources(
+    norms: list[float],
+    positions: list[int],
+    filled: int,
+    offset: int,
+    budget: int,
+    n_sink: int,
+    recent: int,
+    keep: str,
+    layout: str,
+) -> list[int]:
+    """docs/spec.md §4 steps 1 and 2 for one head: the input slot of the row
+    that lands in each output slot of ``[0, kept)``."""
+    slots = range(filled)
+
+    def rank(s: int):
+        p = positions[s]
+        if p < n_sink or p >= offset - recent:
+            return (0, False, 0.0, p, s)
+        score = norms[s] if keep == "low" else -norms[s]
+        nan = math.isnan(score)
+        return (1, nan, 0.0 if nan else score, p, s)
+
+    kept_set = set(sorted(slots, key=rank)[:budget])
+    kept_in_order = [s for s in slots if s in kept_set]
+    if layout == "temporal":
+        return kept_in_order
+    kept = len(kept_in_order)
+    movers = [s for s in kept_in_order if s >= kept]
+    return [s if s in kept_set else movers.pop(0) for s in range(kept)]

@@ -91,3 +91,146 @@ def test_no_donation_when_the_prior_feeds_another_op_in_the_same_graph():
         assert_bitwise_equal(b, c, "compiled")
     for before, after in zip(snapshot, state):
         assert np.array_equal(before, np.array(after), equal_nan=True)
+
+
+# evict_and_fill (docs/spec.md §7): in place per buffer, when that buffer is
+# donated and the capacity is unchanged.
+
+STEP_BACKENDS = ["kernel"]
+
+
+def data_address(a: mx.array) -> int:
+    """Where ``a``'s data lives, read through the buffer protocol without a
+    copy; the numpy view is dropped at once, so ``a`` stays donatable."""
+    return np.asarray(a).__array_interface__["data"][0]
+
+
+def step_state(n_heads=4, slots=32, dim=16, layout="slots", seed=0):
+    """A cache's buffers holding positions 0..slots-1 (shuffled for the slot
+    layout) and one new row."""
+    rng = np.random.default_rng(seed)
+    positions = np.stack([rng.permutation(slots) for _ in range(n_heads)])
+    if layout == "temporal":
+        positions.sort(axis=1)
+    arrays = [
+        fill(rng, (n_heads, slots, dim), "normal", "float16"),
+        fill(rng, (n_heads, slots, dim), "normal", "float32"),
+        fill(rng, (n_heads, slots), "normal", "float32"),
+        mx.array(positions.astype(np.int32)),
+        fill(rng, (n_heads, 1, dim), "normal", "float16"),
+        fill(rng, (n_heads, 1, dim), "normal", "float32"),
+    ]
+    mx.eval(arrays)
+    return arrays
+
+
+def step_config(slots, budget, layout, capacity=None):
+    return dict(filled=slots, offset=slots, capacity=slots if capacity is None else capacity,
+                budget=budget, n_sink=2, recent=3, keep="low", layout=layout)
+
+
+def copies(arrays):
+    return [mx.array(np.array(a)) for a in arrays]
+
+
+def step_dropping(backend, arrays: list, config):
+    """One step whose inputs are referenced by ``arrays`` alone, which is
+    emptied before evaluation: the op's inputs are then donated."""
+    with mlx_knorm.use_backend(backend):
+        out = mlx_knorm.evict_and_fill(*arrays, **config)
+    arrays.clear()
+    mx.eval(out)
+    return out
+
+
+def assert_step_equal(actual, expected, defined):
+    for name, a, e in zip(("keys", "values", "norms", "positions"), actual, expected):
+        assert_bitwise_equal(a[:, :defined], e[:, :defined], name)
+
+
+@pytest.mark.parametrize("backend", STEP_BACKENDS)
+@pytest.mark.parametrize("layout", ["slots", "temporal"])
+@pytest.mark.parametrize("slots, budget", [(32, 31), (32, 27), (33, 32)])
+def test_step_on_donated_buffers_runs_in_place(backend, layout, slots, budget):
+    """A decode step (one row leaves), a step that evicts several rows and
+    one that evicts none: every output is its input's buffer."""
+    arrays = step_state(slots=slots, layout=layout)
+    config = step_config(32, budget, layout, capacity=slots)
+    expected = step_dropping("fallback", copies(arrays), config)
+    addresses = [data_address(a) for a in arrays[:4]]
+    out = step_dropping(backend, arrays, config)
+    assert [data_address(o) for o in out] == addresses
+    assert_step_equal(out, expected, min(32, budget) + 1)
+
+
+@pytest.mark.parametrize("backend", STEP_BACKENDS)
+@pytest.mark.parametrize("layout", ["slots", "temporal"])
+def test_held_buffers_are_never_written(backend, layout):
+    """A view of the keys and the values array are held elsewhere: those two
+    outputs are fresh buffers and what is held is unchanged; the norms and
+    positions, donated, are updated in place."""
+    arrays = step_state(layout=layout)
+    config = step_config(32, 27, layout)
+    expected = step_dropping("fallback", copies(arrays), config)
+    keys_view = arrays[0][:, 3:9]
+    values = arrays[1]
+    held = [np.array(keys_view), np.array(values)]
+    addresses = [data_address(a) for a in arrays[:4]]
+    out = step_dropping(backend, arrays, config)
+    assert_step_equal(out, expected, 28)
+    got = [data_address(o) for o in out]
+    assert got[0] != addresses[0] and got[1] != addresses[1]
+    assert got[2:] == addresses[2:]
+    for before, after in zip(held, (keys_view, values)):
+        assert np.array_equal(before, np.array(after))
+
+
+@pytest.mark.parametrize("backend", STEP_BACKENDS)
+@pytest.mark.parametrize("layout", ["slots", "temporal"])
+def test_decode_loop_in_place_matches_the_fallback(backend, layout):
+    """The cache's loop: buffers of budget + 1 slots, one eviction and one
+    new row per step, the previous buffers dropped before each evaluation."""
+    budget, steps = 24, 40
+    rng = np.random.default_rng(5)
+    tokens = [fill(rng, (3, 1, 8), "ties", "float16") for _ in range(steps)]
+    start = step_state(n_heads=3, slots=budget + 1, dim=8, layout=layout, seed=6)[:4]
+    results = {}
+    for name in (backend, "fallback"):
+        state = copies(start)
+        addresses = [data_address(a) for a in state]
+        for i, token in enumerate(tokens):
+            config = step_config(budget + 1, budget, layout)
+            config["offset"] = budget + 1 + i
+            inputs = [*state, token, token.astype(mx.float32)]
+            del state
+            state = list(step_dropping(name, inputs, config))
+        if name == backend:
+            assert [data_address(a) for a in state] == addresses
+        results[name] = state
+    assert_step_equal(results[backend], results["fallback"], budget + 1)
+
+
+@pytest.mark.parametrize("backend", STEP_BACKENDS)
+def test_no_step_donation_when_the_buffers_feed_another_op(backend):
+    """Two steps from one intermediate state that nothing outside the graph
+    holds: neither may take its buffers while the other still reads them."""
+    arrays = step_state()
+    snapshot = [np.array(a) for a in arrays]
+
+    def two_steps(keys, values, norms, positions, new_keys, new_values):
+        state = (keys + 0, values + 0, norms + 0, positions + 0)
+        first = mlx_knorm.evict_and_fill(*state, new_keys, new_values, **step_config(32, 27, "slots"))
+        second = mlx_knorm.evict_and_fill(*state, new_keys, new_values, **step_config(32, 30, "temporal"))
+        return first + second
+
+    with mlx_knorm.use_backend("fallback"):
+        expected = two_steps(*arrays)
+    with mlx_knorm.use_backend(backend):
+        eager = two_steps(*arrays)
+        compiled = mx.compile(two_steps)(*arrays)
+    for i, (a, b, c) in enumerate(zip(eager, compiled, expected)):
+        defined = 28 if i < 4 else 31
+        assert_bitwise_equal(a[:, :defined], c[:, :defined], "eager")
+        assert_bitwise_equal(b[:, :defined], c[:, :defined], "compiled")
+    for before, after in zip(snapshot, arrays):
+        assert np.array_equal(before, np.array(after))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -179,3 +181,108 @@ def test_knorm_update_rejects_a_broken_state():
         mlx_knorm.knorm_update(broken, mx.ones((2, 8)), mx.ones((2, 8)))
     with pytest.raises(TypeError, match="state must be a KnormState"):
         mlx_knorm.knorm_update((state,), mx.ones((2, 8)), mx.ones((2, 8)))
+
+
+# evict_and_fill: every error of docs/spec.md §6 for the op, from the Python
+# checks on every backend and from the primitive's own checks.
+
+
+def good_step(n=2, slots=6, s=1, d=8, dtype=mx.float16):
+    return dict(
+        keys=mx.zeros((n, slots, d), dtype),
+        values=mx.zeros((n, slots, 3), mx.float32),
+        norms=mx.zeros((n, slots)),
+        positions=mx.zeros((n, slots), mx.int32),
+        new_keys=mx.ones((n, s, d), dtype),
+        new_values=mx.ones((n, s, 3), mx.float32),
+        filled=6,
+        offset=6,
+        capacity=6,
+        budget=5,
+        n_sink=1,
+        recent=1,
+        keep="low",
+        layout="slots",
+    )
+
+
+STEP_VALUE_ERRORS = [
+    (dict(values=mx.zeros((2, 5, 3))), "keys/values mismatch in N or rows: keys [2, 6, 8] vs values [2, 5, 3]"),
+    (dict(new_values=mx.ones((2, 2, 3))), "keys/values mismatch in N or rows"),
+    (dict(new_keys=mx.ones((3, 1, 8), mx.float16), new_values=mx.ones((3, 1, 3))),
+     "buffers vs new rows mismatch in N or D"),
+    (dict(new_keys=mx.ones((2, 1, 4), mx.float16)), "buffers vs new rows mismatch in N or D: keys [2, 6, 8]"),
+    (dict(new_values=mx.ones((2, 1, 5))), "buffers vs new rows mismatch in N or D: values [2, 6, 3]"),
+    (dict(norms=mx.zeros((2, 5))), "norms must be [N, C]"),
+    (dict(positions=mx.zeros((2, 7), mx.int32)), "positions must be [N, C]"),
+    (dict(norms=mx.zeros((2, 6, 1))), "norms must have rank 2"),
+    (dict(positions=mx.zeros((12,), mx.int32)), "positions must have rank 2"),
+    (dict(keys=mx.zeros((2, 6), mx.float16)), "keys must have rank 3"),
+    (dict(new_values=mx.ones((2, 3))), "new_values must have rank 3"),
+    (dict(filled=7), "filled (7) must be <= C, the buffers' slots (6)"),
+    (dict(filled=-1), "filled must be >= 0"),
+    (dict(offset=-1), "offset must be >= 0"),
+    (dict(offset=2**31 - 1), "offset + S (2147483648) must be < 2**31"),
+    (dict(capacity=5), "capacity (5) must be >= kept + S (6)"),
+    (dict(capacity=2**31), "capacity must be < 2**31"),
+    (dict(layout="rows"), "layout must be 'slots' or 'temporal'"),
+    (dict(budget=0), "budget must be >= 1"),
+    (dict(n_sink=-1), "n_sink must be >= 0"),
+    (dict(recent=-2), "recent must be >= 0"),
+    (dict(n_sink=3, recent=2), "must be < budget"),
+    (dict(keep="middle"), "keep must be 'low' or 'high'"),
+]
+STEP_DTYPE_ERRORS = [
+    (dict(positions=mx.zeros((2, 6))), "positions must be int32, got float32"),
+    (dict(norms=mx.zeros((2, 6), mx.float16)), "norms must be float32, got float16"),
+    (dict(keys=mx.zeros((2, 6, 8), mx.int32)), "keys must be float16, bfloat16 or float32"),
+    (dict(new_values=mx.ones((2, 1, 3), mx.int8)), "new_values must be float16, bfloat16 or float32"),
+    (dict(new_keys=mx.ones((2, 1, 8))), "new_keys dtype float32 must equal keys dtype float16"),
+    (dict(new_values=mx.ones((2, 1, 3), mx.bfloat16)), "new_values dtype bfloat16 must equal values dtype float32"),
+]
+STEP_TYPE_ERRORS = STEP_DTYPE_ERRORS + [
+    (dict(filled=6.0), "filled must be an int, got float"),
+    (dict(offset=None), "offset must be an int, got NoneType"),
+    (dict(capacity=np.array(6)), "capacity must be an int, got ndarray"),
+    (dict(budget=True), "budget must be an int, got bool"),
+    (dict(layout=None), "layout must be a str, got NoneType"),
+    (dict(keys=None), "keys must be an mlx.core.array, got NoneType"),
+    (dict(positions=[[0] * 6] * 2), "positions must be an mlx.core.array, got list"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("change, fragment", STEP_VALUE_ERRORS)
+def test_step_value_errors(backend, change, fragment):
+    with mlx_knorm.use_backend(backend), pytest.raises(ValueError, match=re.escape(fragment)):
+        mlx_knorm.evict_and_fill(**{**good_step(), **change})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("change, fragment", STEP_TYPE_ERRORS)
+def test_step_type_errors(backend, change, fragment):
+    with mlx_knorm.use_backend(backend), pytest.raises(TypeError, match=re.escape(fragment)):
+        mlx_knorm.evict_and_fill(**{**good_step(), **change})
+
+
+@pytest.mark.skipif(_native.ext is None, reason="the native extension is not loaded")
+@pytest.mark.parametrize(
+    "change, fragment, error",
+    [(c, f, ValueError) for c, f in STEP_VALUE_ERRORS] + [(c, f, TypeError) for c, f in STEP_DTYPE_ERRORS],
+)
+def test_step_primitive_checks_its_own_inputs(change, fragment, error):
+    """The binding is reachable from Python and shapeless compilation skips
+    the Python checks: the primitive raises the same errors itself."""
+    args = {**good_step(), **change}
+    with pytest.raises(error, match=re.escape(fragment)):
+        mx.eval(_native.ext.evict_and_fill(**args))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_failed_step_leaves_buffers_untouched(backend):
+    args = good_step()
+    args["keys"] = mx.arange(2 * 6 * 8, dtype=mx.float16).reshape(2, 6, 8)
+    before = np.array(args["keys"])
+    with mlx_knorm.use_backend(backend), pytest.raises(ValueError):
+        mlx_knorm.evict_and_fill(**{**args, "capacity": 3})
+    assert np.array_equal(before, np.array(args["keys"]))

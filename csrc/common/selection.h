@@ -1,5 +1,5 @@
-// The eviction configuration and the per-row selection rule of docs/spec.md
-// §3, shared by every host-side kernel (the CPU kernels and the launch plans
+// The eviction configuration and the selection rules of docs/spec.md §3 and
+// §4, shared by every host-side kernel (the CPU kernels and the launch plans
 // of the Metal kernels).
 #pragma once
 
@@ -59,6 +59,27 @@ inline uint32_t norm_order_key(float norm, Keep keep) {
 inline uint64_t rank_key(float norm, Keep keep, uint32_t row) {
   return (static_cast<uint64_t>(norm_order_key(norm, keep)) << 32) | row;
 }
+
+// int32 positions as uint32 in the same order.
+inline uint32_t position_order_key(int32_t position) {
+  return static_cast<uint32_t>(position) ^ 0x80000000u;
+}
+
+// The rank of a stored row in docs/spec.md §4 step 1, as one 64-bit key:
+// the score key, or 0 for a protected row (no score key is 0, so protected
+// rows come first), then the position. Equal keys (equal positions) rank by
+// slot, lower first.
+struct EvictionRank {
+  int32_t n_sink;        // positions below are protected
+  int32_t protect_from;  // offset - recent: positions at or above are protected
+  Keep keep;
+
+  uint64_t operator()(float norm, int32_t position) const {
+    const bool protect = position < n_sink || position >= protect_from;
+    const uint64_t score = protect ? 0 : norm_order_key(norm, keep);
+    return (score << 32) | position_order_key(position);
+  }
+};
 
 // Protected ranges and the number of middle rows to keep for one row of
 // n_total tokens (all rows of a call share it).

@@ -39,6 +39,14 @@ void check_float32(const mx::array& a, const char* name) {
   }
 }
 
+void check_int32(const mx::array& a, const char* name) {
+  if (a.dtype() != mx::int32) {
+    throw dtype_error(
+        std::string("mlx_knorm: ") + name + " must be int32, got " +
+        dtype_name(a.dtype()));
+  }
+}
+
 void check_rank(const mx::array& a, int ndim, const char* name) {
   if (a.ndim() != static_cast<size_t>(ndim)) {
     throw std::invalid_argument(

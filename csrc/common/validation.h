@@ -28,6 +28,8 @@ inline constexpr int64_t kMaxRows = std::numeric_limits<uint32_t>::max();
 void check_floating(const mlx::core::array& a, const char* name);
 // Norms: float32.
 void check_float32(const mlx::core::array& a, const char* name);
+// Token positions: int32.
+void check_int32(const mlx::core::array& a, const char* name);
 void check_rank(const mlx::core::array& a, int ndim, const char* name);
 // `a` (a new block) must have the dtype of `b` (the prior state it joins).
 void check_same_dtype(

@@ -267,32 +267,45 @@ void norm_rows_any(
 
 } // namespace
 
-void key_norms_cpu(const mx::array& keys, mx::array& norms) {
-  const int64_t dim = keys.shape(-1);
-  const int64_t rows = static_cast<int64_t>(norms.size());
-  float* out = norms.data<float>();
+void key_norm_rows(
+    mx::Dtype dtype,
+    const void* keys,
+    int64_t rows,
+    int64_t dim,
+    float* norms) {
   if (dim == 0) {
-    std::fill(out, out + rows, 0.0f);
+    std::fill(norms, norms + rows, 0.0f);
     return;
   }
   int64_t width = 1;
   while (width < dim) {
     width <<= 1;
   }
-  mx::dispatch_float_types(keys.dtype(), "mlx_knorm: key_norms", [&](auto type) {
+  // One scratch row per thread, reused for every call on it.
+  thread_local std::vector<float> squares;
+  if (squares.size() < static_cast<size_t>(width)) {
+    squares.resize(width);
+  }
+  mx::dispatch_float_types(dtype, "mlx_knorm: key_norms", [&](auto type) {
     using T = MLX_GET_TYPE(type);
     if constexpr (std::is_same_v<T, double>) {
       throw std::invalid_argument("mlx_knorm: keys must be float16, bfloat16 or float32");
     } else {
       using Format = KeyFormat<T>;
-      const auto* bits = keys.data<typename Format::Bits>();
-      parallel_for(rows, dim * keys.itemsize(), [&](int64_t begin, int64_t end) {
-        // One scratch row per thread, reused for every row of its range.
-        std::vector<float> squares(width);
-        norm_rows_any<Format>(bits + begin * dim, out + begin, end - begin, dim,
-                              width, squares.data());
-      });
+      norm_rows_any<Format>(static_cast<const typename Format::Bits*>(keys), norms,
+                            rows, dim, width, squares.data());
     }
+  });
+}
+
+void key_norms_cpu(const mx::array& keys, mx::array& norms) {
+  const int64_t dim = keys.shape(-1);
+  const int64_t rows = static_cast<int64_t>(norms.size());
+  const char* bits = keys.data<char>();
+  float* out = norms.data<float>();
+  const size_t row_bytes = dim * keys.itemsize();
+  parallel_for(rows, row_bytes, [&](int64_t begin, int64_t end) {
+    key_norm_rows(keys.dtype(), bits + begin * row_bytes, end - begin, dim, out + begin);
   });
 }
 

@@ -49,6 +49,16 @@ class KeyNorms : public mx::UnaryPrimitive {
 // [rows]: the CPU kernel (cpu.cpp) and the Metal kernel through the emulator
 // (emulated.cpp, in builds with the emulator).
 void key_norms_cpu(const mx::array& keys, mx::array& norms);
+
+// The CPU kernel on `rows` contiguous rows of width dim at `keys` (float16,
+// bfloat16 or float32 bits), on the calling thread: norms[0, rows). For
+// primitives that store norms beside other data (evict_and_fill).
+void key_norm_rows(
+    mx::Dtype dtype,
+    const void* keys,
+    int64_t rows,
+    int64_t dim,
+    float* norms);
 void key_norms_emulated(const mx::array& keys, mx::array& norms);
 
 // metal.cpp: the shapes the Metal kernel takes (throws std::invalid_argument

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/parallel.h"
+#include "common/radix_select.h"
 #include "protected_topk_gather/protected_topk_gather.h"
 
 namespace mlx_knorm {
@@ -74,46 +75,6 @@ void copy_run(
             b.n_prior);
   copy_part(split - b.n_prior, end - b.n_prior, out_row + (split - begin),
             b.new_keys, b.new_values, b.new_norms, b.n_new);
-}
-
-// Radix select over order keys, most significant digits first: 11 + 11 +
-// 10 bits, three counting passes instead of a comparison sort's
-// data-dependent branches.
-constexpr int kRadixBits[3] = {11, 11, 10};
-
-struct Threshold {
-  uint32_t key;        // the key of the rank-th smallest
-  int64_t take_equal;  // how many rows with exactly that key are kept
-};
-
-// The rank-th smallest (1-based) of keys, and how many of the keys equal to
-// it fall within the first rank: those are kept, earliest rows first, which
-// is the tie rule of docs/spec.md §3.
-Threshold radix_select(
-    const std::vector<uint32_t>& keys,
-    int64_t rank,
-    std::vector<uint32_t>& histogram) {
-  uint32_t prefix = 0;
-  uint32_t mask = 0;
-  int shift = 32;
-  for (int bits : kRadixBits) {
-    shift -= bits;
-    const uint32_t digits = (uint32_t(1) << bits) - 1;
-    std::fill(histogram.begin(), histogram.begin() + digits + 1, 0u);
-    for (uint32_t key : keys) {
-      if ((key & mask) == prefix) {
-        ++histogram[(key >> shift) & digits];
-      }
-    }
-    uint32_t digit = 0;
-    while (rank > histogram[digit]) {
-      rank -= histogram[digit];
-      ++digit;
-    }
-    prefix |= digit << shift;
-    mask |= digits << shift;
-  }
-  return {prefix, rank};
 }
 
 struct Run {
@@ -193,14 +154,15 @@ void gather_rows(
     return;
   }
   std::vector<uint32_t> keys(sel.mid_end - sel.n_sink);
-  std::vector<uint32_t> histogram(size_t(1) << kRadixBits[0]);
+  RadixScratch<uint32_t> scratch;
   std::vector<Run> runs;
   runs.reserve(sel.kept);
   for (int64_t n = row_begin; n < row_end; ++n) {
     for (int64_t j = sel.n_sink; j < sel.mid_end; ++j) {
       keys[j - sel.n_sink] = norm_order_key(norm_at(n, j), config.keep);
     }
-    const Threshold cut = radix_select(keys, sel.mid_keep, histogram);
+    const Threshold<uint32_t> cut =
+        radix_select(keys.data(), static_cast<int64_t>(keys.size()), sel.mid_keep, scratch);
 
     // Stable compaction: every middle row below the threshold key, and the
     // first take_equal rows at it (ties go to the earlier row), as maximal

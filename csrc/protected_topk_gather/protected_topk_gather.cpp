@@ -4,9 +4,7 @@
 #include <cstdint>
 #include <stdexcept>
 
-#include "mlx/backend/cpu/encoder.h"
-
-#include "common/huge_pages.h"
+#include "common/multi_output.h"
 #include "common/validation.h"
 
 namespace mlx_knorm {
@@ -34,16 +32,11 @@ std::vector<mx::array> protected_topk_gather(
   auto primitive =
       std::make_shared<ProtectedTopKGather>(stream, config, executor);
   primitive->check_inputs(inputs);
-  std::vector<mx::array> dense;
-  for (const auto& x : inputs.to_vector()) {
-    dense.push_back(row_contiguous(x, stream));
-  }
-  auto shapes = primitive->output_shapes(dense);
-  return mx::array::make_arrays(
-      std::move(shapes),
-      {inputs.prior_keys.dtype(), inputs.prior_values.dtype(), mx::float32, mx::uint32},
+  return make_outputs(
       primitive,
-      dense);
+      inputs.to_vector(),
+      {inputs.prior_keys.dtype(), inputs.prior_values.dtype(), mx::float32, mx::uint32},
+      stream);
 }
 
 void ProtectedTopKGather::check_inputs(const GatherInputs& in) {
@@ -120,51 +113,16 @@ void ProtectedTopKGather::eval_cpu(
     kernel = &protected_topk_gather_emulated;
   }
 #endif
-  // Every sibling output holds its own copy of the input list until MLX
-  // detaches them right after this eval; with four outputs no input would
-  // ever look donatable. Dropping the siblings' copies now (never for
-  // tracers, whose graph is still needed) leaves is_donatable() counting
-  // only real outside references: the caller's arrays, other consumers.
-  for (auto& out : outputs) {
-    if (&out.inputs() != &inputs && !out.is_tracer()) {
-      out.inputs().clear();
-    }
-  }
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (auto& in : inputs) {
-    encoder.set_input_array(in);
-  }
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    auto& out = outputs[i];
-    // keys, values and norms (outputs 0-2) may take over the prior's buffer
-    // (inputs 0-2) when nothing else holds it and the shape is unchanged (a
-    // step from a full cache): the CPU kernel then moves only the rows after
-    // the first evicted one (docs/spec.md §7). Inputs are row-contiguous
-    // (the op made sure of it).
-    const bool donate = i < 3 && executor_ == Executor::Native &&
-        inputs[i].is_donatable() && inputs[i].shape() == out.shape() &&
-        inputs[i].data_size() == inputs[i].size();
-    if (donate) {
-      out.copy_shared_buffer(inputs[i]);
-    } else {
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-      prefer_huge_pages(out.data<void>(), out.nbytes());
-    }
-    encoder.set_output_array(out);
-  }
-  std::vector<mx::array> in_refs;
-  std::vector<mx::array> out_refs;
-  for (auto& in : inputs) {
-    in_refs.push_back(mx::array::unsafe_weak_copy(in));
-  }
-  for (auto& out : outputs) {
-    out_refs.push_back(mx::array::unsafe_weak_copy(out));
-  }
-  encoder.dispatch([kernel,
-                    in_refs = std::move(in_refs),
-                    out_refs = std::move(out_refs),
-                    config = config_]() mutable {
-    kernel(GatherInputs::from(in_refs), out_refs, config);
+  // keys, values and norms (outputs 0-2) may take over the prior's buffer
+  // (inputs 0-2) when nothing else holds it and the shape is unchanged (a
+  // step from a full cache): the CPU kernel then moves only the rows after
+  // the first evicted one (docs/spec.md §7).
+  take_over_or_allocate(inputs, outputs, [this](size_t i) {
+    return i < 3 && executor_ == Executor::Native;
+  });
+  dispatch_on_cpu(stream(), inputs, outputs, [kernel, config = config_](
+      const std::vector<mx::array>& in, std::vector<mx::array>& out) {
+    kernel(GatherInputs::from(in), out, config);
   });
 }
 

@@ -15,7 +15,7 @@ from .state import (
     knorm_update,
     knorm_update_batched,
 )
-from .ops import key_norms, protected_topk_gather
+from .ops import evict_and_fill, key_norms, protected_topk_gather
 
 __version__ = "0.1.0"
 
@@ -23,6 +23,7 @@ __all__ = [
     "KnormState",
     "backend_info",
     "current_backend",
+    "evict_and_fill",
     "full_knorm_fp16_bytes",
     "init_knorm_state",
     "key_norms",

@@ -1,0 +1,327 @@
+// CPU kernel of EvictAndFill (docs/spec.md §4). Per head: the rows to evict
+// (one scan for the worst rank when one row leaves, the radix select of
+// common/radix_select.h otherwise), the compaction as a list of row moves,
+// then the new rows. A buffer updated in place (donated) gets only the moves
+// whose source and destination differ: a decode step in the slot layout
+// moves one row per head.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "common/parallel.h"
+#include "common/radix_select.h"
+#include "evict_and_fill/evict_and_fill.h"
+#include "key_norms/key_norms.h"
+
+namespace mlx_knorm {
+
+namespace {
+
+// One of the four buffers: the input's rows and the output's. in == out
+// when the output took over the input's buffer.
+struct RowBuffer {
+  const char* in;
+  char* out;
+  size_t row_bytes;
+
+  bool in_place() const {
+    return in == out;
+  }
+};
+
+struct StepBuffers {
+  RowBuffer rows[4];  // keys, values, norms, positions
+  int64_t in_slots;   // C
+  int64_t out_slots;  // C_out
+  const char* new_keys;
+  const char* new_values;
+  mx::Dtype key_dtype;
+  int64_t key_dim;
+  int64_t n_new;
+};
+
+// Moves count rows of head n from slot src on to slot dst on, in every
+// buffer. Callers move runs in slot order with dst <= src when in place, so
+// memmove never overwrites a row still to be read; a run already where it
+// belongs is not touched.
+void move_rows(const StepBuffers& b, int64_t n, int64_t src, int64_t dst, int64_t count) {
+  if (count <= 0) {
+    return;
+  }
+  for (const RowBuffer& r : b.rows) {
+    if (r.in_place() && src == dst) {
+      continue;
+    }
+    std::memmove(r.out + (n * b.out_slots + dst) * r.row_bytes,
+                 r.in + (n * b.in_slots + src) * r.row_bytes, count * r.row_bytes);
+  }
+}
+
+// The slot of the worst rank among [0, filled), the higher slot on ties:
+// the one row a decode step evicts.
+int64_t worst_slot_scalar(
+    const float* norms,
+    const int32_t* positions,
+    int64_t filled,
+    const EvictionRank& rank) {
+  int64_t worst = 0;
+  uint64_t worst_rank = 0;
+  for (int64_t s = 0; s < filled; ++s) {
+    const uint64_t r = rank(norms[s], positions[s]);
+    if (r >= worst_rank) {
+      worst_rank = r;
+      worst = s;
+    }
+  }
+  return worst;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// worst_slot_scalar, eight rows at a time. The rank is built in two 32-bit
+// halves and compared as a signed 64-bit integer with its top bit flipped
+// (AVX2 compares signed 64-bit lanes only). Each lane keeps its worst rank
+// and slot, later slots winning ties; the lanes are merged at the end.
+// Compiled for AVX2 alone and chosen at run time, as the key-norm kernel's.
+__attribute__((target("avx2"))) int64_t worst_slot_avx2(
+    const float* norms,
+    const int32_t* positions,
+    int64_t filled,
+    const EvictionRank& rank) {
+  const __m256i sign = _mm256_set1_epi32(std::numeric_limits<int32_t>::min());
+  const __m256i magnitude_mask = _mm256_set1_epi32(0x7FFFFFFF);
+  const __m256i infinity = _mm256_set1_epi32(0x7F800000);
+  const __m256i ones = _mm256_set1_epi32(-1);
+  const __m256i zero = _mm256_setzero_si256();
+  // keep="high" scores by -norm: a flip of the sign bit.
+  const __m256i score_flip = rank.keep == Keep::High ? sign : zero;
+  const __m256i n_sink = _mm256_set1_epi32(rank.n_sink);
+  const __m256i protect_from = _mm256_set1_epi32(rank.protect_from);
+  const __m256i step = _mm256_set1_epi64x(8);
+  __m256i worst_a = _mm256_set1_epi64x(std::numeric_limits<int64_t>::min());
+  __m256i worst_b = worst_a;
+  __m256i slot_a = _mm256_set1_epi64x(-1);
+  __m256i slot_b = slot_a;
+  // unpacklo/unpackhi pair rows 0, 1, 4, 5 and rows 2, 3, 6, 7.
+  __m256i next_a = _mm256_setr_epi64x(0, 1, 4, 5);
+  __m256i next_b = _mm256_setr_epi64x(2, 3, 6, 7);
+  int64_t s = 0;
+  for (; s + 8 <= filled; s += 8) {
+    // score_order_key of common/selection.h, lane by lane.
+    __m256i bits = _mm256_xor_si256(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(norms + s)), score_flip);
+    const __m256i magnitude = _mm256_and_si256(bits, magnitude_mask);
+    bits = _mm256_andnot_si256(_mm256_cmpeq_epi32(magnitude, zero), bits);
+    const __m256i negative = _mm256_srai_epi32(bits, 31);
+    const __m256i is_nan = _mm256_cmpgt_epi32(magnitude, infinity);
+    const __m256i score = _mm256_or_si256(
+        _mm256_xor_si256(bits, _mm256_or_si256(negative, sign)), is_nan);
+    const __m256i p =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(positions + s));
+    const __m256i protect = _mm256_or_si256(
+        _mm256_cmpgt_epi32(n_sink, p),
+        _mm256_xor_si256(_mm256_cmpgt_epi32(protect_from, p), ones));
+    const __m256i high = _mm256_xor_si256(_mm256_andnot_si256(protect, score), sign);
+    const __m256i low = _mm256_xor_si256(p, sign);
+    const __m256i rank_a = _mm256_unpacklo_epi32(low, high);
+    const __m256i rank_b = _mm256_unpackhi_epi32(low, high);
+    const __m256i stay_a = _mm256_cmpgt_epi64(worst_a, rank_a);
+    const __m256i stay_b = _mm256_cmpgt_epi64(worst_b, rank_b);
+    worst_a = _mm256_blendv_epi8(rank_a, worst_a, stay_a);
+    worst_b = _mm256_blendv_epi8(rank_b, worst_b, stay_b);
+    slot_a = _mm256_blendv_epi8(next_a, slot_a, stay_a);
+    slot_b = _mm256_blendv_epi8(next_b, slot_b, stay_b);
+    next_a = _mm256_add_epi64(next_a, step);
+    next_b = _mm256_add_epi64(next_b, step);
+  }
+  alignas(32) int64_t ranks[8];
+  alignas(32) int64_t slots[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(ranks), worst_a);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(ranks + 4), worst_b);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(slots), slot_a);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(slots + 4), slot_b);
+  int64_t worst_rank = std::numeric_limits<int64_t>::min();
+  int64_t worst = -1;
+  for (int i = 0; i < 8; ++i) {
+    if (ranks[i] > worst_rank || (ranks[i] == worst_rank && slots[i] > worst)) {
+      worst_rank = ranks[i];
+      worst = slots[i];
+    }
+  }
+  for (; s < filled; ++s) {
+    const int64_t r = static_cast<int64_t>(
+        rank(norms[s], positions[s]) ^ (uint64_t(1) << 63));
+    if (r >= worst_rank) {
+      worst_rank = r;
+      worst = s;
+    }
+  }
+  return worst;
+}
+#endif
+
+int64_t worst_slot(
+    const float* norms,
+    const int32_t* positions,
+    int64_t filled,
+    const EvictionRank& rank) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool has_avx2 = __builtin_cpu_supports("avx2");
+  if (has_avx2) {
+    return worst_slot_avx2(norms, positions, filled, rank);
+  }
+#endif
+  return worst_slot_scalar(norms, positions, filled, rank);
+}
+
+// Per-thread buffers of the general path, reused across calls.
+struct SelectionScratch {
+  std::vector<uint64_t> ranks;
+  std::vector<uint8_t> kept;
+  RadixScratch<uint64_t> radix;
+};
+
+// kept[s] for s < filled: the budget best ranks, ties by slot (lower kept).
+const std::vector<uint8_t>& kept_slots(
+    const float* norms,
+    const int32_t* positions,
+    const StepConfig& config,
+    SelectionScratch& scratch) {
+  const int64_t filled = config.filled;
+  const EvictionRank rank = config.rank();
+  scratch.ranks.resize(filled);
+  scratch.kept.resize(filled);
+  for (int64_t s = 0; s < filled; ++s) {
+    scratch.ranks[s] = rank(norms[s], positions[s]);
+  }
+  const Threshold<uint64_t> cut =
+      radix_select(scratch.ranks.data(), filled, config.kept(), scratch.radix);
+  int64_t equal_left = cut.take_equal;
+  for (int64_t s = 0; s < filled; ++s) {
+    const uint64_t r = scratch.ranks[s];
+    scratch.kept[s] = r < cut.key || (r == cut.key && equal_left-- > 0);
+  }
+  return scratch.kept;
+}
+
+// docs/spec.md §4 steps 1 and 2 for head n.
+void compact_head(const StepBuffers& b, const StepConfig& config, int64_t n) {
+  const int64_t filled = config.filled;
+  const int64_t kept = config.kept();
+  const bool slots = config.layout == Layout::Slots;
+  const auto* norms = reinterpret_cast<const float*>(b.rows[2].in) + n * b.in_slots;
+  const auto* positions = reinterpret_cast<const int32_t*>(b.rows[3].in) + n * b.in_slots;
+  if (filled == kept) {
+    move_rows(b, n, 0, 0, kept);
+    return;
+  }
+  if (filled - kept == 1) {
+    const int64_t evicted = worst_slot(norms, positions, filled, config.rank());
+    if (slots) {
+      // The spare slot's row fills the hole; nothing moves when it is the
+      // one evicted.
+      move_rows(b, n, 0, 0, kept);
+      if (evicted < kept) {
+        move_rows(b, n, kept, evicted, 1);
+      }
+    } else {
+      move_rows(b, n, 0, 0, evicted);
+      move_rows(b, n, evicted + 1, evicted, filled - evicted - 1);
+    }
+    return;
+  }
+  thread_local SelectionScratch scratch;
+  const std::vector<uint8_t>& keep = kept_slots(norms, positions, config, scratch);
+  if (slots) {
+    // Kept rows below `kept` stay; the kept rows at or above it fill the
+    // holes below it, both in slot order.
+    move_rows(b, n, 0, 0, kept);
+    int64_t mover = kept;
+    for (int64_t hole = 0; hole < kept; ++hole) {
+      if (!keep[hole]) {
+        while (!keep[mover]) {
+          ++mover;
+        }
+        move_rows(b, n, mover++, hole, 1);
+      }
+    }
+    return;
+  }
+  // Stable compaction: the kept rows as maximal runs, in slot order.
+  int64_t out = 0;
+  int64_t run_begin = 0;
+  for (int64_t s = 0; s <= filled; ++s) {
+    if (s == filled || !keep[s]) {
+      move_rows(b, n, run_begin, out, s - run_begin);
+      out += s - run_begin;
+      run_begin = s + 1;
+    }
+  }
+}
+
+// docs/spec.md §4 step 3 for head n: the new rows after the kept ones.
+void fill_head(const StepBuffers& b, const StepConfig& config, int64_t n) {
+  if (b.n_new == 0) {
+    return;
+  }
+  const int64_t first = n * b.out_slots + config.kept();
+  const size_t key_bytes = b.rows[0].row_bytes;
+  const size_t value_bytes = b.rows[1].row_bytes;
+  const char* new_keys = b.new_keys + n * b.n_new * key_bytes;
+  std::memcpy(b.rows[0].out + first * key_bytes, new_keys, b.n_new * key_bytes);
+  std::memcpy(b.rows[1].out + first * value_bytes,
+              b.new_values + n * b.n_new * value_bytes, b.n_new * value_bytes);
+  key_norm_rows(b.key_dtype, new_keys, b.n_new, b.key_dim,
+                reinterpret_cast<float*>(b.rows[2].out) + first);
+  auto* positions = reinterpret_cast<int32_t*>(b.rows[3].out) + first;
+  for (int64_t j = 0; j < b.n_new; ++j) {
+    positions[j] = static_cast<int32_t>(config.offset + j);
+  }
+}
+
+} // namespace
+
+void evict_and_fill_cpu(
+    const StepInputs& in,
+    std::vector<mx::array>& outputs,
+    const StepConfig& config) {
+  const std::vector<mx::array> inputs = in.to_vector();
+  StepBuffers b{
+      .rows = {},
+      .in_slots = in.capacity(),
+      .out_slots = config.out_capacity,
+      .new_keys = in.new_keys.data<char>(),
+      .new_values = in.new_values.data<char>(),
+      .key_dtype = in.keys.dtype(),
+      .key_dim = in.key_dim(),
+      .n_new = in.n_new()};
+  for (int i = 0; i < 4; ++i) {
+    const int64_t width = i < 2 ? inputs[i].shape(2) : 1;
+    b.rows[i] = {inputs[i].data<char>(), outputs[i].data<char>(),
+                 static_cast<size_t>(width) * inputs[i].itemsize()};
+  }
+
+  // Threads only for heads that move enough bytes: the scan reads 8 bytes
+  // a stored row; rows are copied unless in place in the slot layout.
+  size_t row_bytes = 0;
+  bool copies_rows = config.layout == Layout::Temporal;
+  for (const RowBuffer& r : b.rows) {
+    row_bytes += r.row_bytes;
+    copies_rows = copies_rows || !r.in_place();
+  }
+  const size_t bytes_per_head = config.filled * 8 + b.n_new * row_bytes +
+      (copies_rows ? config.kept() * row_bytes : 0);
+  parallel_for(in.n_heads(), bytes_per_head, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      compact_head(b, config, n);
+      fill_head(b, config, n);
+    }
+  });
+}
+
+} // namespace mlx_knorm

@@ -1,0 +1,144 @@
+// EvictAndFill: one step of the cache's slot buffers (docs/spec.md §4) for
+// N heads. Evicts down to the budget by the eviction rank, compacts the kept
+// rows into the first slots (slot or temporal layout), and writes the new
+// rows after them with their key norms and positions. In place when the
+// buffers are donated (docs/spec.md §7).
+//
+//   evict_and_fill.cpp  the op, the primitive, its input checks, eval_cpu
+//                       (CPU kernel or emulator, donation)
+//   cpu.cpp             the CPU kernel
+//   metal.cpp           the Metal launch plan and eval_gpu
+//                       (metal/evict_and_fill.metal)
+//   emulated.cpp        the Metal kernel run through the emulator
+#pragma once
+
+#include <cstdint>
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+#include "common/executor.h"
+#include "common/launch_plan.h"
+#include "common/selection.h"
+
+namespace mlx_knorm {
+
+namespace mx = mlx::core;
+
+enum class Layout { Slots, Temporal };
+
+Layout parse_layout(const std::string& layout);
+
+// The primitive's inputs, in its input order: the buffers [N, C, *] and the
+// new rows [N, S, *].
+struct StepInputs {
+  mx::array keys;
+  mx::array values;
+  mx::array norms;
+  mx::array positions;
+  mx::array new_keys;
+  mx::array new_values;
+
+  // From and to the primitive's input vector (six arrays in this order).
+  static StepInputs from(const std::vector<mx::array>& inputs);
+  std::vector<mx::array> to_vector() const;
+
+  int n_heads() const {
+    return keys.shape(0);
+  }
+  int capacity() const {
+    return keys.shape(1);
+  }
+  int n_new() const {
+    return new_keys.shape(1);
+  }
+  int key_dim() const {
+    return keys.shape(2);
+  }
+  int value_dim() const {
+    return values.shape(2);
+  }
+};
+
+// What one step does besides the eviction configuration: slots [0, filled)
+// are occupied, the new rows take positions offset, offset + 1, ..., and the
+// outputs have out_capacity slots.
+struct StepConfig {
+  SelectionConfig selection;
+  int64_t filled;
+  int64_t offset;
+  int64_t out_capacity;
+  Layout layout;
+
+  bool operator==(const StepConfig&) const = default;
+
+  int64_t kept() const {
+    return std::min<int64_t>(filled, selection.budget);
+  }
+  EvictionRank rank() const {
+    return {selection.n_sink,
+            static_cast<int32_t>(offset - selection.recent),
+            selection.keep};
+  }
+};
+
+// Returns {keys [N, C_out, D_k], values [N, C_out, D_v], norms [N, C_out]
+// float32, positions [N, C_out] int32}; slots [0, kept + S) defined.
+std::vector<mx::array> evict_and_fill(
+    const StepInputs& inputs,
+    StepConfig config,
+    Executor executor = Executor::Native,
+    mx::StreamOrDevice s = {});
+
+class EvictAndFill : public mx::Primitive {
+ public:
+  EvictAndFill(mx::Stream stream, StepConfig config, Executor executor)
+      : mx::Primitive(stream), config_(config), executor_(executor) {}
+
+  void eval_cpu(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs) override;
+  void eval_gpu(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "EvictAndFill";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+
+  // Every relation between the inputs' shapes and dtypes and the step's
+  // configuration that the kernels rely on (docs/spec.md §6); throws
+  // std::invalid_argument or dtype_error. Run when the op is built, when MLX
+  // asks for output shapes (shapeless compile) and before any kernel touches
+  // memory.
+  void check_inputs(const StepInputs& inputs);
+
+ private:
+  StepConfig config_;
+  Executor executor_;
+};
+
+// The kernels, on row-contiguous inputs and allocated outputs. An output
+// whose data is its input's (a donated buffer) is updated in place: only the
+// rows that move are written. The CPU kernel (cpu.cpp) and the Metal kernel
+// through the emulator (emulated.cpp, in builds with the emulator).
+void evict_and_fill_cpu(
+    const StepInputs& inputs,
+    std::vector<mx::array>& outputs,
+    const StepConfig& config);
+void evict_and_fill_emulated(
+    const StepInputs& inputs,
+    std::vector<mx::array>& outputs,
+    const StepConfig& config);
+
+// metal.cpp: the launch plan of the Metal kernel. Outputs that share their
+// input's buffer are updated in place.
+LaunchPlan evict_and_fill_plan(
+    const StepInputs& inputs,
+    const std::vector<mx::array>& outputs,
+    const StepConfig& config);
+
+} // namespace mlx_knorm
