@@ -30,14 +30,14 @@ ARCHITECTURES = {
     "llama": (llama, {
         "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 3, "intermediate_size": 64,
         "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 512, "tie_word_embeddings": True,
+        "max_position_embeddings": 64, "tie_word_embeddings": True,
         "layer_types": ["full_attention", "sliding_attention", "full_attention"], "sliding_window": 16,
     }),
     # qwen3 normalises queries and keys per head before RoPE.
     "qwen3": (qwen3, {
         "model_type": "qwen3", "hidden_size": 32, "num_hidden_layers": 3, "intermediate_size": 64,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 512, "tie_word_embeddings": False, "rope_theta": 10000.0,
+        "max_position_embeddings": 64, "tie_word_embeddings": False, "rope_theta": 10000.0,
     }),
     # gemma2 soft-caps its attention logits in its own attention code.
     "gemma2": (gemma2, {
@@ -108,7 +108,8 @@ def test_text_sequences_are_tokenised_windows_after_bos(loaded, corpus):
 
 def test_eval_command_on_a_model_directory_and_a_text_file(model_dir, corpus, tmp_path, capsys):
     out, png = tmp_path / "eval.json", tmp_path / "eval.png"
-    argv = ["eval", "--model", str(model_dir), "--text", str(corpus), "--seq-len", "64", "--n-seqs", "2",
+    # No --seq-len: the default is the model's max_position_embeddings (64) when below 1024.
+    argv = ["eval", "--model", str(model_dir), "--text", str(corpus), "--n-seqs", "2",
             "--budgets", "0.25,0.5", "--skip-layers", "0", "--query-chunk", "24",
             "--json", str(out), "--plot", str(png)]
     assert main(argv) == 0

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from . import BUDGET_FRACTIONS, MODEL_DIR, QUERY_CHUNK
 
+DEFAULT_SEQ_LEN = 1024
 DEMO_PROMPT = '"""Utilities for reading configuration files."""\n\nimport os\nimport sys\n\n\ndef '
 
 
@@ -42,23 +43,24 @@ def _positive(text: str) -> int:
 
 
 def load(model: str | None):
-    """``(model, tokenizer)`` through ``mlx_lm.load``: the shipped model when ``model`` is None."""
+    """``(model, tokenizer, config)`` through ``mlx_lm.load``: the shipped model when ``model`` is None."""
     from mlx_lm import load as mlx_lm_load
 
-    return mlx_lm_load(str(model or MODEL_DIR))
+    return mlx_lm_load(str(model or MODEL_DIR), return_config=True)
 
 
 def eval_command(args) -> int:
     from . import data
     from .eval import evaluate, markdown_table, plot
 
-    model, tokenizer = load(args.model)
+    model, tokenizer, config = load(args.model)
+    seq_len = args.seq_len or min(DEFAULT_SEQ_LEN, config.get("max_position_embeddings") or DEFAULT_SEQ_LEN)
     if args.text:
         text = Path(args.text).read_text(encoding="utf-8")
-        sequences = data.text_sequences(tokenizer, text, args.seq_len, args.n_seqs)
+        sequences = data.text_sequences(tokenizer, text, seq_len, args.n_seqs)
         source = args.text
     else:
-        sequences = data.document_sequences(tokenizer, data.heldout_texts(), args.seq_len, args.n_seqs)
+        sequences = data.document_sequences(tokenizer, data.heldout_texts(), seq_len, args.n_seqs)
         source = "held-out Python standard library files"
     results = evaluate(model, sequences, n_sink=args.n_sink, skip_layers=args.skip_layers,
                        fractions=args.budgets, seed=args.seed, query_chunk=args.query_chunk, progress=True)
@@ -83,7 +85,7 @@ def demo_command(args) -> int:
 
     from ..cache import make_knorm_cache
 
-    model, tokenizer = load(None)
+    model, tokenizer, _ = load(None)
     cache = make_knorm_cache(model, budget=args.budget, n_sink=args.n_sink)
     mx.random.seed(args.seed)
     print(args.prompt, end="")
@@ -109,7 +111,9 @@ def register(commands) -> None:
                                     "(default: the shipped byte-level model)")
     ev.add_argument("--text", help="UTF-8 text file to take the sequences from "
                                    "(default: held-out Python standard library files)")
-    ev.add_argument("--seq-len", type=_positive, default=1024, help="tokens per sequence, BOS included")
+    ev.add_argument("--seq-len", type=_positive,
+                    help=f"tokens per sequence, BOS included (default: {DEFAULT_SEQ_LEN}, or the model's "
+                         "max_position_embeddings if smaller)")
     ev.add_argument("--n-seqs", type=_positive, default=8, help="number of sequences")
     ev.add_argument("--budgets", type=_fractions, default=list(BUDGET_FRACTIONS),
                     help="cache budgets as fractions of --seq-len, comma-separated")
