@@ -250,7 +250,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(MODEL_DIR))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=700)
+    parser.add_argument("--steps", type=int, default=750)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--lr", type=float, default=3e-3)
