@@ -1,4 +1,4 @@
-"""The shipped byte-level model and the eviction-policy eval: fast checks only."""
+"""The shipped byte-level model and the eviction-policy eval on it: fast checks only."""
 
 from __future__ import annotations
 
@@ -7,24 +7,23 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-
-
-from mlx_lm.utils import load_model
+from mlx_lm import load
 
 from mlx_knorm.cache import make_knorm_cache
 from mlx_knorm.quality import MODEL_DIR, data
-from mlx_knorm.quality.eval import causal_mask, evaluate, forward
-from mlx_knorm.quality.policies import POLICIES, kept_mask, policy_scores
+from mlx_knorm.quality.byte_tokenizer import byte_tokenizer
+from mlx_knorm.quality.eval import evaluate, teacher_forced_logits
+from mlx_knorm.quality.policies import POLICIES, kept_mask
 
 
 @pytest.fixture(scope="module")
-def model():
-    return load_model(MODEL_DIR)[0]
+def shipped():
+    return load(str(MODEL_DIR))
 
 
 @pytest.fixture(scope="module")
-def sequences():
-    return data.heldout_sequences(128, 2)
+def sequences(shipped):
+    return data.document_sequences(shipped[1], data.heldout_texts(), 128, 2)
 
 
 def test_split_is_deterministic_and_by_file():
@@ -32,42 +31,59 @@ def test_split_is_deterministic_and_by_file():
     assert (train, heldout) == data.split_files()
     assert heldout and train and not set(train) & set(heldout)
     assert all(data.is_heldout(f) for f in heldout) and not any(data.is_heldout(f) for f in train)
-    assert np.array_equal(data.heldout_sequences(64, 3), data.heldout_sequences(64, 3))
 
 
-def test_shipped_model_is_llama_gqa_and_gives_finite_logits(model):
+def test_baselines_on_a_known_text():
+    text = np.frombuffer(b"abababab", dtype=np.uint8)
+    # Add-one smoothing over 256 symbols: P(b | a) = (4 + 1) / (4 + 256).
+    assert data.bigram_cross_entropy(text, np.frombuffer(b"ab", dtype=np.uint8)) == pytest.approx(-np.log(5 / 260))
+    assert data.unigram_cross_entropy(text, np.frombuffer(b"a", dtype=np.uint8)) == pytest.approx(-np.log(5 / 264))
+
+
+def test_byte_tokenizer_ids_are_the_utf8_bytes(shipped):
+    _, tokenizer = shipped
+    text = "def f(x):\n\treturn 'héllo' + \"✓\"\r\n\x00\x7f"
+    assert byte_tokenizer().encode(text).ids == list(text.encode())
+    assert tokenizer.encode(text) == list(text.encode()) and tokenizer.decode(list(text.encode())) == text
+    assert tokenizer.bos_token_id is None
+    heldout = data.heldout_texts()
+    sequences = data.document_sequences(tokenizer, heldout, 64, 3)
+    assert all(bytes(row.astype(np.uint8)).decode() in "".join(heldout) for row in sequences)
+
+
+def test_shipped_model_is_llama_gqa_and_gives_finite_logits(shipped):
+    model, _ = shipped
     config = json.loads((MODEL_DIR / "config.json").read_text())
-    assert config["model_type"] == "llama"
+    assert config["model_type"] == "llama" and config["vocab_size"] == 256
     assert config["num_key_value_heads"] < config["num_attention_heads"]
-    assert (MODEL_DIR / "TRAINING.json").exists()
+    assert json.loads((MODEL_DIR / "TRAINING.json").read_text())["heldout_loss"] > 0
     tokens = mx.array([list(b"import os\n\ndef main():\n")], dtype=mx.int32)
     logits = model(tokens)
     assert logits.shape == (1, tokens.shape[1], 256)
     assert mx.all(mx.isfinite(logits)).item()
 
 
-def test_eval_forward_equals_mlx_lm_forward(model, sequences):
-    tokens = mx.array(sequences[0], dtype=mx.int32)
-    kv_heads = model.model.layers[0].self_attn.n_kv_heads
-    logits, _ = forward(model, tokens, lambda i, k: causal_mask(kv_heads, len(sequences[0])))
-    assert mx.allclose(logits, model(tokens[None])[0], atol=1e-4).item()
+def test_keep_low_masks_reproduce_knorm_cache_decoding(shipped, sequences):
+    """Teacher-forced masks == L2NormKVCache fed one token at a time, up to its float16 storage.
 
-
-def test_keep_low_masks_reproduce_knorm_cache_decoding(model, sequences):
-    """Teacher-forced masks == L2NormKVCache fed one token at a time (up to its float16 storage)."""
+    The cache attends over float16 rows, so its keys in later layers differ
+    from the float32 pass in the last bits; in this trained model some norms
+    are that close, and a flipped near-tie changes a kept row at a few
+    positions. Exactness without that effect is checked on random-weight
+    models in test_quality_any_model.py.
+    """
+    model, _ = shipped
     budget, n_sink = 32, 4
     tokens = mx.array(sequences[1][:96], dtype=mx.int32)
     cache = make_knorm_cache(model, budget=budget, n_sink=n_sink)
     decoded = mx.concatenate([model(tokens[None, t : t + 1], cache=cache)[0] for t in range(len(tokens))])
-
-    def mask_fn(layer, keys):
-        scores, keep = policy_scores("keep-low", keys, mx.random.key(0))
-        return kept_mask(scores, budget, n_sink, keep)
-
-    masked, _ = forward(model, tokens, mask_fn)
-    full, _ = forward(model, tokens, lambda i, k: causal_mask(k.shape[0], len(tokens)))
-    assert mx.abs(decoded - masked).max().item() < 0.05
-    assert mx.abs(masked - full)[budget + 1 :].max().item() > 0.05  # eviction did change something
+    masked = teacher_forced_logits(model, tokens, "keep-low", budget, n_sink)
+    full = teacher_forced_logits(model, tokens)
+    assert mx.allclose(full, model(tokens[None])[0], atol=1e-4).item()
+    error = np.array(mx.abs(decoded - masked).max(axis=-1))
+    assert np.median(error) < 0.01 and np.mean(error > 0.05) <= 0.05 and error.max() < 0.5
+    evicted = np.array(mx.abs(masked - full).max(axis=-1))[budget + 1 :]
+    assert np.median(evicted) > 1.0  # eviction did change the logits
 
 
 def test_kept_mask_is_the_streaming_selection():
@@ -81,10 +97,20 @@ def test_kept_mask_is_the_streaming_selection():
     assert np.flatnonzero(window[7]).tolist() == [0, 5, 6, 7]
 
 
-def test_eval_on_a_tiny_slice_gives_sane_numbers(model, sequences):
+def test_kept_mask_rows_are_the_rows_of_the_whole_mask():
+    scores = mx.random.uniform(shape=(3, 20), key=mx.random.key(4))
+    whole = np.array(kept_mask(scores, 6, 2, "high"))
+    for first, stop in [(0, 5), (5, 13), (13, 20), (19, 20)]:
+        block = np.array(kept_mask(scores, 6, 2, "high", first, stop))
+        assert np.array_equal(block, whole[:, first:stop, :stop])
+        assert not whole[:, first:stop, stop:].any()
+
+
+def test_eval_on_a_tiny_slice_gives_sane_numbers(shipped, sequences):
+    model, _ = shipped
     results = evaluate(model, sequences, fractions=(0.25, 1.0))
     small, everything = results.budgets
-    assert results.mean_recall("full", None) == pytest.approx(1.0, abs=1e-5)
+    assert results.mean_recall("full") == pytest.approx(1.0, abs=1e-5)
     full_ppl = results.perplexity("full")
     assert 1.0 < full_ppl < 256.0
     for policy in POLICIES:
@@ -93,7 +119,8 @@ def test_eval_on_a_tiny_slice_gives_sane_numbers(model, sequences):
         assert results.mean_recall(policy, everything) == pytest.approx(1.0, abs=1e-5)
         assert 0.0 < results.mean_recall(policy, small) < 1.0
         assert np.isfinite(results.perplexity(policy, small))
-    assert all(-1.0 <= r <= 1.0 for r in results.layer_spearman())
+    assert all(-1.0 <= r <= 1.0 for r in results.layer_spearman().values())
+    assert results.verdict().startswith("keep=low keeps more attention mass than random on this model at 25%")
 
 
 def test_eval_and_demo_commands_run(tmp_path, capsys):
@@ -102,6 +129,8 @@ def test_eval_and_demo_commands_run(tmp_path, capsys):
     out = tmp_path / "eval.json"
     assert main(["eval", "--n-seqs", "1", "--seq-len", "128", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["budgets"] == [32, 64, 96] and len(report["layer_spearman"]) == 4
+    n_layers = json.loads((MODEL_DIR / "config.json").read_text())["num_hidden_layers"]
+    assert report["budgets"] == [32, 64, 96] and len(report["layer_spearman"]) == n_layers
+    assert report["model"] == "shipped byte-level model"
     assert main(["demo", "--max-tokens", "40", "--budget", "16"]) == 0
     assert "% saved" in capsys.readouterr().out

@@ -58,20 +58,61 @@ def random_windows(tokens: np.ndarray, n: int, length: int, rng: np.random.Gener
     return np.stack([tokens[s : s + length + 1] for s in starts])
 
 
-def heldout_sequences(length: int, count: int, root: Path | None = None) -> np.ndarray:
-    """The first ``length`` bytes of ``count`` held-out files at least that long.
+def heldout_windows(count: int, length: int, seed: int, root: Path | None = None) -> np.ndarray:
+    """The fixed held-out windows a training run with ``seed`` reports its loss on.
 
-    Each sequence starts at the top of a file, as a prompt would, and the files
-    are spread evenly over the sorted held-out list so that no single package
+    Drawn from their own generator, so the number is comparable across
+    checkpoints and across runs with different step counts.
+    """
+    heldout = concat(read_bytes(split_files(root)[1], root))
+    return random_windows(heldout, count, length, np.random.default_rng(seed + 1))
+
+
+def heldout_texts(root: Path | None = None) -> list[str]:
+    """The held-out files that are UTF-8 text (a tokenizer takes text), in sorted order."""
+    texts = []
+    for raw in read_bytes(split_files(root)[1], root):
+        try:
+            texts.append(raw.tobytes().decode("utf-8"))
+        except UnicodeDecodeError:
+            continue
+    return texts
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _with_bos(tokenizer, length: int) -> tuple[list[int], int]:
+    """A sequence starts as a prompt does: with the tokenizer's BOS token, if it has one."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return ([] if bos is None else [bos]), length - (bos is not None)
+
+
+def document_sequences(tokenizer, documents: list[str], length: int, count: int) -> np.ndarray:
+    """``[count, length]`` token ids: the first tokens of ``count`` documents long enough.
+
+    Each sequence starts at the top of a document, as a prompt would, and the
+    documents are spread evenly over the list so that no single package
     dominates.
     """
-    root = root or stdlib_root()
-    _, heldout = split_files(root)
-    docs = [d for d in read_bytes(heldout, root) if len(d) >= length]
-    if len(docs) < count:
-        raise ValueError(f"only {len(docs)} held-out files have >= {length} bytes, {count} requested")
-    picks = np.linspace(0, len(docs) - 1, count).round().astype(int)
-    return np.stack([docs[i][:length] for i in picks])
+    prefix, body = _with_bos(tokenizer, length)
+    encoded = [ids for ids in (_encode(tokenizer, d) for d in documents) if len(ids) >= body]
+    if len(encoded) < count:
+        raise ValueError(f"only {len(encoded)} documents have >= {body} tokens, n_seqs={count} requested")
+    picks = np.linspace(0, len(encoded) - 1, count).round().astype(int)
+    return np.array([prefix + encoded[i][:body] for i in picks], dtype=np.int64)
+
+
+def text_sequences(tokenizer, text: str, length: int, count: int) -> np.ndarray:
+    """``[count, length]`` token ids: disjoint windows spread evenly over one text."""
+    prefix, body = _with_bos(tokenizer, length)
+    ids = _encode(tokenizer, text)
+    if len(ids) < count * body:
+        raise ValueError(f"the text has {len(ids)} tokens; n_seqs={count} windows of {body} "
+                         f"need {count * body}")
+    starts = np.linspace(0, len(ids) - body, count).round().astype(int)
+    return np.array([prefix + ids[s : s + body] for s in starts], dtype=np.int64)
 
 
 def unigram_cross_entropy(train: np.ndarray, heldout: np.ndarray) -> float:
@@ -79,3 +120,14 @@ def unigram_cross_entropy(train: np.ndarray, heldout: np.ndarray) -> float:
     counts = np.bincount(train, minlength=256).astype(np.float64) + 1.0
     logp = np.log(counts / counts.sum())
     return float(-logp[heldout].mean())
+
+
+def bigram_cross_entropy(train: np.ndarray, heldout: np.ndarray) -> float:
+    """Held-out cross-entropy (nats/byte) of the add-one smoothed training bigram table.
+
+    Scores every held-out byte after the first given the byte before it.
+    """
+    pairs = train[:-1].astype(np.int64) * 256 + train[1:]
+    counts = np.bincount(pairs, minlength=256 * 256).reshape(256, 256).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum(axis=1, keepdims=True))
+    return float(-logp[heldout[:-1], heldout[1:]].mean())
