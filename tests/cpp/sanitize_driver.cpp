@@ -3,9 +3,9 @@
 // rows spanning several threadgroup chunks) run through the emulator and the
 // CPU kernels, and every output must agree bit for bit. Under
 // ThreadSanitizer a missing barrier in a kernel is a reported race; under
-// AddressSanitizer an access past a buffer is a reported overflow (all
-// buffers are exact-size heap allocations). Also checks the emulator's
-// half/bfloat conversions against MLX's.
+// AddressSanitizer an access past a buffer is a reported overflow (each
+// buffer is a heap block of its own that ends where the array ends). Also
+// checks the emulator's half/bfloat conversions against MLX's.
 //
 // usage: knorm_sanitize_driver [cases] [seed]
 #include <cmath>
@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/types/bf16.h"
 #include "mlx/types/half_types.h"
@@ -43,15 +44,21 @@ void fail(const std::string& what) {
   ++failures;
 }
 
-// A host buffer wrapped as an MLX array without copying, so that the exact
-// allocation size is what the sanitizer sees.
+// An array whose memory MLX's allocator provides: the kernels and the
+// driver read and write the same bytes. (MLX copies memory handed to its
+// pointer constructor, so wrapping memory of the driver's own would leave
+// the kernels working on a copy.) MLX's CPU allocator gives each buffer a
+// heap block of its own that ends where the array ends.
 struct Buffer {
-  std::vector<uint8_t> bytes;
   mx::array array;
+  size_t size;  // bytes
 
-  Buffer(mx::Shape shape, mx::Dtype dtype, size_t count)
-      : bytes(count * dtype.size()),
-        array(bytes.data(), std::move(shape), dtype, [](void*) {}) {}
+  uint8_t* bytes() {
+    return array.data<uint8_t>();
+  }
+  const uint8_t* bytes() const {
+    return array.data<uint8_t>();
+  }
 };
 
 std::unique_ptr<Buffer> make(mx::Shape shape, mx::Dtype dtype) {
@@ -59,7 +66,9 @@ std::unique_ptr<Buffer> make(mx::Shape shape, mx::Dtype dtype) {
   for (int s : shape) {
     count *= static_cast<size_t>(s);
   }
-  return std::make_unique<Buffer>(std::move(shape), dtype, count);
+  const size_t size = count * dtype.size();
+  return std::make_unique<Buffer>(
+      Buffer{mx::array(mx::allocator::malloc(size), std::move(shape), dtype), size});
 }
 
 const float kSpecials[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 1e-45f,
@@ -67,14 +76,14 @@ const float kSpecials[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 1e-45f,
 
 // Keys and values: any bit pattern at all. Norms: ties, specials or gaussians.
 void fill_bits(Buffer& b, std::mt19937_64& rng) {
-  for (auto& byte : b.bytes) {
-    byte = static_cast<uint8_t>(rng());
+  for (size_t i = 0; i < b.size; ++i) {
+    b.bytes()[i] = static_cast<uint8_t>(rng());
   }
 }
 
 void fill_norms(Buffer& b, std::mt19937_64& rng, int mode) {
-  auto* p = reinterpret_cast<float*>(b.bytes.data());
-  const size_t n = b.bytes.size() / sizeof(float);
+  auto* p = reinterpret_cast<float*>(b.bytes());
+  const size_t n = b.size / sizeof(float);
   std::normal_distribution<float> gauss;
   for (size_t i = 0; i < n; ++i) {
     if (mode == 0) {
@@ -88,15 +97,15 @@ void fill_norms(Buffer& b, std::mt19937_64& rng, int mode) {
 }
 
 bool same_bits(const Buffer& a, const Buffer& b, bool nan_equal) {
-  if (a.bytes.size() != b.bytes.size()) {
+  if (a.size != b.size) {
     return false;
   }
   if (!nan_equal) {
-    return a.bytes == b.bytes;
+    return std::memcmp(a.bytes(), b.bytes(), a.size) == 0;
   }
-  const auto* x = reinterpret_cast<const float*>(a.bytes.data());
-  const auto* y = reinterpret_cast<const float*>(b.bytes.data());
-  for (size_t i = 0; i < a.bytes.size() / sizeof(float); ++i) {
+  const auto* x = reinterpret_cast<const float*>(a.bytes());
+  const auto* y = reinterpret_cast<const float*>(b.bytes());
+  for (size_t i = 0; i < a.size / sizeof(float); ++i) {
     const bool both_nan = std::isnan(x[i]) && std::isnan(y[i]);
     if (!both_nan && std::memcmp(&x[i], &y[i], sizeof(float)) != 0) {
       return false;
