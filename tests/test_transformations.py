@@ -157,7 +157,7 @@ def step_arrays(n_rows, slots, n_new, key_dim, value_dim, shape_changes, seed):
 
 
 @pytest.mark.parametrize("layout", ["slots", "temporal"])
-@pytest.mark.parametrize("backend", ["kernel", "fallback"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @settings(EMULATOR_SETTINGS)
 @given(args=drawn_calls(step_shapes, step_arrays))
 def test_step_agrees_under_compile(backend, layout, args):
