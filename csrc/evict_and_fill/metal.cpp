@@ -36,17 +36,8 @@ LaunchPlan evict_and_fill_plan(
   plan.group_size = kEvictGroupSize;
   plan.groups = kept + inputs.n_new() == 0 ? 0 : static_cast<uint32_t>(inputs.n_heads());
   auto u32 = [](int64_t v) { return BufferSlot::constant(static_cast<uint32_t>(v)); };
-  plan.buffers = {
-      BufferSlot::input(0),
-      BufferSlot::input(1),
-      BufferSlot::input(2),
-      BufferSlot::input(3),
-      BufferSlot::input(4),
-      BufferSlot::input(5),
-      BufferSlot::output(0),
-      BufferSlot::output(1),
-      BufferSlot::output(2),
-      BufferSlot::output(3),
+  plan.buffers = array_slots(6, 4);
+  plan.buffers.insert(plan.buffers.end(), {
       u32(inputs.capacity()),
       u32(config.out_capacity),
       u32(inputs.n_new()),
@@ -60,7 +51,7 @@ LaunchPlan evict_and_fill_plan(
       u32(config.rank().protect_from),
       u32(config.selection.keep == Keep::High ? 1 : 0),
       u32(config.layout == Layout::Temporal ? 1 : 0),
-      u32(in_place)};
+      u32(in_place)});
   return plan;
 }
 
