@@ -1,5 +1,7 @@
 """EvictAndFill: docs/spec.md §4 on every backend, bit for bit on the
-defined slots ``[0, kept + S)``, and in place only where §7 allows."""
+defined slots ``[0, kept + S)``. ``kernel`` runs on the default device: the
+Metal kernel where the suite runs on the GPU (the macOS workflow). In-place
+updates are tested in test_in_place.py."""
 
 from __future__ import annotations
 
@@ -17,8 +19,6 @@ from spec_oracle import step_sources
 
 NATIVE_BACKENDS = ["kernel"] + (["metal-emulator"] if emulator_built() else [])
 OUTPUTS = ("keys", "values", "norms", "positions")
-
-pytestmark = pytest.mark.usefixtures("cpu_default_device")
 
 
 def step_on(backend: str, arrays, config):
