@@ -3,15 +3,12 @@
 // two >= D, then halving adds) so that it agrees bit for bit with the CPU
 // kernel.
 //
-// One SIMD group of 32 lanes per row. For P > 32, lane i holds the squares
-// s[i + 32k], k < P/32; the first log2(P/32) halving levels pair registers of
-// the same lane (s[i + 32k] + s[i + 32k + P/2] ...). The last five levels
-// (16, 8, 4, 2, 1 apart) are simd_shuffle_down adds, lane 0 ending with s[0].
-// Rows of D <= 32 start at the level P/2 instead.
+// One SIMD group of 32 lanes per row (knorm_row_norm, shared with the
+// evict-and-fill kernel).
 //
 // Launched by csrc/key_norms/metal.cpp. Compiles as Metal Shading Language
 // and, through csrc/metal_emulator/metal_emulator.h, as C++.
-#include "knorm_defines.h"
+#include "knorm_kernels.h"
 
 template <typename T>
 [[kernel]] void knorm_key_norms(
@@ -30,46 +27,9 @@ template <typename T>
   if (row >= rows) {
     return;
   }
-  device const T* x = keys + ulong(row) * dim;
-
-  uint width = 1;
-  while (width < dim) {
-    width <<= 1;
-  }
-  const uint per_lane = width > kSimdWidth ? width / kSimdWidth : 1;
-
-  // Zero padding past D: adding +0 leaves a square (>= +0 or NaN) unchanged,
-  // exactly as the pinned order's padded adds do.
-  float s[kKeyNormsMaxDim / kSimdWidth];
-  for (uint k = 0; k < per_lane; ++k) {
-    const uint i = lane + kSimdWidth * k;
-    float square = 0.0f;
-    if (i < dim) {
-      const float a = float(x[i]);
-      square = a * a;
-      // docs/spec.md section 2 step 2: squares below the smallest normal
-      // float are +0 whether or not this GPU flushes subnormals (NaN
-      // compares false).
-      if (square < FLT_MIN) {
-        square = 0.0f;
-      }
-    }
-    s[k] = square;
-  }
-  for (uint c = per_lane / 2; c >= 1; c /= 2) {
-    for (uint k = 0; k < c; ++k) {
-      s[k] = s[k] + s[k + c];
-    }
-  }
-  float acc = s[0];
-  for (uint delta = min(width / 2, kSimdWidth / 2); delta >= 1; delta /= 2) {
-    const float other = simd_shuffle_down(acc, ushort(delta));
-    acc = acc + other;
-  }
+  const float norm = knorm_row_norm(keys + ulong(row) * dim, dim, lane);
   if (lane == 0) {
-    const float norm = precise::sqrt(acc);
-    // docs/spec.md section 2 step 6: one NaN bit pattern on every GPU.
-    norms[row] = isnan(norm) ? as_type<float>(0x7FC00000u) : norm;
+    norms[row] = norm;
   }
 }
 

@@ -51,6 +51,10 @@ KNORM_CONSTANT uint32_t kKeyNormsRowsPerGroup = 4;
 // Threads per threadgroup of the gather kernel (one threadgroup per head).
 KNORM_CONSTANT uint32_t kGatherGroupSize = 256;
 
+// Threads per threadgroup of the evict-and-fill kernel (one threadgroup per
+// head).
+KNORM_CONSTANT uint32_t kEvictGroupSize = 256;
+
 #if !defined(__METAL_VERSION__) && !defined(KNORM_METAL_EMULATOR)
 } // namespace mlx_knorm
 #endif

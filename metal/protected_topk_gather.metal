@@ -1,36 +1,17 @@
 // ProtectedTopKGather on the GPU: one eviction step of docs/spec.md
 // section 3 for every head in one dispatch, one threadgroup of
 // kGatherGroupSize threads per head:
-//   knorm_select     radix select of the threshold among the middle rows;
-//   knorm_compact    the kept rows' indices and norms, in temporal order;
-//   knorm_copy_rows  their key and value rows.
+//   knorm_radix_select  the threshold among the middle rows (knorm_kernels.h);
+//   knorm_compact       the kept rows' indices and norms, in temporal order;
+//   knorm_copy_rows     their key and value rows.
 // Rows are read straight from prior or new: the concatenation is never
 // built. All offsets into K/V buffers are 64-bit.
 //
 // Launched by csrc/protected_topk_gather/metal.cpp. Compiles as Metal
 // Shading Language and, through csrc/metal_emulator/metal_emulator.h, as C++.
-#include "knorm_defines.h"
+#include "knorm_kernels.h"
 
 constant constexpr uint kGatherSimdGroups = kGatherGroupSize / kSimdWidth;
-// Radix select in four passes of 8 bits: one histogram bin per thread.
-constant constexpr uint kRadixBins = 256;
-static_assert(kRadixBins == kGatherGroupSize, "one radix bin per thread");
-
-// score -> uint32 with a < b iff key(a) < key(b); -0 == +0; NaN after +inf.
-// keep="high" ranks by -norm, a flip of the sign bit.
-inline uint knorm_score_key(float norm, bool keep_high) {
-  if (isnan(norm)) {
-    return 0xFFFFFFFFu;
-  }
-  uint bits = as_type<uint>(norm);
-  if (keep_high) {
-    bits ^= 0x80000000u;
-  }
-  if ((bits & 0x7FFFFFFFu) == 0) {
-    bits = 0;
-  }
-  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-}
 
 // One head: where its rows are and the plan's selection constants, computed
 // on the host from the shapes. Rows [0, sink_end) and [mid_end, n_total)
@@ -53,84 +34,14 @@ inline float knorm_norm_at(KnormHead head, uint j) {
   return j < head.n_prior ? head.prior_norms[j] : head.new_norms[j - head.n_prior];
 }
 
-struct KnormScan {
-  uint exclusive;  // sum of v over the threads before this one
-  uint total;      // sum of v over the threadgroup
+// The order keys of a head's rows, for knorm_radix_select.
+struct KnormGatherKeys {
+  KnormHead head;
+
+  uint operator()(uint j) const {
+    return knorm_score_key(knorm_norm_at(head, j), head.keep_high);
+  }
 };
-
-// Exclusive prefix sum of one uint per thread across the threadgroup, in
-// thread order. Ends with a barrier so that simd_totals can be reused.
-inline KnormScan knorm_block_scan(
-    uint v,
-    threadgroup uint* simd_totals,
-    uint lane,
-    uint simd_group) {
-  const uint inclusive = simd_prefix_inclusive_sum(v);
-  if (lane == kSimdWidth - 1) {
-    simd_totals[simd_group] = inclusive;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  uint before = 0;
-  uint total = 0;
-  for (uint s = 0; s < kGatherSimdGroups; ++s) {
-    const uint t = simd_totals[s];
-    before += s < simd_group ? t : 0;
-    total += t;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  KnormScan out = {before + inclusive - v, total};
-  return out;
-}
-
-// What the selection keeps of the middle rows: every row whose order key is
-// below `key`, and the first `take_equal` rows with exactly that key (ties
-// go to the earliest rows).
-struct KnormThreshold {
-  uint key;
-  uint take_equal;
-};
-
-// Radix select over the order keys of the middle rows, most significant 8
-// bits first: after the four passes `prefix` is the key of the mid_keep-th
-// smallest middle key and `rank` how many middle rows with that key are
-// kept. Needs mid_keep > 0.
-inline KnormThreshold knorm_select(
-    KnormHead head,
-    threadgroup atomic_uint* histogram,
-    threadgroup uint* simd_totals,
-    threadgroup uint* picked,
-    uint tid,
-    uint lane,
-    uint simd_group) {
-  uint prefix = 0;
-  uint mask = 0;
-  uint rank = head.mid_keep;  // 1-based rank among the rows matching prefix
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    atomic_store_explicit(&histogram[tid], 0u, memory_order_relaxed);
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint j = head.sink_end + tid; j < head.mid_end; j += kGatherGroupSize) {
-      const uint key = knorm_score_key(knorm_norm_at(head, j), head.keep_high);
-      if ((key & mask) == prefix) {
-        atomic_fetch_add_explicit(
-            &histogram[(key >> shift) & 0xFFu], 1u, memory_order_relaxed);
-      }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    const uint count =
-        atomic_load_explicit(&histogram[tid], memory_order_relaxed);
-    const KnormScan bins = knorm_block_scan(count, simd_totals, lane, simd_group);
-    if (bins.exclusive < rank && rank <= bins.exclusive + count) {
-      picked[0] = tid;
-      picked[1] = bins.exclusive;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    prefix |= picked[0] << shift;
-    mask |= 0xFFu << shift;
-    rank -= picked[1];
-  }
-  KnormThreshold out = {prefix, rank};
-  return out;
-}
 
 // Stable compaction in temporal order, kGatherGroupSize rows at a time: two
 // threadgroup prefix sums give each row its rank among the middle rows at
@@ -138,7 +49,7 @@ inline KnormThreshold knorm_select(
 // and norm.
 inline void knorm_compact(
     KnormHead head,
-    KnormThreshold cut,
+    KnormCut<uint> cut,
     device uint* row_indices,
     device float* row_norms,
     threadgroup uint* simd_totals,
@@ -156,12 +67,12 @@ inline void knorm_compact(
     const uint key = knorm_score_key(norm, head.keep_high);
     const bool equal = valid && !protect && key == cut.key;
     const KnormScan eq =
-        knorm_block_scan(equal ? 1u : 0u, simd_totals, lane, simd_group);
+        knorm_block_scan<kGatherGroupSize>(equal ? 1u : 0u, simd_totals, lane, simd_group);
     const bool keep = valid &&
         (protect || key < cut.key ||
          (equal && equal_before + eq.exclusive < cut.take_equal));
     const KnormScan pos =
-        knorm_block_scan(keep ? 1u : 0u, simd_totals, lane, simd_group);
+        knorm_block_scan<kGatherGroupSize>(keep ? 1u : 0u, simd_totals, lane, simd_group);
     if (keep) {
       row_indices[kept_before + pos.exclusive] = j;
       row_norms[kept_before + pos.exclusive] = norm;
@@ -224,14 +135,18 @@ template <typename K, typename V>
     uint simd_group [[simdgroup_index_in_threadgroup]]) {
   KNORM_THREADGROUP_ARRAY(atomic_uint, histogram, kRadixBins);
   KNORM_THREADGROUP_ARRAY(uint, simd_totals, kGatherSimdGroups);
-  KNORM_THREADGROUP_ARRAY(uint, picked, 2);
+  KNORM_THREADGROUP_ARRAY(uint, picked, 3);
 
   const KnormHead head = {
       row, n_prior, n_new, kept, sink_end, mid_end, mid_keep, keep_high != 0,
       prior_norms + ulong(row) * n_prior, new_norms + ulong(row) * n_new};
-  KnormThreshold cut = {0u, 0u};
+  // Radix select of the mid_keep-th smallest middle key.
+  KnormCut<uint> cut = {0u, 0u, 0u};
   if (mid_keep > 0) {
-    cut = knorm_select(head, histogram, simd_totals, picked, tid, lane, simd_group);
+    KnormGatherKeys keys = {head};
+    cut = knorm_radix_select<uint, kGatherGroupSize>(
+        keys, sink_end, mid_end, mid_keep, histogram, simd_totals, picked, tid,
+        lane, simd_group);
   }
   device uint* row_indices = out_indices + ulong(row) * kept;
   knorm_compact(head, cut, row_indices, out_norms + ulong(row) * kept,

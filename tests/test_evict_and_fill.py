@@ -1,5 +1,7 @@
 """EvictAndFill: docs/spec.md §4 on every backend, bit for bit on the
-defined slots ``[0, kept + S)``, and in place only where §7 allows."""
+defined slots ``[0, kept + S)``. ``kernel`` runs on the default device: the
+Metal kernel where the suite runs on the GPU (the macOS workflow). In-place
+updates are tested in test_in_place.py."""
 
 from __future__ import annotations
 
@@ -11,14 +13,12 @@ import pytest
 from hypothesis import given
 
 import mlx_knorm
-from conftest import assert_bitwise_equal
+from conftest import EMULATOR_SETTINGS, assert_bitwise_equal, emulator_built, requires_emulator
 from generators import fill, fill_norms, step_cases
 from spec_oracle import step_sources
 
-NATIVE_BACKENDS = ["kernel"]
+NATIVE_BACKENDS = ["kernel"] + (["metal-emulator"] if emulator_built() else [])
 OUTPUTS = ("keys", "values", "norms", "positions")
-
-pytestmark = pytest.mark.usefixtures("cpu_default_device")
 
 
 def step_on(backend: str, arrays, config):
@@ -83,6 +83,30 @@ def test_kernel_matches_spec_oracle_on_cache_states(case):
 def test_kernel_matches_spec_oracle_on_any_state(case):
     arrays, config = case
     assert_matches_oracle(step_on("kernel", arrays, config), *case)
+
+
+@requires_emulator
+@EMULATOR_SETTINGS
+@given(case=step_cases(max_heads=2, dims=[1, 3, 8, 33, 80, 128, 256], long_rows=True))
+def test_metal_emulator_matches_fallback_on_cache_states(case):
+    arrays, config = case
+    assert_same_step(step_on("metal-emulator", arrays, config), step_on("fallback", arrays, config), arrays, config)
+
+
+@requires_emulator
+@EMULATOR_SETTINGS
+@given(case=step_cases(cache_like=False, max_heads=2, max_new=34, dims=[1, 3, 8, 33, 80], long_rows=True))
+def test_metal_emulator_matches_fallback_on_any_state(case):
+    arrays, config = case
+    assert_same_step(step_on("metal-emulator", arrays, config), step_on("fallback", arrays, config), arrays, config)
+
+
+@requires_emulator
+@EMULATOR_SETTINGS
+@given(case=step_cases(cache_like=False, max_heads=2, dims=[1, 3]))
+def test_metal_emulator_matches_spec_oracle(case):
+    arrays, config = case
+    assert_matches_oracle(step_on("metal-emulator", arrays, config), *case)
 
 
 @given(case=step_cases(cache_like=False, max_budget=6, dims=[2]))

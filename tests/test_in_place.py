@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import mlx_knorm
-from conftest import assert_bitwise_equal
+from conftest import assert_bitwise_equal, emulator_built
 from generators import fill
 
 pytestmark = pytest.mark.usefixtures("cpu_default_device")
@@ -96,7 +96,9 @@ def test_no_donation_when_the_prior_feeds_another_op_in_the_same_graph():
 # evict_and_fill (docs/spec.md §7): in place per buffer, when that buffer is
 # donated and the capacity is unchanged.
 
-STEP_BACKENDS = ["kernel"]
+# The Metal kernel updates donated buffers in place too; the emulator runs
+# it on the CPU with the same donation.
+STEP_BACKENDS = ["kernel"] + (["metal-emulator"] if emulator_built() else [])
 
 
 def data_address(a: mx.array) -> int:
@@ -150,17 +152,21 @@ def assert_step_equal(actual, expected, defined):
 
 @pytest.mark.parametrize("backend", STEP_BACKENDS)
 @pytest.mark.parametrize("layout", ["slots", "temporal"])
-@pytest.mark.parametrize("slots, budget", [(32, 31), (32, 27), (33, 32)])
-def test_step_on_donated_buffers_runs_in_place(backend, layout, slots, budget):
+@pytest.mark.parametrize(
+    "slots, filled, budget",
+    [(32, 32, 31), (32, 32, 27), (33, 32, 32), (700, 700, 699), (700, 700, 300)],
+)
+def test_step_on_donated_buffers_runs_in_place(backend, layout, slots, filled, budget):
     """A decode step (one row leaves), a step that evicts several rows and
-    one that evicts none: every output is its input's buffer."""
-    arrays = step_state(slots=slots, layout=layout)
-    config = step_config(32, budget, layout, capacity=slots)
+    one that evicts none, then the same over several 256-slot chunks of the
+    Metal kernel: every output is its input's buffer."""
+    arrays = step_state(n_heads=4 if slots < 256 else 2, slots=slots, layout=layout)
+    config = step_config(filled, budget, layout, capacity=slots)
     expected = step_dropping("fallback", copies(arrays), config)
     addresses = [data_address(a) for a in arrays[:4]]
     out = step_dropping(backend, arrays, config)
     assert [data_address(o) for o in out] == addresses
-    assert_step_equal(out, expected, min(32, budget) + 1)
+    assert_step_equal(out, expected, min(filled, budget) + 1)
 
 
 @pytest.mark.parametrize("backend", STEP_BACKENDS)
@@ -190,7 +196,8 @@ def test_held_buffers_are_never_written(backend, layout):
 def test_decode_loop_in_place_matches_the_fallback(backend, layout):
     """The cache's loop: buffers of budget + 1 slots, one eviction and one
     new row per step, the previous buffers dropped before each evaluation."""
-    budget, steps = 24, 40
+    # The emulator runs every GPU thread as a thread: fewer steps.
+    budget, steps = 24, 40 if backend == "kernel" else 8
     rng = np.random.default_rng(5)
     tokens = [fill(rng, (3, 1, 8), "ties", "float16") for _ in range(steps)]
     start = step_state(n_heads=3, slots=budget + 1, dim=8, layout=layout, seed=6)[:4]

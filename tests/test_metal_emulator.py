@@ -2,9 +2,10 @@
 execution model; the property-based cross-checks against the fallback live
 beside the kernel's own (test_key_norms.py, test_protected_topk_gather.py).
 
-The gather kernel compacts rows in chunks of 256 (its threadgroup size) and
-the norm kernel runs one 32-lane SIMD group per row, four rows per
-threadgroup: the cases below cross those boundaries.
+The gather and evict-and-fill kernels work through rows in chunks of 256
+(their threadgroup size), the evict-and-fill kernel pairs holes with movers
+through queues of 512, and the norm kernel runs one 32-lane SIMD group per
+row, four rows per threadgroup: the cases below cross those boundaries.
 """
 
 from __future__ import annotations
@@ -79,3 +80,74 @@ def test_key_norms_simd_boundaries(dim):
 def test_key_norms_rejects_dim_past_kernel_limit():
     with pytest.raises(ValueError, match="D <= 512"):
         _native.ext.key_norms(mx.zeros((1, 513)), emulate_metal=True, stream=mx.cpu)
+
+
+def step_args(slots, filled, budget, n_new, positions, palette, key_dim=8, seed=0):
+    rng = np.random.default_rng(seed)
+    if positions == "distinct":
+        order = np.stack([rng.permutation(slots) for _ in range(2)])
+    else:  # every position equal: only the slot tells ranks apart
+        order = np.full((2, slots), 3)
+    return [
+        fill(rng, (2, slots, key_dim), "special", "float16"),
+        fill(rng, (2, slots, 5), "normal", "float32"),
+        fill_norms(rng, (2, slots), palette),
+        mx.array(order.astype(np.int32)),
+        fill(rng, (2, n_new, key_dim), "special", "float16"),
+        fill(rng, (2, n_new, 5), "normal", "float32"),
+    ]
+
+
+def step_native_and_emulated(args, config, donate):
+    """Both kernels from copies of ``args``; with ``donate`` the copies are
+    referenced by the op alone, so outputs take over their buffers."""
+    results = []
+    for emulate in (False, True):
+        arrays = [mx.array(np.array(a)) for a in args]
+        mx.eval(arrays)
+        out = _native.ext.evict_and_fill(*arrays, **config, emulate_metal=emulate, stream=mx.cpu)
+        if donate:
+            arrays.clear()
+        mx.eval(out)
+        results.append(out)
+    return results
+
+
+@pytest.mark.parametrize(
+    "slots, filled, budget, n_new",
+    [
+        (257, 257, 256, 1),     # a decode step over a chunk boundary
+        (514, 513, 512, 1),
+        (700, 700, 300, 3),     # more holes than a queue takes at once
+        (600, 600, 2, 0),       # keeps two rows
+        (300, 40, 60, 20),      # nothing leaves; new rows over several SIMD groups
+    ],
+)
+@pytest.mark.parametrize("positions", ["distinct", "equal"])
+@pytest.mark.parametrize("layout", ["slots", "temporal"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_step_edges(slots, filled, budget, n_new, positions, layout, donate):
+    args = step_args(slots, filled, budget, n_new, positions, "ties", seed=slots + budget)
+    config = dict(filled=filled, offset=slots, capacity=slots, budget=budget,
+                  n_sink=3 if budget > 8 else 1, recent=5 if budget > 8 else 0,
+                  keep="low" if positions == "distinct" else "high", layout=layout)
+    native, emulated = step_native_and_emulated(args, config, donate)
+    defined = min(filled, budget) + n_new
+    for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
+        assert_bitwise_equal(b[:, :defined], a[:, :defined], name)
+
+
+@pytest.mark.parametrize("key_dim", [0, 1, 33, 512])
+def test_step_new_row_norms_at_every_width(key_dim):
+    args = step_args(40, 40, 30, 9, "distinct", "special", key_dim=key_dim)
+    config = dict(filled=40, offset=40, capacity=40, budget=30, n_sink=1, recent=2, keep="low", layout="slots")
+    native, emulated = step_native_and_emulated(args, config, donate=False)
+    for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
+        assert_bitwise_equal(b[:, :39], a[:, :39], name)
+
+
+def test_step_rejects_key_widths_past_the_norm_kernel():
+    args = step_args(4, 4, 3, 1, "distinct", "normal", key_dim=513)
+    config = dict(filled=4, offset=4, capacity=4, budget=3, n_sink=0, recent=0, keep="low", layout="slots")
+    with pytest.raises(ValueError, match="D <= 512"):
+        _native.ext.evict_and_fill(*args, **config, emulate_metal=True, stream=mx.cpu)

@@ -1,6 +1,6 @@
 """The Metal sources as the JIT path compiles them (no metallib): one string
-per kernel, with metal/knorm_defines.h inlined, since MLX compiles the string
-with no include path and hands it to Metal as ASCII."""
+per kernel, with the shared headers of metal/ inlined, since MLX compiles
+the string with no include path and hands it to Metal as ASCII."""
 
 from __future__ import annotations
 
@@ -19,24 +19,46 @@ pytestmark = pytest.mark.skipif(_native.ext is None, reason="the native extensio
 
 
 @pytest.mark.parametrize("name", KERNELS)
-def test_jit_source_inlines_the_shared_header(name):
+def test_jit_source_inlines_the_shared_headers(name):
+    """Each kernel includes knorm_kernels.h, which includes knorm_defines.h."""
     source = _native.ext.metal_kernel_source(METAL_DIR, name)
-    header = (METAL_DIR / "knorm_defines.h").read_text()
+    defines = (METAL_DIR / "knorm_defines.h").read_text()
+    shared = (METAL_DIR / "knorm_kernels.h").read_text().replace('#include "knorm_defines.h"', defines, 1)
     kernel = (METAL_DIR / f"{name}.metal").read_text()
-    assert source == kernel.replace('#include "knorm_defines.h"', header, 1)
+    assert source == kernel.replace('#include "knorm_kernels.h"', shared, 1)
     assert '#include "' not in source
     assert source.isascii()
 
 
-def test_jit_source_needs_the_installed_header(tmp_path):
+def test_jit_source_inlines_a_header_once(tmp_path):
+    """A header reached twice is inlined at its first include, as its guard
+    would have it."""
+    shutil.copy(METAL_DIR / "knorm_defines.h", tmp_path)
+    (tmp_path / "extra.h").write_text('#include "knorm_defines.h"\nint extra;\n')
+    (tmp_path / "k.metal").write_text('#include "knorm_defines.h"\n#include "extra.h"\nint k;\n')
+    source = _native.ext.metal_kernel_source(tmp_path, "k")
+    defines = (METAL_DIR / "knorm_defines.h").read_text()
+    assert source == defines + "\n" + "\nint extra;\n\n" + "int k;\n"
+
+
+def test_jit_source_needs_the_installed_headers(tmp_path):
     shutil.copy(METAL_DIR / "key_norms.metal", tmp_path)
+    with pytest.raises(RuntimeError, match="knorm_kernels.h"):
+        _native.ext.metal_kernel_source(tmp_path, "key_norms")
+    shutil.copy(METAL_DIR / "knorm_kernels.h", tmp_path)
     with pytest.raises(RuntimeError, match="knorm_defines.h"):
         _native.ext.metal_kernel_source(tmp_path, "key_norms")
 
 
+def test_jit_source_must_reach_the_shared_defines(tmp_path):
+    (tmp_path / "k.metal").write_text("int k;\n")
+    with pytest.raises(RuntimeError, match="does not include knorm_defines.h"):
+        _native.ext.metal_kernel_source(tmp_path, "k")
+
+
 def test_build_installs_every_kernel_source_and_the_header():
     """CMake compiles the metallib from and installs for the JIT path the
-    files of metal/ it lists; a kernel missing there fails only on a Mac."""
+    files of metal/ it lists; a file missing there fails only on a Mac."""
     cmake = (ROOT / "CMakeLists.txt").read_text()
-    for path in [*METAL_DIR.glob("*.metal"), METAL_DIR / "knorm_defines.h"]:
+    for path in [*METAL_DIR.glob("*.metal"), *METAL_DIR.glob("*.h")]:
         assert "${PROJECT_SOURCE_DIR}/metal/" + path.name in cmake, path.name

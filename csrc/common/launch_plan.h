@@ -33,6 +33,19 @@ struct BufferSlot {
   }
 };
 
+// The slots of a kernel that takes the primitive's n_inputs inputs, then
+// its n_outputs outputs, as its first buffers; constants follow.
+inline std::vector<BufferSlot> array_slots(int n_inputs, int n_outputs) {
+  std::vector<BufferSlot> slots;
+  for (int i = 0; i < n_inputs; ++i) {
+    slots.push_back(BufferSlot::input(i));
+  }
+  for (int i = 0; i < n_outputs; ++i) {
+    slots.push_back(BufferSlot::output(i));
+  }
+  return slots;
+}
+
 struct LaunchPlan {
   std::string source;       // metal/<source>.metal holds the kernel
   std::string kernel;       // host name of the instantiation

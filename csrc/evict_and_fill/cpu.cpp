@@ -83,11 +83,23 @@ int64_t worst_slot_scalar(
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
+// if_set where the 64-bit lane's mask is all ones, else if_clear (blendv_pd
+// reads the sign bit of each lane).
+__attribute__((target("avx2"))) inline __m256i select_lanes(
+    __m256i mask,
+    __m256i if_set,
+    __m256i if_clear) {
+  return _mm256_castpd_si256(_mm256_blendv_pd(
+      _mm256_castsi256_pd(if_clear), _mm256_castsi256_pd(if_set),
+      _mm256_castsi256_pd(mask)));
+}
+
 // worst_slot_scalar, eight rows at a time. The rank is built in two 32-bit
 // halves and compared as a signed 64-bit integer with its top bit flipped
 // (AVX2 compares signed 64-bit lanes only). Each lane keeps its worst rank
 // and slot, later slots winning ties; the lanes are merged at the end.
 // Compiled for AVX2 alone and chosen at run time, as the key-norm kernel's.
+template <bool kKeepHigh>
 __attribute__((target("avx2"))) int64_t worst_slot_avx2(
     const float* norms,
     const int32_t* positions,
@@ -96,10 +108,7 @@ __attribute__((target("avx2"))) int64_t worst_slot_avx2(
   const __m256i sign = _mm256_set1_epi32(std::numeric_limits<int32_t>::min());
   const __m256i magnitude_mask = _mm256_set1_epi32(0x7FFFFFFF);
   const __m256i infinity = _mm256_set1_epi32(0x7F800000);
-  const __m256i ones = _mm256_set1_epi32(-1);
   const __m256i zero = _mm256_setzero_si256();
-  // keep="high" scores by -norm: a flip of the sign bit.
-  const __m256i score_flip = rank.keep == Keep::High ? sign : zero;
   const __m256i n_sink = _mm256_set1_epi32(rank.n_sink);
   const __m256i protect_from = _mm256_set1_epi32(rank.protect_from);
   const __m256i step = _mm256_set1_epi64x(8);
@@ -112,9 +121,12 @@ __attribute__((target("avx2"))) int64_t worst_slot_avx2(
   __m256i next_b = _mm256_setr_epi64x(2, 3, 6, 7);
   int64_t s = 0;
   for (; s + 8 <= filled; s += 8) {
-    // score_order_key of common/selection.h, lane by lane.
-    __m256i bits = _mm256_xor_si256(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(norms + s)), score_flip);
+    // score_order_key of common/selection.h, lane by lane; keep="high"
+    // scores by -norm, a flip of the sign bit.
+    __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(norms + s));
+    if constexpr (kKeepHigh) {
+      bits = _mm256_xor_si256(bits, sign);
+    }
     const __m256i magnitude = _mm256_and_si256(bits, magnitude_mask);
     bits = _mm256_andnot_si256(_mm256_cmpeq_epi32(magnitude, zero), bits);
     const __m256i negative = _mm256_srai_epi32(bits, 31);
@@ -123,19 +135,19 @@ __attribute__((target("avx2"))) int64_t worst_slot_avx2(
         _mm256_xor_si256(bits, _mm256_or_si256(negative, sign)), is_nan);
     const __m256i p =
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(positions + s));
-    const __m256i protect = _mm256_or_si256(
-        _mm256_cmpgt_epi32(n_sink, p),
-        _mm256_xor_si256(_mm256_cmpgt_epi32(protect_from, p), ones));
-    const __m256i high = _mm256_xor_si256(_mm256_andnot_si256(protect, score), sign);
+    // Evictable: n_sink <= p < protect_from; protected rows score 0.
+    const __m256i evictable = _mm256_andnot_si256(
+        _mm256_cmpgt_epi32(n_sink, p), _mm256_cmpgt_epi32(protect_from, p));
+    const __m256i high = _mm256_xor_si256(_mm256_and_si256(evictable, score), sign);
     const __m256i low = _mm256_xor_si256(p, sign);
     const __m256i rank_a = _mm256_unpacklo_epi32(low, high);
     const __m256i rank_b = _mm256_unpackhi_epi32(low, high);
     const __m256i stay_a = _mm256_cmpgt_epi64(worst_a, rank_a);
     const __m256i stay_b = _mm256_cmpgt_epi64(worst_b, rank_b);
-    worst_a = _mm256_blendv_epi8(rank_a, worst_a, stay_a);
-    worst_b = _mm256_blendv_epi8(rank_b, worst_b, stay_b);
-    slot_a = _mm256_blendv_epi8(next_a, slot_a, stay_a);
-    slot_b = _mm256_blendv_epi8(next_b, slot_b, stay_b);
+    worst_a = select_lanes(stay_a, worst_a, rank_a);
+    worst_b = select_lanes(stay_b, worst_b, rank_b);
+    slot_a = select_lanes(stay_a, slot_a, next_a);
+    slot_b = select_lanes(stay_b, slot_b, next_b);
     next_a = _mm256_add_epi64(next_a, step);
     next_b = _mm256_add_epi64(next_b, step);
   }
@@ -173,7 +185,8 @@ int64_t worst_slot(
 #if defined(__x86_64__) && defined(__GNUC__)
   static const bool has_avx2 = __builtin_cpu_supports("avx2");
   if (has_avx2) {
-    return worst_slot_avx2(norms, positions, filled, rank);
+    return rank.keep == Keep::High ? worst_slot_avx2<true>(norms, positions, filled, rank)
+                                   : worst_slot_avx2<false>(norms, positions, filled, rank);
   }
 #endif
   return worst_slot_scalar(norms, positions, filled, rank);
@@ -264,8 +277,10 @@ void compact_head(const StepBuffers& b, const StepConfig& config, int64_t n) {
   }
 }
 
-// docs/spec.md §4 step 3 for head n: the new rows after the kept ones.
-void fill_head(const StepBuffers& b, const StepConfig& config, int64_t n) {
+// docs/spec.md §4 step 3 for head n: the new rows after the kept ones,
+// with their norms (computed beforehand, for all of a thread's heads in one
+// call: a decode step's rows then go eight at a time).
+void fill_head(const StepBuffers& b, const StepConfig& config, int64_t n, const float* new_norms) {
   if (b.n_new == 0) {
     return;
   }
@@ -276,8 +291,8 @@ void fill_head(const StepBuffers& b, const StepConfig& config, int64_t n) {
   std::memcpy(b.rows[0].out + first * key_bytes, new_keys, b.n_new * key_bytes);
   std::memcpy(b.rows[1].out + first * value_bytes,
               b.new_values + n * b.n_new * value_bytes, b.n_new * value_bytes);
-  key_norm_rows(b.key_dtype, new_keys, b.n_new, b.key_dim,
-                reinterpret_cast<float*>(b.rows[2].out) + first);
+  std::memcpy(reinterpret_cast<float*>(b.rows[2].out) + first, new_norms,
+              b.n_new * sizeof(float));
   auto* positions = reinterpret_cast<int32_t*>(b.rows[3].out) + first;
   for (int64_t j = 0; j < b.n_new; ++j) {
     positions[j] = static_cast<int32_t>(config.offset + j);
@@ -317,9 +332,13 @@ void evict_and_fill_cpu(
   const size_t bytes_per_head = config.filled * 8 + b.n_new * row_bytes +
       (copies_rows ? config.kept() * row_bytes : 0);
   parallel_for(in.n_heads(), bytes_per_head, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> new_norms;
+    new_norms.resize((end - begin) * b.n_new);
+    key_norm_rows(b.key_dtype, b.new_keys + begin * b.n_new * b.rows[0].row_bytes,
+                  (end - begin) * b.n_new, b.key_dim, new_norms.data());
     for (int64_t n = begin; n < end; ++n) {
       compact_head(b, config, n);
-      fill_head(b, config, n);
+      fill_head(b, config, n, new_norms.data() + (n - begin) * b.n_new);
     }
   });
 }

@@ -119,8 +119,11 @@ void EvictAndFill::check_inputs(const StepInputs& in) {
         "mlx_knorm: capacity must be < 2**31, got " +
         std::to_string(config_.out_capacity));
   }
-  if (executor_ == Executor::MetalEmulator) {
-    throw std::invalid_argument("mlx_knorm: EvictAndFill has no Metal kernel in this build");
+  if (executor_ == Executor::MetalEmulator ||
+      stream().device == mx::Device::gpu) {
+    // The Metal kernel takes the new rows' norms with the key-norm kernel's
+    // code.
+    check_metal_key_norms_shape(in.new_keys);
   }
 }
 
@@ -151,6 +154,11 @@ void EvictAndFill::eval_cpu(
   check_inputs(StepInputs::from(inputs));
   check_row_contiguous(inputs, name());
   auto kernel = &evict_and_fill_cpu;
+#ifdef MLX_KNORM_EMULATOR
+  if (executor_ == Executor::MetalEmulator) {
+    kernel = &evict_and_fill_emulated;
+  }
+#endif
   // Every output may take over its input's buffer (docs/spec.md §7); the
   // kernels then write only the rows that move.
   take_over_or_allocate(inputs, outputs, [](size_t) { return true; });

@@ -7,6 +7,7 @@
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wattributes"
 namespace mlx_knorm_metal {
+#include "metal/evict_and_fill.metal"
 #include "metal/key_norms.metal"
 #include "metal/protected_topk_gather.metal"
 } // namespace mlx_knorm_metal

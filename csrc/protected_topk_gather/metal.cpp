@@ -33,17 +33,8 @@ LaunchPlan protected_topk_gather_plan(
   const int64_t mid_end = sel.evicts ? sel.mid_end : sel.n_total;
   const int64_t mid_keep = sel.evicts ? sel.mid_keep : 0;
   auto u32 = [](int64_t v) { return BufferSlot::constant(static_cast<uint32_t>(v)); };
-  plan.buffers = {
-      BufferSlot::input(0),
-      BufferSlot::input(1),
-      BufferSlot::input(2),
-      BufferSlot::input(3),
-      BufferSlot::input(4),
-      BufferSlot::input(5),
-      BufferSlot::output(0),
-      BufferSlot::output(1),
-      BufferSlot::output(2),
-      BufferSlot::output(3),
+  plan.buffers = array_slots(6, 4);
+  plan.buffers.insert(plan.buffers.end(), {
       u32(inputs.n_prior()),
       u32(inputs.n_new()),
       u32(inputs.key_dim()),
@@ -52,7 +43,7 @@ LaunchPlan protected_topk_gather_plan(
       u32(sink_end),
       u32(mid_end),
       u32(mid_keep),
-      u32(config.keep == Keep::High ? 1 : 0)};
+      u32(config.keep == Keep::High ? 1 : 0)});
   return plan;
 }
 

@@ -1,13 +1,17 @@
 // Standalone check of the emulated Metal kernels (csrc/metal_emulator/),
 // built under a sanitizer by .ci/sanitize: random cases (random bit patterns, ties, NaN, infinities,
-// rows spanning several threadgroup chunks) run through the emulator and the
-// CPU kernels, and every output must agree bit for bit. Under
+// rows spanning several threadgroup chunks, outputs updated in place) run
+// through the emulator and the CPU kernels, and every output must agree bit
+// for bit. Under
 // ThreadSanitizer a missing barrier in a kernel is a reported race; under
-// AddressSanitizer an access past a buffer is a reported overflow (all
-// buffers are exact-size heap allocations). Also checks the emulator's
-// half/bfloat conversions against MLX's.
+// AddressSanitizer an access past a buffer is a reported overflow (each
+// buffer is a heap block of its own that ends where the array ends). Also
+// checks the emulator's half/bfloat conversions against MLX's.
 //
 // usage: knorm_sanitize_driver [cases] [seed]
+// (cases = 0 runs the fixed cases alone: the conversions and the in-place
+// temporal compaction that .ci/sanitize's broken kernel must fail)
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -16,10 +20,12 @@
 #include <string>
 #include <vector>
 
+#include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/types/bf16.h"
 #include "mlx/types/half_types.h"
 
+#include "evict_and_fill/evict_and_fill.h"
 #include "key_norms/key_norms.h"
 #include "protected_topk_gather/protected_topk_gather.h"
 
@@ -43,15 +49,21 @@ void fail(const std::string& what) {
   ++failures;
 }
 
-// A host buffer wrapped as an MLX array without copying, so that the exact
-// allocation size is what the sanitizer sees.
+// An array whose memory MLX's allocator provides: the kernels and the
+// driver read and write the same bytes. (MLX copies memory handed to its
+// pointer constructor, so wrapping memory of the driver's own would leave
+// the kernels working on a copy.) MLX's CPU allocator gives each buffer a
+// heap block of its own that ends where the array ends.
 struct Buffer {
-  std::vector<uint8_t> bytes;
   mx::array array;
+  size_t size;  // bytes
 
-  Buffer(mx::Shape shape, mx::Dtype dtype, size_t count)
-      : bytes(count * dtype.size()),
-        array(bytes.data(), std::move(shape), dtype, [](void*) {}) {}
+  uint8_t* bytes() {
+    return array.data<uint8_t>();
+  }
+  const uint8_t* bytes() const {
+    return array.data<uint8_t>();
+  }
 };
 
 std::unique_ptr<Buffer> make(mx::Shape shape, mx::Dtype dtype) {
@@ -59,7 +71,9 @@ std::unique_ptr<Buffer> make(mx::Shape shape, mx::Dtype dtype) {
   for (int s : shape) {
     count *= static_cast<size_t>(s);
   }
-  return std::make_unique<Buffer>(std::move(shape), dtype, count);
+  const size_t size = count * dtype.size();
+  return std::make_unique<Buffer>(
+      Buffer{mx::array(mx::allocator::malloc(size), std::move(shape), dtype), size});
 }
 
 const float kSpecials[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 1e-45f,
@@ -67,14 +81,14 @@ const float kSpecials[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 1e-45f,
 
 // Keys and values: any bit pattern at all. Norms: ties, specials or gaussians.
 void fill_bits(Buffer& b, std::mt19937_64& rng) {
-  for (auto& byte : b.bytes) {
-    byte = static_cast<uint8_t>(rng());
+  for (size_t i = 0; i < b.size; ++i) {
+    b.bytes()[i] = static_cast<uint8_t>(rng());
   }
 }
 
 void fill_norms(Buffer& b, std::mt19937_64& rng, int mode) {
-  auto* p = reinterpret_cast<float*>(b.bytes.data());
-  const size_t n = b.bytes.size() / sizeof(float);
+  auto* p = reinterpret_cast<float*>(b.bytes());
+  const size_t n = b.size / sizeof(float);
   std::normal_distribution<float> gauss;
   for (size_t i = 0; i < n; ++i) {
     if (mode == 0) {
@@ -88,15 +102,15 @@ void fill_norms(Buffer& b, std::mt19937_64& rng, int mode) {
 }
 
 bool same_bits(const Buffer& a, const Buffer& b, bool nan_equal) {
-  if (a.bytes.size() != b.bytes.size()) {
+  if (a.size != b.size) {
     return false;
   }
   if (!nan_equal) {
-    return a.bytes == b.bytes;
+    return std::memcmp(a.bytes(), b.bytes(), a.size) == 0;
   }
-  const auto* x = reinterpret_cast<const float*>(a.bytes.data());
-  const auto* y = reinterpret_cast<const float*>(b.bytes.data());
-  for (size_t i = 0; i < a.bytes.size() / sizeof(float); ++i) {
+  const auto* x = reinterpret_cast<const float*>(a.bytes());
+  const auto* y = reinterpret_cast<const float*>(b.bytes());
+  for (size_t i = 0; i < a.size / sizeof(float); ++i) {
     const bool both_nan = std::isnan(x[i]) && std::isnan(y[i]);
     if (!both_nan && std::memcmp(&x[i], &y[i], sizeof(float)) != 0) {
       return false;
@@ -186,6 +200,156 @@ void gather_case(std::mt19937_64& rng, int c) {
   }
 }
 
+// The shape of one evict_and_fill case; its data is drawn at random.
+struct StepCase {
+  StepConfig config;
+  int n_heads;
+  int slots;
+  int n_new;
+  int key_dim;
+  int value_dim;
+  mx::Dtype key_type;
+  mx::Dtype value_type;
+  unsigned shared;  // bit i: output i is input i's buffer (in place)
+  bool distinct;    // distinct positions (the cache's) or a few repeated
+};
+
+StepCase random_step_case(std::mt19937_64& rng) {
+  StepConfig config;
+  config.selection.budget = rng() % 2 ? 1 + static_cast<int>(rng() % 12)
+                                      : 250 + static_cast<int>(rng() % 450);
+  config.selection.n_sink = static_cast<int>(rng() % config.selection.budget);
+  config.selection.recent = static_cast<int>(
+      rng() % (config.selection.budget - config.selection.n_sink));
+  config.selection.keep = rng() % 2 ? Keep::Low : Keep::High;
+  config.layout = rng() % 2 ? Layout::Slots : Layout::Temporal;
+  const int budget = config.selection.budget;
+  const int excess[] = {0, 1, 1, 2, 40, 300};
+  config.filled = std::max(0, budget + excess[rng() % 6] - static_cast<int>(rng() % 3));
+  const int n_new = static_cast<int>(rng() % 34);
+  const int kept = static_cast<int>(config.kept());
+  const int slots = std::max<int>(config.filled, kept + n_new) + static_cast<int>(rng() % 3);
+  const bool in_place = rng() % 2 == 0;
+  config.out_capacity = in_place ? slots : kept + n_new + static_cast<int>(rng() % 3);
+  config.offset = config.filled + static_cast<int>(rng() % 5);
+  const int dims[] = {0, 1, 3, 8, 33, 80};
+  const int key_dim = dims[rng() % 6];
+  const int value_dim = rng() % 2 ? key_dim : dims[rng() % 6];
+  const mx::Dtype key_type = kTypes[rng() % 3];
+  const mx::Dtype value_type = kTypes[rng() % 3];
+  const unsigned shared = in_place ? static_cast<unsigned>(rng() % 16) : 0u;
+  return {config, 1 + static_cast<int>(rng() % 2), slots, n_new, key_dim, value_dim,
+          key_type, value_type, shared, rng() % 2 == 0};
+}
+
+// Every output in place, temporal layout, rows spanning three 256-slot
+// chunks: a decode step (rows after the evicted one shift down by one) and
+// a step evicting 300 rows. The in-place compaction moves rows onto rows
+// other threads still read; only the waves' barriers keep that apart.
+std::vector<StepCase> in_place_temporal_cases() {
+  std::vector<StepCase> cases;
+  for (int excess : {1, 300}) {
+    StepConfig config;
+    config.selection = {600, 4, 16, Keep::Low};
+    config.layout = Layout::Temporal;
+    config.filled = 600 + excess;
+    config.offset = config.filled;
+    config.out_capacity = config.filled + 1;
+    cases.push_back({config, 2, static_cast<int>(config.out_capacity), 1, 80, 33,
+                     mx::float16, mx::float32, 0xFu, true});
+  }
+  return cases;
+}
+
+std::unique_ptr<Buffer> copy_of(const Buffer& b) {
+  auto out = make(b.array.shape(), b.array.dtype());
+  if (b.size > 0) {
+    std::memcpy(out->bytes(), b.bytes(), b.size);
+  }
+  return out;
+}
+
+// One evict_and_fill step from the same inputs through the CPU kernel and
+// the emulated Metal kernel. Only the defined slots [0, kept + S) of each
+// head are compared.
+void check_step(const StepCase& sc, std::mt19937_64& rng, const std::string& label) {
+  const StepConfig& config = sc.config;
+  const int n_heads = sc.n_heads;
+  const int kept = static_cast<int>(config.kept());
+  const int capacity = static_cast<int>(config.out_capacity);
+  std::vector<std::unique_ptr<Buffer>> in;
+  in.push_back(make({n_heads, sc.slots, sc.key_dim}, sc.key_type));
+  in.push_back(make({n_heads, sc.slots, sc.value_dim}, sc.value_type));
+  in.push_back(make({n_heads, sc.slots}, mx::float32));
+  in.push_back(make({n_heads, sc.slots}, mx::int32));
+  in.push_back(make({n_heads, sc.n_new, sc.key_dim}, sc.key_type));
+  in.push_back(make({n_heads, sc.n_new, sc.value_dim}, sc.value_type));
+  for (int i : {0, 1, 4, 5}) {
+    fill_bits(*in[i], rng);
+  }
+  fill_norms(*in[2], rng, static_cast<int>(rng() % 3));
+  auto* positions = reinterpret_cast<int32_t*>(in[3]->bytes());
+  for (int n = 0; n < n_heads; ++n) {
+    int32_t* head = positions + static_cast<size_t>(n) * sc.slots;
+    for (int s = 0; s < sc.slots; ++s) {
+      head[s] = sc.distinct ? s : static_cast<int32_t>(rng() % 8);
+    }
+    if (sc.distinct) {
+      std::shuffle(head, head + config.filled, rng);
+    }
+  }
+  auto run = [&](auto kernel) {
+    std::vector<std::unique_ptr<Buffer>> inputs;
+    for (const auto& b : in) {
+      inputs.push_back(copy_of(*b));
+    }
+    std::vector<std::unique_ptr<Buffer>> fresh;
+    std::vector<mx::array> outputs;
+    const mx::Shape shapes[] = {
+        {n_heads, capacity, sc.key_dim},
+        {n_heads, capacity, sc.value_dim},
+        {n_heads, capacity},
+        {n_heads, capacity}};
+    const mx::Dtype types[] = {sc.key_type, sc.value_type, mx::float32, mx::int32};
+    for (int i = 0; i < 4; ++i) {
+      if (sc.shared & (1u << i)) {
+        outputs.push_back(inputs[i]->array);
+      } else {
+        fresh.push_back(make(shapes[i], types[i]));
+        outputs.push_back(fresh.back()->array);
+      }
+    }
+    std::vector<mx::array> arrays;
+    for (const auto& b : inputs) {
+      arrays.push_back(b->array);
+    }
+    kernel(StepInputs::from(arrays), outputs, config);
+    std::vector<std::vector<uint8_t>> defined;
+    for (const auto& out : outputs) {
+      const size_t row = static_cast<size_t>(out.itemsize()) *
+          (out.ndim() == 3 ? out.shape(2) : 1);
+      std::vector<uint8_t> bytes;
+      for (int n = 0; n < n_heads; ++n) {
+        const uint8_t* head = out.data<uint8_t>() + static_cast<size_t>(n) * capacity * row;
+        bytes.insert(bytes.end(), head, head + (kept + sc.n_new) * row);
+      }
+      defined.push_back(std::move(bytes));
+    }
+    return defined;
+  };
+  const auto native = run(&evict_and_fill_cpu);
+  const auto emulated = run(&evict_and_fill_emulated);
+  const char* names[] = {"keys", "values", "norms", "positions"};
+  for (int i = 0; i < 4; ++i) {
+    if (native[i] != emulated[i]) {
+      fail("step case " + label + " output " + names[i] + " filled=" +
+           std::to_string(config.filled) + " budget=" +
+           std::to_string(config.selection.budget) + " S=" + std::to_string(sc.n_new) +
+           " in place=" + std::to_string(sc.shared));
+    }
+  }
+}
+
 void check_conversions(std::mt19937_64& rng) {
   for (uint32_t b = 0; b < 0x10000; ++b) {
     const uint16_t bits = static_cast<uint16_t>(b);
@@ -223,9 +387,13 @@ int main(int argc, char** argv) {
   const uint64_t seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 1;
   std::mt19937_64 rng(seed);
   check_conversions(rng);
+  for (const StepCase& sc : in_place_temporal_cases()) {
+    check_step(sc, rng, "in place, temporal");
+  }
   for (int c = 0; c < cases; ++c) {
     key_norms_case(rng, c);
     gather_case(rng, c);
+    check_step(random_step_case(rng), rng, std::to_string(c));
   }
   std::printf("%d cases, %d mismatches\n", cases, failures);
   return failures == 0 ? 0 : 1;

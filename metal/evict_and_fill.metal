@@ -1,0 +1,537 @@
+// EvictAndFill on the GPU: one cache step of docs/spec.md section 4 for
+// every head in one dispatch, one threadgroup of kEvictGroupSize threads per
+// head:
+//   selection   nothing leaves (filled <= budget); one row leaves (a decode
+//               step): SIMD-group and threadgroup reductions of the 64-bit
+//               rank; several leave: the radix select of knorm_kernels.h;
+//   compaction  slot layout: the kept rows at or past `kept` fill the holes
+//               below it, both in slot order; temporal layout: a stable
+//               compaction, chunk by chunk;
+//   fill        the new rows with their norms (knorm_row_norm) and
+//               positions.
+// An output bound to its input's buffer (a bit of in_place) is updated in
+// place: only the rows that move are written. The temporal compaction then
+// moves rows in waves (every thread reads its share of a wave into
+// registers, a barrier, then all write), so that no row is overwritten
+// before it is read. All offsets into K/V buffers are 64-bit.
+//
+// Launched by csrc/evict_and_fill/metal.cpp. Compiles as Metal Shading
+// Language and, through csrc/metal_emulator/metal_emulator.h, as C++.
+#include "knorm_kernels.h"
+
+constant constexpr uint kEvictSimdGroups = kEvictGroupSize / kSimdWidth;
+// Entries of each queue of the slot layout's pairing: a chunk is scanned
+// only while fewer than kEvictGroupSize wait, so a queue never holds more.
+constant constexpr uint kEvictQueue = 2 * kEvictGroupSize;
+// Elements each thread holds in one wave of an in-place compaction.
+constant constexpr uint kWaveElements = 16;
+
+// How many rows leave.
+constant constexpr uint kKeepAll = 0;
+constant constexpr uint kEvictOne = 1;
+constant constexpr uint kEvictMany = 2;
+
+// One head's stored rows and the protection rule.
+struct KnormStep {
+  uint filled;
+  uint kept;
+  int n_sink;        // positions below are protected
+  int protect_from;  // offset - recent: positions at or above are protected
+  bool keep_high;
+  device const float* norms;
+  device const int* positions;
+};
+
+// docs/spec.md section 4 step 1 as one 64-bit key: the score key, or 0 for
+// a protected row (no score key is 0), then the position. Equal keys rank
+// by slot, lower first.
+inline ulong knorm_eviction_rank(KnormStep step, uint s) {
+  const int p = step.positions[s];
+  const bool protect = p < step.n_sink || p >= step.protect_from;
+  const ulong score = protect ? ulong(0) : ulong(knorm_score_key(step.norms[s], step.keep_high));
+  return (score << 32) | ulong(as_type<uint>(p) ^ 0x80000000u);
+}
+
+// The ranks of a head's rows, for knorm_radix_select.
+struct KnormStepRanks {
+  KnormStep step;
+
+  ulong operator()(uint s) const {
+    return knorm_eviction_rank(step, s);
+  }
+};
+
+// What leaves: nothing, the one slot `evicted`, or what the cut rejects.
+struct KnormEviction {
+  uint mode;
+  uint evicted;
+  KnormCut<ulong> cut;
+};
+
+// The slot of the worst rank among [0, filled), the higher slot on ties:
+// one scan per thread, then reductions of (rank, slot + 1) over each SIMD
+// group and over the group leaders. worst holds 3 * kEvictSimdGroups.
+inline uint knorm_worst_slot(
+    KnormStep step,
+    threadgroup uint* worst,
+    uint tid,
+    uint lane,
+    uint simd_group) {
+  ulong rank = 0;
+  uint slot = 0;  // slot + 1; 0 before any row
+  for (uint s = tid; s < step.filled; s += kEvictGroupSize) {
+    const ulong r = knorm_eviction_rank(step, s);
+    if (r >= rank) {
+      rank = r;
+      slot = s + 1;
+    }
+  }
+  for (uint delta = kSimdWidth / 2; delta >= 1; delta /= 2) {
+    const uint high = simd_shuffle_down(uint(rank >> 32), ushort(delta));
+    const uint low = simd_shuffle_down(uint(rank), ushort(delta));
+    const uint other_slot = simd_shuffle_down(slot, ushort(delta));
+    const ulong other = (ulong(high) << 32) | ulong(low);
+    if (other > rank || (other == rank && other_slot > slot)) {
+      rank = other;
+      slot = other_slot;
+    }
+  }
+  if (lane == 0) {
+    worst[3 * simd_group] = uint(rank >> 32);
+    worst[3 * simd_group + 1] = uint(rank);
+    worst[3 * simd_group + 2] = slot;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  rank = 0;
+  slot = 0;
+  for (uint g = 0; g < kEvictSimdGroups; ++g) {
+    const ulong other = (ulong(worst[3 * g]) << 32) | ulong(worst[3 * g + 1]);
+    const uint other_slot = worst[3 * g + 2];
+    if (other > rank || (other == rank && other_slot > slot)) {
+      rank = other;
+      slot = other_slot;
+    }
+  }
+  return slot - 1;
+}
+
+struct KnormKept {
+  bool kept;
+  uint equal;  // the chunk's slots with the cut's rank, when counted
+};
+
+// Whether slot s is kept, for the threads of a chunk of consecutive slots
+// visited in slot order by the whole threadgroup. Of the ranks equal to the
+// cut the first take_equal in slot order are kept: equal_before counts
+// those in the earlier chunks of this visit, and the result the chunk's.
+inline KnormKept knorm_kept(
+    KnormStep step,
+    KnormEviction ev,
+    uint s,
+    bool valid,
+    uint equal_before,
+    threadgroup uint* simd_totals,
+    uint lane,
+    uint simd_group) {
+  KnormKept out = {valid, 0u};
+  if (ev.mode == kEvictOne) {
+    out.kept = valid && s != ev.evicted;
+  } else if (ev.mode == kEvictMany) {
+    const ulong r = valid ? knorm_eviction_rank(step, s) : ulong(0);
+    if (ev.cut.take_equal == ev.cut.equal) {
+      // Every rank equal to the cut is kept: no order among them needed.
+      out.kept = valid && r <= ev.cut.key;
+    } else {
+      const bool equal = valid && r == ev.cut.key;
+      const KnormScan eq = knorm_block_scan<kEvictGroupSize>(
+          equal ? 1u : 0u, simd_totals, lane, simd_group);
+      out.kept = valid &&
+          (r < ev.cut.key || (equal && equal_before + eq.exclusive < ev.cut.take_equal));
+      out.equal = eq.total;
+    }
+  }
+  return out;
+}
+
+// How many of the slots [0, end) have the cut's rank, when the kept ones
+// among them must be told apart by slot; 0 otherwise.
+inline uint knorm_equal_below(
+    KnormStep step,
+    KnormEviction ev,
+    uint end,
+    threadgroup uint* simd_totals,
+    uint tid,
+    uint lane,
+    uint simd_group) {
+  uint count = 0;
+  if (ev.mode != kEvictMany || ev.cut.take_equal == ev.cut.equal) {
+    return count;
+  }
+  for (uint base = 0; base < end; base += kEvictGroupSize) {
+    const uint s = base + tid;
+    const bool equal = s < end && knorm_eviction_rank(step, s) == ev.cut.key;
+    count += knorm_block_scan<kEvictGroupSize>(
+        equal ? 1u : 0u, simd_totals, lane, simd_group).total;
+  }
+  return count;
+}
+
+// One head's rows of the four inputs and the four outputs. Bit i of
+// in_place: output i is input i's buffer.
+template <typename K, typename V>
+struct KnormStepBuffers {
+  device const K* keys;
+  device const V* values;
+  device const float* norms;
+  device const int* positions;
+  device K* out_keys;
+  device V* out_values;
+  device float* out_norms;
+  device int* out_positions;
+  uint key_dim;
+  uint value_dim;
+  uint in_place;
+};
+
+template <typename T>
+inline void knorm_copy_row(
+    device const T* in,
+    device T* out,
+    uint src,
+    uint dst,
+    uint dim,
+    uint lane) {
+  for (uint d = lane; d < dim; d += kSimdWidth) {
+    out[ulong(dst) * dim + d] = in[ulong(src) * dim + d];
+  }
+}
+
+// Row src of every input to row dst of its output, by the lanes of one SIMD
+// group; the bits move as they are.
+template <typename K, typename V>
+inline void knorm_move_row(KnormStepBuffers<K, V> b, uint src, uint dst, uint lane) {
+  knorm_copy_row(b.keys, b.out_keys, src, dst, b.key_dim, lane);
+  knorm_copy_row(b.values, b.out_values, src, dst, b.value_dim, lane);
+  if (lane == 0) {
+    b.out_norms[dst] = b.norms[src];
+    b.out_positions[dst] = b.positions[src];
+  }
+}
+
+// The first `count` elements of an input that is not updated in place, by
+// the whole threadgroup.
+template <typename T>
+inline void knorm_copy_elements(device const T* in, device T* out, ulong count, uint tid) {
+  for (ulong e = tid; e < count; e += kEvictGroupSize) {
+    out[e] = in[e];
+  }
+}
+
+// Rows src[p] -> dst[p] of one buffer, p < n, by the whole threadgroup; dst
+// and src increase with p and dst[p] <= src[p]. Into a separate output,
+// element by element. In place (`overlapping`), rows already where they
+// belong are skipped and the others move in waves over their elements in
+// order: every thread reads its elements of the wave, a barrier, then
+// writes them. A later wave's sources lie at or past its own destinations,
+// hence past every earlier wave's, so no element is overwritten before it
+// is read.
+template <typename T>
+inline void knorm_move_rows(
+    device const T* in,
+    device T* out,
+    bool overlapping,
+    threadgroup const uint* src,
+    threadgroup const uint* dst,
+    uint n,
+    uint dim,
+    uint tid) {
+  const ulong total = ulong(n) * dim;
+  if (!overlapping) {
+    for (ulong e = tid; e < total; e += kEvictGroupSize) {
+      const uint p = uint(e / dim);
+      const uint d = uint(e % dim);
+      out[ulong(dst[p]) * dim + d] = in[ulong(src[p]) * dim + d];
+    }
+    return;
+  }
+  for (ulong base = 0; base < total; base += kEvictGroupSize * kWaveElements) {
+    T held[kWaveElements];
+    for (uint k = 0; k < kWaveElements; ++k) {
+      const ulong e = base + ulong(k) * kEvictGroupSize + tid;
+      if (e < total) {
+        const uint p = uint(e / dim);
+        if (src[p] != dst[p]) {
+          held[k] = in[ulong(src[p]) * dim + e % dim];
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_device);
+    for (uint k = 0; k < kWaveElements; ++k) {
+      const ulong e = base + ulong(k) * kEvictGroupSize + tid;
+      if (e < total) {
+        const uint p = uint(e / dim);
+        if (src[p] != dst[p]) {
+          out[ulong(dst[p]) * dim + e % dim] = held[k];
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_device);
+  }
+}
+
+// The temporal layout: kept slots, in slot order, to [0, kept), one chunk
+// of kEvictGroupSize slots at a time. src and dst hold a chunk's moves.
+template <typename K, typename V>
+inline void knorm_compact_temporal(
+    KnormStep step,
+    KnormEviction ev,
+    KnormStepBuffers<K, V> b,
+    threadgroup uint* src,
+    threadgroup uint* dst,
+    threadgroup uint* simd_totals,
+    uint tid,
+    uint lane,
+    uint simd_group) {
+  // With every output in place, rows before the one evicted slot stay: a
+  // decode step starts at its chunk.
+  uint base = 0;
+  if (ev.mode == kEvictOne && b.in_place == 0xFu) {
+    base = ev.evicted / kEvictGroupSize * kEvictGroupSize;
+  }
+  uint kept_before = base;
+  uint equal_before = 0;
+  for (; base < step.filled; base += kEvictGroupSize) {
+    const uint s = base + tid;
+    const KnormKept chunk = knorm_kept(
+        step, ev, s, s < step.filled, equal_before, simd_totals, lane, simd_group);
+    const bool keep = chunk.kept;
+    equal_before += chunk.equal;
+    const KnormScan at =
+        knorm_block_scan<kEvictGroupSize>(keep ? 1u : 0u, simd_totals, lane, simd_group);
+    if (keep) {
+      src[at.exclusive] = s;
+      dst[at.exclusive] = kept_before + at.exclusive;
+    }
+    // Its barriers also make the lists visible to the whole group.
+    const bool moves = keep && kept_before + at.exclusive != s;
+    const bool any_moves = knorm_block_scan<kEvictGroupSize>(
+        moves ? 1u : 0u, simd_totals, lane, simd_group).total != 0;
+    const uint n = at.total;
+    if ((b.in_place & 1u) == 0 || any_moves) {
+      knorm_move_rows(b.keys, b.out_keys, (b.in_place & 1u) != 0, src, dst, n, b.key_dim, tid);
+    }
+    if ((b.in_place & 2u) == 0 || any_moves) {
+      knorm_move_rows(b.values, b.out_values, (b.in_place & 2u) != 0, src, dst, n, b.value_dim, tid);
+    }
+    if ((b.in_place & 4u) == 0 || any_moves) {
+      knorm_move_rows(b.norms, b.out_norms, (b.in_place & 4u) != 0, src, dst, n, 1u, tid);
+    }
+    if ((b.in_place & 8u) == 0 || any_moves) {
+      knorm_move_rows(b.positions, b.out_positions, (b.in_place & 8u) != 0, src, dst, n, 1u, tid);
+    }
+    kept_before += n;
+    // The lists are read before the next chunk writes them.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+}
+
+// The slot layout with several rows leaving: the holes (evicted slots below
+// kept) and the movers (kept slots at or past kept) are found chunk by
+// chunk in slot order, each into a ring queue, and the i-th mover moves
+// into the i-th hole. Holes are written only after every scan has passed
+// them, and movers are never written, so the scans read the rows as they
+// were.
+template <typename K, typename V>
+inline void knorm_fill_holes(
+    KnormStep step,
+    KnormEviction ev,
+    KnormStepBuffers<K, V> b,
+    threadgroup uint* holes,
+    threadgroup uint* movers,
+    threadgroup uint* simd_totals,
+    uint tid,
+    uint lane,
+    uint simd_group) {
+  uint hole_equal = 0;
+  uint mover_equal = knorm_equal_below(step, ev, step.kept, simd_totals, tid, lane, simd_group);
+  uint hole_next = 0;
+  uint mover_next = step.kept;
+  uint hole_head = 0;
+  uint hole_tail = 0;
+  uint mover_head = 0;
+  uint mover_tail = 0;
+  while (true) {
+    const bool scan_holes = hole_tail - hole_head < kEvictGroupSize && hole_next < step.kept;
+    const bool scan_movers =
+        mover_tail - mover_head < kEvictGroupSize && mover_next < step.filled;
+    if (scan_holes) {
+      const uint s = hole_next + tid;
+      const bool valid = s < step.kept;
+      const KnormKept chunk =
+          knorm_kept(step, ev, s, valid, hole_equal, simd_totals, lane, simd_group);
+      const bool hole = valid && !chunk.kept;
+      hole_equal += chunk.equal;
+      const KnormScan at =
+          knorm_block_scan<kEvictGroupSize>(hole ? 1u : 0u, simd_totals, lane, simd_group);
+      if (hole) {
+        holes[(hole_tail + at.exclusive) % kEvictQueue] = s;
+      }
+      hole_tail += at.total;
+      hole_next += kEvictGroupSize;
+    }
+    if (scan_movers) {
+      const uint s = mover_next + tid;
+      const bool valid = s < step.filled;
+      const KnormKept chunk =
+          knorm_kept(step, ev, s, valid, mover_equal, simd_totals, lane, simd_group);
+      const bool mover = chunk.kept;
+      mover_equal += chunk.equal;
+      const KnormScan at =
+          knorm_block_scan<kEvictGroupSize>(mover ? 1u : 0u, simd_totals, lane, simd_group);
+      if (mover) {
+        movers[(mover_tail + at.exclusive) % kEvictQueue] = s;
+      }
+      mover_tail += at.total;
+      mover_next += kEvictGroupSize;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    const uint pairs = min(hole_tail - hole_head, mover_tail - mover_head);
+    if (pairs == 0 && !scan_holes && !scan_movers) {
+      break;
+    }
+    for (uint p = simd_group; p < pairs; p += kEvictSimdGroups) {
+      knorm_move_row(
+          b, movers[(mover_head + p) % kEvictQueue], holes[(hole_head + p) % kEvictQueue], lane);
+    }
+    hole_head += pairs;
+    mover_head += pairs;
+    // The entries are read before they are reused.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+}
+
+template <typename K, typename V>
+[[kernel]] void knorm_evict_and_fill(
+    device const K* keys [[buffer(0)]],
+    device const V* values [[buffer(1)]],
+    device const float* norms [[buffer(2)]],
+    device const int* positions [[buffer(3)]],
+    device const K* new_keys [[buffer(4)]],
+    device const V* new_values [[buffer(5)]],
+    device K* out_keys [[buffer(6)]],
+    device V* out_values [[buffer(7)]],
+    device float* out_norms [[buffer(8)]],
+    device int* out_positions [[buffer(9)]],
+    constant uint& slots [[buffer(10)]],
+    constant uint& out_slots [[buffer(11)]],
+    constant uint& n_new [[buffer(12)]],
+    constant uint& key_dim [[buffer(13)]],
+    constant uint& value_dim [[buffer(14)]],
+    constant uint& filled [[buffer(15)]],
+    constant uint& kept [[buffer(16)]],
+    constant uint& offset [[buffer(17)]],
+    constant uint& n_sink [[buffer(18)]],
+    constant uint& protect_from [[buffer(19)]],
+    constant uint& keep_high [[buffer(20)]],
+    constant uint& temporal [[buffer(21)]],
+    constant uint& in_place [[buffer(22)]],
+    uint head [[threadgroup_position_in_grid]],
+    uint tid [[thread_position_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint simd_group [[simdgroup_index_in_threadgroup]]) {
+  KNORM_THREADGROUP_ARRAY(atomic_uint, histogram, kRadixBins);
+  KNORM_THREADGROUP_ARRAY(uint, simd_totals, kEvictSimdGroups);
+  KNORM_THREADGROUP_ARRAY(uint, picked, 3);
+  KNORM_THREADGROUP_ARRAY(uint, worst, 3 * kEvictSimdGroups);
+  // Holes and movers (slot layout) or a chunk's sources and destinations
+  // (temporal layout).
+  KNORM_THREADGROUP_ARRAY(uint, first_list, kEvictQueue);
+  KNORM_THREADGROUP_ARRAY(uint, second_list, kEvictQueue);
+
+  const ulong in_row = ulong(head) * slots;
+  const ulong out_row = ulong(head) * out_slots;
+  const KnormStep step = {
+      filled, kept, int(n_sink), as_type<int>(protect_from), keep_high != 0,
+      norms + in_row, positions + in_row};
+  const KnormStepBuffers<K, V> b = {
+      keys + in_row * key_dim, values + in_row * value_dim, norms + in_row,
+      positions + in_row, out_keys + out_row * key_dim,
+      out_values + out_row * value_dim, out_norms + out_row,
+      out_positions + out_row, key_dim, value_dim, in_place};
+
+  // docs/spec.md section 4 step 1.
+  KnormEviction ev = {kKeepAll, 0u, {ulong(0), 0u, 0u}};
+  if (filled == kept + 1) {
+    ev.mode = kEvictOne;
+    ev.evicted = knorm_worst_slot(step, worst, tid, lane, simd_group);
+  } else if (filled > kept) {
+    ev.mode = kEvictMany;
+    KnormStepRanks ranks = {step};
+    ev.cut = knorm_radix_select<ulong, kEvictGroupSize>(
+        ranks, 0u, filled, kept, histogram, simd_totals, picked, tid, lane, simd_group);
+  }
+
+  // Step 2.
+  if (temporal != 0) {
+    knorm_compact_temporal(step, ev, b, first_list, second_list, simd_totals, tid, lane, simd_group);
+  } else {
+    // Outputs not updated in place start as a copy of the rows below kept.
+    if ((in_place & 1u) == 0) {
+      knorm_copy_elements(b.keys, b.out_keys, ulong(kept) * key_dim, tid);
+    }
+    if ((in_place & 2u) == 0) {
+      knorm_copy_elements(b.values, b.out_values, ulong(kept) * value_dim, tid);
+    }
+    if ((in_place & 4u) == 0) {
+      knorm_copy_elements(b.norms, b.out_norms, ulong(kept), tid);
+    }
+    if ((in_place & 8u) == 0) {
+      knorm_copy_elements(b.positions, b.out_positions, ulong(kept), tid);
+    }
+    // The holes among those rows are overwritten below, by other threads.
+    threadgroup_barrier(mem_flags::mem_device);
+    if (ev.mode == kEvictOne) {
+      // The spare slot's row fills the hole; nothing moves when it is the
+      // one evicted.
+      if (ev.evicted < kept && simd_group == 0) {
+        knorm_move_row(b, kept, ev.evicted, lane);
+      }
+    } else if (ev.mode == kEvictMany) {
+      knorm_fill_holes(step, ev, b, first_list, second_list, simd_totals, tid, lane, simd_group);
+    }
+  }
+  // The new rows may overwrite the sources of moved rows (in place).
+  threadgroup_barrier(mem_flags::mem_device);
+
+  // Step 3: one SIMD group per new row.
+  for (uint j = simd_group; j < n_new; j += kEvictSimdGroups) {
+    const ulong src = ulong(head) * n_new + j;
+    device const K* key = new_keys + src * key_dim;
+    device const V* value = new_values + src * value_dim;
+    const uint dst = kept + j;
+    for (uint d = lane; d < key_dim; d += kSimdWidth) {
+      b.out_keys[ulong(dst) * key_dim + d] = key[d];
+    }
+    for (uint d = lane; d < value_dim; d += kSimdWidth) {
+      b.out_values[ulong(dst) * value_dim + d] = value[d];
+    }
+    const float norm = knorm_row_norm(key, key_dim, lane);
+    if (lane == 0) {
+      b.out_norms[dst] = norm;
+      b.out_positions[dst] = int(offset + j);
+    }
+  }
+}
+
+#define KNORM_EVICT_INSTANCE(kname, ktype, vname, vtype)                   \
+  KNORM_KERNEL_INSTANCE(                                                  \
+      "knorm_evict_and_fill_" #kname "_" #vname,                           \
+      knorm_evict_and_fill<ktype, vtype>)
+#define KNORM_EVICT_INSTANCES(kname, ktype)             \
+  KNORM_EVICT_INSTANCE(kname, ktype, float16, half)     \
+  KNORM_EVICT_INSTANCE(kname, ktype, bfloat16, bfloat)  \
+  KNORM_EVICT_INSTANCE(kname, ktype, float32, float)
+
+KNORM_EVICT_INSTANCES(float16, half)
+KNORM_EVICT_INSTANCES(bfloat16, bfloat)
+KNORM_EVICT_INSTANCES(float32, float)

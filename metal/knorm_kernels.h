@@ -1,0 +1,169 @@
+// Device code the kernels in this folder share: the order key of a score,
+// the threadgroup prefix sum, the radix select, and the norm of one key row
+// (docs/spec.md section 2). Compiles as Metal Shading Language and, through
+// csrc/metal_emulator/metal_emulator.h, as C++; the JIT loader inlines it
+// like knorm_defines.h (csrc/common/kernel_source.cpp).
+#ifndef MLX_KNORM_METAL_KNORM_KERNELS_H
+#define MLX_KNORM_METAL_KNORM_KERNELS_H
+
+#include "knorm_defines.h"
+
+// score -> uint32 with a < b iff key(a) < key(b); -0 == +0; NaN after +inf.
+// keep="high" ranks by -norm, a flip of the sign bit. No score maps to 0.
+inline uint knorm_score_key(float norm, bool keep_high) {
+  if (isnan(norm)) {
+    return 0xFFFFFFFFu;
+  }
+  uint bits = as_type<uint>(norm);
+  if (keep_high) {
+    bits ^= 0x80000000u;
+  }
+  if ((bits & 0x7FFFFFFFu) == 0) {
+    bits = 0;
+  }
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+struct KnormScan {
+  uint exclusive;  // sum of v over the threads before this one
+  uint total;      // sum of v over the threadgroup
+};
+
+// Exclusive prefix sum of one uint per thread across a threadgroup of
+// kGroupSize threads, in thread order. Ends with a barrier so that
+// simd_totals (kGroupSize / 32 entries) can be reused.
+template <uint kGroupSize>
+inline KnormScan knorm_block_scan(
+    uint v,
+    threadgroup uint* simd_totals,
+    uint lane,
+    uint simd_group) {
+  const uint inclusive = simd_prefix_inclusive_sum(v);
+  if (lane == kSimdWidth - 1) {
+    simd_totals[simd_group] = inclusive;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  uint before = 0;
+  uint total = 0;
+  for (uint s = 0; s < kGroupSize / kSimdWidth; ++s) {
+    const uint t = simd_totals[s];
+    before += s < simd_group ? t : 0;
+    total += t;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  KnormScan out = {before + inclusive - v, total};
+  return out;
+}
+
+// Radix select in passes of 8 bits: one histogram bin per thread.
+constant constexpr uint kRadixBins = 256;
+
+// What a selection keeps: every row whose order key is below `key`, and
+// the first `take_equal` of the `equal` rows with exactly that key (ties go
+// to the earliest rows).
+template <typename Key>
+struct KnormCut {
+  Key key;
+  uint take_equal;
+  uint equal;
+};
+
+// Radix select over the order keys keys(j) of rows [begin, end), most
+// significant 8 bits first (4 passes for uint keys, 8 for ulong): the cut
+// that keeps the `rank` smallest. histogram has kRadixBins entries, one per
+// thread. Needs rank >= 1.
+template <typename Key, uint kGroupSize, typename Keys>
+inline KnormCut<Key> knorm_radix_select(
+    Keys keys,
+    uint begin,
+    uint end,
+    uint rank,
+    threadgroup atomic_uint* histogram,
+    threadgroup uint* simd_totals,
+    threadgroup uint* picked,
+    uint tid,
+    uint lane,
+    uint simd_group) {
+  static_assert(kGroupSize == kRadixBins, "one radix bin per thread");
+  Key prefix = 0;
+  Key mask = 0;
+  uint equal = 0;
+  for (int shift = int(sizeof(Key)) * 8 - 8; shift >= 0; shift -= 8) {
+    atomic_store_explicit(&histogram[tid], 0u, memory_order_relaxed);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint j = begin + tid; j < end; j += kGroupSize) {
+      const Key key = keys(j);
+      if ((key & mask) == prefix) {
+        atomic_fetch_add_explicit(
+            &histogram[uint(key >> shift) & 0xFFu], 1u, memory_order_relaxed);
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    const uint count =
+        atomic_load_explicit(&histogram[tid], memory_order_relaxed);
+    const KnormScan bins = knorm_block_scan<kGroupSize>(count, simd_totals, lane, simd_group);
+    if (bins.exclusive < rank && rank <= bins.exclusive + count) {
+      picked[0] = tid;
+      picked[1] = bins.exclusive;
+      picked[2] = count;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    prefix |= Key(picked[0]) << shift;
+    mask |= Key(0xFFu) << shift;
+    rank -= picked[1];
+    equal = picked[2];
+  }
+  KnormCut<Key> out = {prefix, rank, equal};
+  return out;
+}
+
+// docs/spec.md section 2 for the row of `dim` elements at x, by the 32
+// lanes of one SIMD group (all of them must call it): zero padding to P,
+// the next power of two >= D, then halving adds. For P > 32, lane i holds
+// the squares s[i + 32k], k < P/32; the first log2(P/32) halving levels pair
+// registers of the same lane (s[i + 32k] + s[i + 32k + P/2] ...). The last
+// five levels (16, 8, 4, 2, 1 apart) are simd_shuffle_down adds, lane 0
+// ending with s[0]. Rows of D <= 32 start at the level P/2 instead. The norm
+// is lane 0's result; D <= kKeyNormsMaxDim.
+template <typename T>
+inline float knorm_row_norm(device const T* x, uint dim, uint lane) {
+  uint width = 1;
+  while (width < dim) {
+    width <<= 1;
+  }
+  const uint per_lane = width > kSimdWidth ? width / kSimdWidth : 1;
+
+  // Zero padding past D: adding +0 leaves a square (>= +0 or NaN) unchanged,
+  // exactly as the pinned order's padded adds do.
+  float s[kKeyNormsMaxDim / kSimdWidth];
+  for (uint k = 0; k < per_lane; ++k) {
+    const uint i = lane + kSimdWidth * k;
+    float square = 0.0f;
+    if (i < dim) {
+      const float a = float(x[i]);
+      square = a * a;
+      // docs/spec.md section 2 step 2: squares below the smallest normal
+      // float are +0 whether or not this GPU flushes subnormals (NaN
+      // compares false).
+      if (square < FLT_MIN) {
+        square = 0.0f;
+      }
+    }
+    s[k] = square;
+  }
+  for (uint c = per_lane / 2; c >= 1; c /= 2) {
+    for (uint k = 0; k < c; ++k) {
+      s[k] = s[k] + s[k + c];
+    }
+  }
+  float acc = s[0];
+  for (uint delta = min(width / 2, kSimdWidth / 2); delta >= 1; delta /= 2) {
+    const float other = simd_shuffle_down(acc, ushort(delta));
+    acc = acc + other;
+  }
+  const float norm = precise::sqrt(acc);
+  // docs/spec.md section 2 step 6: one NaN bit pattern on every GPU.
+  return isnan(norm) ? as_type<float>(0x7FC00000u) : norm;
+}
+
+#endif // MLX_KNORM_METAL_KNORM_KERNELS_H
