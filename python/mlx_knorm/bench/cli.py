@@ -34,6 +34,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def write_json(report: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+
+
 def run(args, steps=TARGET_STEPS, command: str | None = None) -> int:
     """Runs the (budget, S) ``steps`` unless ``--budget``/``--s`` name others;
     0 when every case was bit-exact. ``command`` is recorded in the JSON
@@ -41,17 +47,24 @@ def run(args, steps=TARGET_STEPS, command: str | None = None) -> int:
     if args.device == "gpu" and not mx.metal.is_available():
         print("mlx-knorm bench: --device gpu needs Metal; none is available here", file=sys.stderr)
         return 2
+    command = command or " ".join(["mlx-knorm", *sys.argv[1:]])
+    previous_device = mx.default_device()
+    mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+    try:
+        return run_ops(args, steps, command)
+    finally:
+        mx.set_default_device(previous_device)
+
+
+def run_ops(args, steps, command: str) -> int:
     if args.budget is not None or args.s is not None:
         steps = [(b, s) for b in args.budget or [512, 2048] for s in args.s or [1]]
     cases = suite(steps, args.n, args.d, args.dtype)
     reps = args.reps or (7 if args.quick else 30)
-    command = command or " ".join(["mlx-knorm", *sys.argv[1:]])
     report = run_suite(cases, args.device, reps, args.quick, command,
                        show_progress=not args.no_progress)
     print_report(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(report, args.json)
     if args.plot:
         plot(report, args.plot)
     return 0 if all(r["bit_exact"] for r in report["cases"]) else 1

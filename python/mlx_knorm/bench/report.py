@@ -72,8 +72,11 @@ def _cpu_model() -> str | None:
 
 
 def _ms(timing: dict) -> str:
+    """Median ± half the interquartile range, and minor page faults per call."""
     spread = (timing["p75_ms"] - timing["p25_ms"]) / 2
-    return f"{timing['median_ms']:.3g} ± {spread:.2g}"
+    faults = timing["faults_per_call"]
+    shown = f"{faults:.0f}" if faults >= 10 else f"{faults:.2g}"
+    return f"{timing['median_ms']:.3g} ± {spread:.2g} ({shown} pf)"
 
 
 def _ratio(value) -> str:
@@ -127,6 +130,25 @@ def in_place_table(report: dict) -> str:
     return markdown_table(header, rows) if rows else ""
 
 
+def cache_limit_table(report: dict) -> str:
+    """Markdown table of the fresh-output decode under MLX's default buffer-cache
+    limit and a raised one; empty without decode cases."""
+    rows = []
+    for r in report["cases"]:
+        if "raised_cache_limit" not in r:
+            continue
+        raised = r["raised_cache_limit"]
+        for limit, kernel, memcpy, ratio in (
+            (f"default ({raised['default_cache_limit_bytes'] >> 20} MiB)", r["timings"]["kernel"],
+             r["memcpy"], r["ratio_to_memcpy"]),
+            (f"raised to {raised['cache_limit_bytes'] >> 20} MiB", raised["kernel"],
+             raised["memcpy"], raised["ratio_to_memcpy"]),
+        ):
+            rows.append([r["label"], limit, _ms(kernel), _ms(memcpy), _ratio(ratio)])
+    header = ["case", "MLX cache limit", "kernel ms", "memcpy ms", "kernel/memcpy"]
+    return markdown_table(header, rows) if rows else ""
+
+
 def target_lines(report: dict) -> list[str]:
     lines = []
     for r in report["cases"]:
@@ -140,6 +162,8 @@ def print_report(report: dict) -> None:
     m = report["machine"]
     print(f"mlx-knorm {report['mlx_knorm_version']} bench on {report['device']}: "
           f"{m['cpu_model'] or m['processor']}, MLX {report['mlx_version']}, {report['date']}")
+    print("Timed in a warm process (MLX's buffer cache never cleared); medians ± half the "
+          "interquartile range in ms, (N pf) = minor page faults per call.")
     if not report["reference_installed"]:
         print("reference (veloxquant-mlx) not installed: pip install 'mlx-knorm[bench]'")
     print(table(report))
@@ -147,6 +171,11 @@ def print_report(report: dict) -> None:
     if in_place:
         print("\nDecode in place (the caller drops the previous state; the op reuses its buffers):")
         print(in_place)
+    limits = cache_limit_table(report)
+    if limits:
+        print("\nDecode with fresh outputs, MLX's default buffer-cache limit and a raised one "
+              "(set for these timings only):")
+        print(limits)
     lines = target_lines(report)
     if lines:
         print("\nTargets (this run):")

@@ -1,5 +1,12 @@
 """How a case is timed, and a suite run.
 
+Timings run in a warm process: other MLX work runs first (``warm_up``) and
+MLX's buffer cache is never cleared, so an op's fresh outputs come from
+buffers MLX recycles whenever its cache holds them, as in an application.
+Minor page faults per call (``ru_minflt``) are reported next to each
+timing: a buffer that is not recycled is faulted in from the OS page by
+page.
+
 Every case times ``knorm_update_batched`` end to end (Python wrapper,
 validation, graph build and ``mx.eval``) on inputs evaluated beforehand, and
 next to it a copy of the same output arrays on the same device in the same
@@ -15,9 +22,10 @@ from the returned indices.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import resource
 import statistics
-import sys
 import time
 from dataclasses import asdict
 
@@ -29,6 +37,7 @@ from ..selfcheck import kernel_matches_fallback
 from ..state import knorm_update_batched
 from ..validation import FLOAT_DTYPES
 from .cases import N_SINK, Case, case_inputs, output_copies, random_arrays, reference_update, step_arguments
+from .progress import Progress
 from .report import case_targets, machine
 
 # Timing stops adding repetitions once an implementation has used this much
@@ -36,21 +45,39 @@ from .report import case_targets, machine
 MIN_REPS = 3
 IN_PLACE_MIN_STEPS = 200
 SECONDS_PER_TIMING = {"quick": 1.5, "full": 8.0}
+# The raised MLX buffer-cache limit of the labelled fresh-output decode row.
+RAISED_CACHE_LIMIT = 256 << 20
 
 
-def time_runs(run, reps: int, warmup: int, max_seconds: float) -> list[float]:
-    """Seconds per call of ``run`` after ``warmup`` untimed calls.
+def minor_faults() -> int:
+    """Minor page faults of this process so far (every thread)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
-    Every timing starts from an empty MLX buffer cache: MLX recycles a freed
-    buffer only while its cache has room, so buffers left by an earlier
-    timing would otherwise decide whether this one's outputs are reused or
-    faulted in fresh from the OS, and the result would depend on the order
-    of the cases.
-    """
-    mx.clear_cache()
+
+def warm_up() -> None:
+    """Other MLX work before any timing, so a suite never times a cold process."""
+    a = mx.random.normal((1024, 1024))
+    mx.eval([(a @ a).sum() for _ in range(4)])
+
+
+@contextlib.contextmanager
+def cache_limit(limit: int):
+    """MLX's buffer-cache limit set to ``limit`` inside (yields the previous
+    one), the previous one restored after."""
+    previous = mx.set_cache_limit(limit)
+    try:
+        yield previous
+    finally:
+        mx.set_cache_limit(previous)
+
+
+def time_runs(run, reps: int, warmup: int, max_seconds: float) -> tuple[list[float], int]:
+    """Seconds per call of ``run`` after ``warmup`` untimed calls, and the
+    minor page faults of the timed calls."""
     for _ in range(warmup):
         run()
     samples = []
+    faults = minor_faults()
     start = time.perf_counter()
     while len(samples) < reps:
         t0 = time.perf_counter()
@@ -58,10 +85,11 @@ def time_runs(run, reps: int, warmup: int, max_seconds: float) -> list[float]:
         samples.append(time.perf_counter() - t0)
         if len(samples) >= MIN_REPS and time.perf_counter() - start > max_seconds:
             break
-    return samples
+    return samples, minor_faults() - faults
 
 
-def summary(samples: list[float]) -> dict:
+def summary(samples: list[float], faults: int) -> dict:
+    """Median, quartiles and extremes in ms, and minor page faults per call."""
     ms = sorted(s * 1e3 for s in samples)
     quartiles = statistics.quantiles(ms, n=4) if len(ms) > 1 else [ms[0]] * 3
     return {
@@ -71,6 +99,7 @@ def summary(samples: list[float]) -> dict:
         "min_ms": ms[0],
         "max_ms": ms[-1],
         "reps": len(ms),
+        "faults_per_call": faults / len(ms),
         "samples_ms": ms,
     }
 
@@ -108,9 +137,9 @@ def time_in_place_decode(case: Case, inputs, reps: int, warmup: int, max_seconds
         state.append(out[:3])
         moved.append(out[3])
 
-    samples = time_runs(step, reps, warmup, max_seconds)
+    samples, faults = time_runs(step, reps, warmup, max_seconds)
     counted = [moved_bytes(case, idx) for idx in moved[warmup:]]
-    return summary(samples), sum(counted) / len(counted)
+    return summary(samples, faults), sum(counted) / len(counted)
 
 
 def call_overhead_us(case: Case, inputs, calls: int = 200) -> float:
@@ -125,35 +154,6 @@ def call_overhead_us(case: Case, inputs, calls: int = 200) -> float:
         return (time.perf_counter() - t0) / calls * 1e6
 
 
-class Progress:
-    """tqdm when installed, else one line per step on stderr."""
-
-    def __init__(self, total: int, enabled: bool):
-        self._bar = None
-        self._enabled = enabled
-        self._done = 0
-        self._total = total
-        if not enabled:
-            return
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            return
-        self._bar = tqdm(total=total, unit="timing", file=sys.stderr, leave=False)
-
-    def step(self, description: str) -> None:
-        self._done += 1
-        if self._bar is not None:
-            self._bar.set_description(description)
-            self._bar.update()
-        elif self._enabled:
-            print(f"[{self._done}/{self._total}] {description}", file=sys.stderr)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-
 def run_case(case: Case, implementations: dict, reps: int, warmup: int, max_seconds: float,
              progress: Progress) -> dict:
     inputs = case_inputs(case)
@@ -164,15 +164,20 @@ def run_case(case: Case, implementations: dict, reps: int, warmup: int, max_seco
         "bit_exact": kernel_matches_fallback(inputs, case.budget, N_SINK, 0, "low"),
     }
 
-    timings = {}
-    for name, (update, backend) in implementations.items():
-        progress.step(f"{case.label}: {name}")
+    def timed(run):
+        return summary(*time_runs(run, reps, warmup, max_seconds))
 
-        def run(update=update, backend=backend):
+    def runner(update, backend):
+        def run():
             with use_backend(backend):
                 mx.eval(update(*args))
 
-        timings[name] = summary(time_runs(run, reps, warmup, max_seconds))
+        return run
+
+    timings = {}
+    for name, (update, backend) in implementations.items():
+        progress.step(f"{case.label}: {name}")
+        timings[name] = timed(runner(update, backend))
 
     if case.kind == "decode":
         progress.step(f"{case.label}: kernel in place")
@@ -183,7 +188,23 @@ def run_case(case: Case, implementations: dict, reps: int, warmup: int, max_seco
 
     progress.step(f"{case.label}: memcpy")
     copies = output_copies(case)
-    memcpy = summary(time_runs(lambda: mx.eval([mx.array(x) for x in copies]), reps, warmup, max_seconds))
+
+    def copy():
+        mx.eval([mx.array(x) for x in copies])
+
+    memcpy = timed(copy)
+    if case.kind == "decode":
+        # The fresh-output step again with room in MLX's buffer cache for its
+        # outputs: set for these two timings only, then restored.
+        progress.step(f"{case.label}: kernel and memcpy, cache limit {RAISED_CACHE_LIMIT >> 20} MiB")
+        with cache_limit(RAISED_CACHE_LIMIT) as default_limit:
+            raised = {"kernel": timed(runner(*implementations["kernel"])), "memcpy": timed(copy)}
+        result["raised_cache_limit"] = {
+            **raised,
+            "cache_limit_bytes": RAISED_CACHE_LIMIT,
+            "default_cache_limit_bytes": default_limit,
+            "ratio_to_memcpy": raised["kernel"]["median_ms"] / raised["memcpy"]["median_ms"],
+        }
 
     output_bytes = sum(x.nbytes for x in copies)
     kernel_ms = timings["kernel"]["median_ms"]
@@ -216,11 +237,10 @@ def run_case(case: Case, implementations: dict, reps: int, warmup: int, max_seco
 
 def run_suite(cases: list[Case], device: str, reps: int, quick: bool, command: str,
               show_progress: bool = True) -> dict:
-    """Every case on ``device``: the report's figures, with the command, the
-    versions and the machine they were measured with."""
+    """Every case on the default device (named ``device`` in the report): the
+    report's figures, with the command, the versions and the machine they
+    were measured with."""
     host = machine()
-    previous_device = mx.default_device()
-    mx.set_default_device(mx.gpu if device == "gpu" else mx.cpu)
     implementations = {
         "kernel": (knorm_update_batched, "kernel"),
         "fallback": (knorm_update_batched, "fallback"),
@@ -231,14 +251,14 @@ def run_suite(cases: list[Case], device: str, reps: int, quick: bool, command: s
     warmup = 1 if quick else 3
     max_seconds = SECONDS_PER_TIMING["quick" if quick else "full"]
     # Per case: one timing per implementation, the memcpy floor, and for
-    # decode the in-place kernel.
-    timings = sum(len(implementations) + 1 + (c.kind == "decode") for c in cases)
+    # decode the in-place kernel and the raised cache limit.
+    timings = sum(len(implementations) + 1 + 2 * (c.kind == "decode") for c in cases)
     progress = Progress(timings, show_progress)
     try:
+        warm_up()
         results = [run_case(c, implementations, reps, warmup, max_seconds, progress) for c in cases]
     finally:
         progress.close()
-        mx.set_default_device(previous_device)
     return {
         "mlx_knorm_version": __version__,
         "mlx_version": mx.__version__,
@@ -248,5 +268,6 @@ def run_suite(cases: list[Case], device: str, reps: int, quick: bool, command: s
         "machine": host,
         "backend": backend_info(),
         "reference_installed": reference is not None,
+        "warm_process": True,
         "cases": results,
     }
