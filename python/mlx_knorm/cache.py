@@ -119,15 +119,44 @@ class L2NormKVCache(_BaseCache):
         self._clear()
 
     def _clear(self) -> None:
-        self._set_storage([None] * 4)
+        # Heads first, [B*H, capacity, ...]: the op's own layout, so a step
+        # adds no reshape of the buffers to the graph.
+        self._buffers: list | None = None
+        self._batch_heads = (0, 0)
         self.filled = 0
         self.offset = 0
 
-    def _storage(self) -> list:
-        return [self.keys, self.values, self.norms, self.slot_positions]
+    def _by_head(self, buffer: mx.array) -> mx.array:
+        return buffer.reshape(*self._batch_heads, *buffer.shape[1:])
 
-    def _set_storage(self, buffers) -> None:
-        self.keys, self.values, self.norms, self.slot_positions = buffers
+    def _buffer_view(self, index: int) -> mx.array | None:
+        return None if self._buffers is None else self._by_head(self._buffers[index])
+
+    def _set_buffer(self, index: int, buffer: mx.array) -> None:
+        # For mlx-lm's pipeline models, which chain a send onto
+        # ``cache.keys`` with ``mx.depends``: same shape, another graph node.
+        if self._buffers is None or tuple(buffer.shape[:2]) != self._batch_heads:
+            raise ValueError("mlx_knorm: L2NormKVCache buffers can only be replaced by arrays of their shape")
+        self._buffers[index] = buffer.reshape(self._buffers[index].shape)
+
+    keys = property(
+        lambda self: self._buffer_view(0),
+        lambda self, buffer: self._set_buffer(0, buffer),
+        doc="The key buffer ``[B, H, capacity, D_k]``, slots ``[0, filled)`` occupied.",
+    )
+    values = property(
+        lambda self: self._buffer_view(1),
+        lambda self, buffer: self._set_buffer(1, buffer),
+        doc="The value buffer ``[B, H, capacity, D_v]``, slots ``[0, filled)`` occupied.",
+    )
+    norms = property(
+        lambda self: self._buffer_view(2),
+        doc="float32 norms of the stored keys ``[B, H, capacity]``, in storage order.",
+    )
+    slot_positions = property(
+        lambda self: self._buffer_view(3),
+        doc="int32 absolute positions of the stored rows ``[B, H, capacity]``, in storage order.",
+    )
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Absorb ``[B, H, S, D]`` keys/values; return the kept rows and the new rows.
@@ -138,14 +167,15 @@ class L2NormKVCache(_BaseCache):
         """
         batch, heads, steps, key_dim = keys.shape
         value_dim = values.shape[-1]
-        previous = self._storage()
-        if self.keys is None:
+        rows = batch * heads
+        previous = self._buffers
+        if previous is None:
             dtype = _storage_dtype(keys, values)
             buffers = [
-                mx.zeros((batch, heads, 0, key_dim), dtype),
-                mx.zeros((batch, heads, 0, value_dim), dtype),
-                mx.zeros((batch, heads, 0), mx.float32),
-                mx.zeros((batch, heads, 0), mx.int32),
+                mx.zeros((rows, 0, key_dim), dtype),
+                mx.zeros((rows, 0, value_dim), dtype),
+                mx.zeros((rows, 0), mx.float32),
+                mx.zeros((rows, 0), mx.int32),
             ]
         else:
             self._check_block(keys, values)
@@ -156,32 +186,31 @@ class L2NormKVCache(_BaseCache):
                 f"{steps} new tokens must be < 2**31"
             )
         kept = min(self.filled, self.budget)
-        rows = batch * heads
-        heads_first = [b.reshape(rows, *b.shape[2:]) for b in buffers]
-        new_keys = keys.astype(buffers[0].dtype).reshape(rows, steps, key_dim)
-        new_values = values.astype(buffers[1].dtype).reshape(rows, steps, value_dim)
-        capacity = self._capacity(kept + steps, buffers[0].shape[2])
-        del buffers
+        capacity = self._capacity(kept + steps, buffers[0].shape[1])
         # The op writes in place only if it holds the buffers' last reference.
-        self._set_storage([None] * 4)
+        self._buffers = None
         try:
             out = evict_and_fill_unchecked(
-                *heads_first, new_keys, new_values,
+                *buffers,
+                keys.astype(buffers[0].dtype).reshape(rows, steps, key_dim),
+                values.astype(buffers[1].dtype).reshape(rows, steps, value_dim),
                 filled=self.filled, offset=self.offset, capacity=capacity,
                 budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
                 layout=self.layout,
             )
         except BaseException:
-            self._set_storage(previous)
+            self._buffers = previous
             raise
-        self._set_storage([b.reshape(batch, heads, *b.shape[1:]) for b in out])
+        del buffers, previous
+        self._buffers = list(out)
+        self._batch_heads = (batch, heads)
         self.filled = kept + steps
         self.offset += steps
-        return self._occupied(self.keys), self._occupied(self.values)
+        return self._occupied(out[0]), self._occupied(out[1])
 
     def _check_block(self, keys: mx.array, values: mx.array) -> None:
-        batch, heads, _, key_dim = self.keys.shape
-        value_dim = self.values.shape[-1]
+        batch, heads = self._batch_heads
+        key_dim, value_dim = self._buffers[0].shape[-1], self._buffers[1].shape[-1]
         if keys.shape[:2] != (batch, heads) or keys.shape[-1] != key_dim or values.shape != (
             *keys.shape[:3], value_dim
         ):
@@ -202,37 +231,30 @@ class L2NormKVCache(_BaseCache):
         return min(-(-needed // GROWTH_STEP) * GROWTH_STEP, most)
 
     def _occupied(self, buffer: mx.array) -> mx.array:
-        """Slots ``[0, filled)`` of a ``[B, H, capacity, D]`` buffer (a view)."""
-        return buffer if buffer.shape[2] == self.filled else buffer[..., : self.filled, :]
+        """Slots ``[0, filled)`` of a heads-first buffer as ``[B, H, filled, D]`` (a view)."""
+        if buffer.shape[1] != self.filled:
+            buffer = buffer[:, : self.filled]
+        return self._by_head(buffer)
 
     def _kept_rows(self) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
         """The kept rows once the pending eviction is applied, in temporal
         order: keys, values, norms, positions ``[B, H, kept, ...]``.
         Computed out of place; the buffers are not touched."""
-        if self.keys is None:
+        if self._buffers is None:
             return None
-        batch, heads = self.keys.shape[:2]
         kept = self.size()
-        buffers = [b[:, :, :kept] for b in self._storage()]
+        rows = [b[:, :kept] for b in self._buffers]
         if kept < self.filled:
-            rows = batch * heads
-            stored = [b.reshape(rows, *b.shape[2:]) for b in self._storage()]
-            no_rows = [mx.zeros((rows, 0, b.shape[-1]), b.dtype) for b in stored[:2]]
-            buffers = [
-                b.reshape(batch, heads, *b.shape[1:])
-                for b in evict_and_fill_unchecked(
-                    *stored, *no_rows, filled=self.filled, offset=self.offset, capacity=kept,
-                    budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
-                    layout="temporal",
-                )
-            ]
+            no_rows = [mx.zeros((b.shape[0], 0, b.shape[2]), b.dtype) for b in self._buffers[:2]]
+            rows = evict_and_fill_unchecked(
+                *self._buffers, *no_rows, filled=self.filled, offset=self.offset, capacity=kept,
+                budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
+                layout="temporal",
+            )
         if self.layout == "slots":
-            order = mx.argsort(buffers[3], axis=2)
-            buffers = [
-                mx.take_along_axis(b, order if b.ndim == 3 else order[..., None], axis=2)
-                for b in buffers
-            ]
-        return tuple(buffers)
+            order = mx.argsort(rows[3], axis=1)
+            rows = [mx.take_along_axis(r, order if r.ndim == 2 else order[..., None], axis=1) for r in rows]
+        return tuple(self._by_head(r) for r in rows)
 
     @property
     def positions(self) -> mx.array | None:
@@ -271,7 +293,7 @@ class L2NormKVCache(_BaseCache):
         return False
 
     def empty(self) -> bool:
-        return self.keys is None
+        return self._buffers is None
 
     def size(self) -> int:
         """Rows kept per head (at most ``budget``), as RotatingKVCache reports its window."""
@@ -280,7 +302,7 @@ class L2NormKVCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         """Bytes of the buffers: keys, values, norms and positions, every slot."""
-        return 0 if self.keys is None else sum(b.nbytes for b in self._storage())
+        return 0 if self._buffers is None else sum(b.nbytes for b in self._buffers)
 
     @property
     def state(self):
@@ -303,8 +325,10 @@ class L2NormKVCache(_BaseCache):
         self._clear()
         self.offset = checked.offset
         if checked.rows is not None:
-            self._set_storage(checked.rows)
-            self.filled = checked.rows[0].shape[2]
+            batch, heads, kept = checked.rows[0].shape[:3]
+            self._buffers = [r.reshape(batch * heads, *r.shape[2:]) for r in checked.rows]
+            self._batch_heads = (batch, heads)
+            self.filled = kept
 
     @property
     def meta_state(self) -> tuple[str, ...]:
@@ -322,18 +346,18 @@ class L2NormKVCache(_BaseCache):
     def _fp16_bytes(self, tokens: int) -> int:
         # The reference's accounting: K + V at 2 bytes per element, all B*H
         # heads; keys and values may differ in width (multi-head latent attention).
-        batch, heads, _, key_dim = self.keys.shape
-        return batch * heads * tokens * (key_dim + self.values.shape[-1]) * 2
+        rows, _, key_dim = self._buffers[0].shape
+        return rows * tokens * (key_dim + self._buffers[1].shape[-1]) * 2
 
     @property
     def knorm_kept_bytes(self) -> int:
         """float16-equivalent bytes of the kept K + V rows across all heads."""
-        return 0 if self.keys is None else self._fp16_bytes(self.size())
+        return 0 if self._buffers is None else self._fp16_bytes(self.size())
 
     @property
     def full_seq_bytes(self) -> int:
         """float16-equivalent K + V bytes had every token seen been kept."""
-        return 0 if self.keys is None else self._fp16_bytes(self.offset)
+        return 0 if self._buffers is None else self._fp16_bytes(self.offset)
 
     @property
     def compression_ratio(self) -> float:
@@ -344,10 +368,7 @@ class L2NormKVCache(_BaseCache):
     @property
     def tokens_seen(self) -> int:
         """Token positions absorbed, summed over all B*H heads."""
-        if self.keys is None:
-            return 0
-        batch, heads = self.keys.shape[:2]
-        return batch * heads * self.offset
+        return 0 if self._buffers is None else self._buffers[0].shape[0] * self.offset
 
     @property
     def tokens_kept(self) -> int:
