@@ -13,6 +13,7 @@ for the whole process; ``use_backend`` overrides it for one thread or context.
 from __future__ import annotations
 
 import contextvars
+import functools
 import os
 
 import mlx.core as mx
@@ -80,12 +81,16 @@ def _require_extension(name: str) -> None:
         )
 
 
-def _kernel_devices() -> dict[str, bool]:
+@functools.cache
+def _gpu_kernels() -> bool:
+    """Metal kernels built and a Metal device present: fixed for the process,
+    and asked on every call, so answered once."""
     ext = _native.ext
-    return {
-        "cpu": ext is not None,
-        "gpu": ext is not None and bool(ext.has_metal_kernels) and mx.metal.is_available(),
-    }
+    return ext is not None and bool(ext.has_metal_kernels) and mx.metal.is_available()
+
+
+def _kernel_devices() -> dict[str, bool]:
+    return {"cpu": _native.ext is not None, "gpu": _gpu_kernels()}
 
 
 def _device_of(stream) -> mx.Device:
@@ -132,7 +137,7 @@ def resolve(stream, key_dim: int | None = None) -> str:
         _require_extension(name)
         return name
     on_gpu = device.type == mx.DeviceType.gpu
-    has_kernel = _kernel_devices()["gpu" if on_gpu else "cpu"]
+    has_kernel = _gpu_kernels() if on_gpu else _native.ext is not None
     if name == "kernel":
         _require_extension(name)
         if not has_kernel:

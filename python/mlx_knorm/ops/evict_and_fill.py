@@ -8,6 +8,7 @@ import mlx.core as mx
 
 from ..backend import resolve
 from ..validation import (
+    INT32_MAX,
     check_array,
     check_config,
     check_float32,
@@ -22,8 +23,6 @@ from .key_norms import fallback as key_norms_fallback
 from .protected_topk_gather import score_order_key
 
 LAYOUTS = ("slots", "temporal")
-# Positions are int32, and so are MLX's shapes (docs/spec.md §5).
-_INT32_MAX = 2**31 - 1
 
 
 def evict_and_fill(
@@ -136,12 +135,12 @@ def check_step(
         raise ValueError(f"mlx_knorm: filled ({filled}) must be <= C, the buffers' slots ({slots})")
     if offset < 0:
         raise ValueError(f"mlx_knorm: offset must be >= 0, got {offset}")
-    if offset + steps > _INT32_MAX:
+    if offset + steps > INT32_MAX:
         raise ValueError(f"mlx_knorm: offset + S ({offset + steps}) must be < 2**31: positions are int32")
     needed = min(filled, budget) + steps
     if capacity < needed:
         raise ValueError(f"mlx_knorm: capacity ({capacity}) must be >= kept + S ({needed})")
-    if capacity > _INT32_MAX:
+    if capacity > INT32_MAX:
         raise ValueError(f"mlx_knorm: capacity must be < 2**31, got {capacity}")
     return dict(
         filled=filled, offset=offset, capacity=capacity, budget=budget,
