@@ -69,3 +69,49 @@ def test_sweep_program_runs_the_same_bench(tmp_path):
     report = json.loads(path.read_text())
     assert report["command"].startswith("python bench/ops.py")
     assert [c["label"] for c in report["cases"]] == ["decode S=1 budget=16"]
+
+
+def check_cache_report(report, configs):
+    """The structure of a cache-step report over ``configs`` ([(budget, B), ...])."""
+    assert report["benchmark"] == "cache_step" and report["warm_process"] is True
+    assert report["mlx_version"] and report["machine"]["cpu_count"] and report["date"]
+    names = {"KVCache", "RotatingKVCache", "slots", "temporal"}
+    names |= {"reference"} if report["reference_version"] else set()
+    assert [(r["config"]["budget"], r["config"]["batch"]) for r in report["configs"]] == configs
+    for r in report["configs"]:
+        c = r["config"]
+        assert r["kv_bytes"] == 2 * c["batch"] * c["heads"] * c["budget"] * c["dim"] * 2
+        assert set(r["caches"]) == names
+        for timing in [*r["caches"].values(), r["memcpy"]]:
+            assert timing["reps"] >= 3 and len(timing["samples_ms"]) == timing["reps"]
+            assert timing["min_ms"] <= timing["median_ms"] <= timing["max_ms"]
+            assert timing["faults_per_call"] >= 0
+        assert r["caches"]["RotatingKVCache"]["ratio_to_rotating"] == 1.0
+        assert {"slots_faults_per_step", "temporal_ratio_to_memcpy"} <= set(r["targets"])
+        assert all({"measured", "target", "met"} <= set(t) for t in r["targets"].values())
+
+
+def test_bench_cache_writes_json(tmp_path, capsys):
+    path = tmp_path / "cache.json"
+    rc = main(["bench", "--cache", "--no-progress", "--budget", "16", "--d", "8", "--reps", "4",
+               "--json", str(path)])
+    assert rc == 0
+    report = json.loads(path.read_text())
+    check_cache_report(report, [(16, 1)])
+    assert report["command"].startswith("mlx-knorm") and report["configs"][0]["config"]["heads"] == 8
+    out = capsys.readouterr().out
+    assert "warm process" in out and "| 16 | 1 | slots |" in out
+
+
+def test_cache_step_program_runs_the_same_suite(tmp_path):
+    """bench/cache_step.py (the full sweep) on a tiny grid, both batch sizes."""
+    program = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "cache_step.py"))
+    path = tmp_path / "sweep.json"
+    rc = program["main"]([
+        "--no-progress", "--budget", "16", "--batch", "1", "2", "--heads", "2", "--dim", "8",
+        "--rounds", "2", "--steps", "3", "--json", str(path),
+    ])
+    assert rc == 0
+    report = json.loads(path.read_text())
+    assert report["command"].startswith("python bench/cache_step.py")
+    check_cache_report(report, [(16, 1), (16, 2)])

@@ -1,21 +1,36 @@
 """``mlx-knorm bench``: the target cases (or any budget x S grid) timed side
-by side, printed as tables, optionally written as JSON and plotted."""
+by side, printed as tables, optionally written as JSON and plotted;
+``--cache``: the quick cache-step suite instead."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
 import mlx.core as mx
 
 from ..validation import FLOAT_DTYPES
+from . import cache_step
+from .cache_report import cache_report, print_cache_report
 from .cases import TARGET_STEPS, suite
 from .plot import plot
 from .report import print_report
 from .timing import run_suite
 
 
+# The quick cache-step suite of ``--cache``: B = 1, H = 8.
+CACHE_BUDGETS = (512, 2048)
+CACHE_BATCH = 1
+CACHE_HEADS = 8
+
+
 def add_arguments(parser) -> None:
+    parser.add_argument("--cache", action="store_true",
+                        help="the quick cache-step suite instead: one decode step of mlx-lm's "
+                             "KVCache, RotatingKVCache, the reference's cache and ours "
+                             f"(B={CACHE_BATCH}, H={CACHE_HEADS}; honours --budget --d --dtype "
+                             "--device --reps (steps per round) --json --no-progress)")
     parser.add_argument("--quick", action="store_true",
                         help="few repetitions, about a second per timing (under a minute)")
     parser.add_argument("--n", type=int, default=32, help="rows N = B*H (default 32)")
@@ -40,6 +55,28 @@ def write_json(report: dict, path: str | None) -> None:
             json.dump(report, f, indent=2)
 
 
+def report_cache_suite(step_configs, schedule, device: str, command: str,
+                       json_path: str | None, show_progress: bool) -> dict:
+    """Runs the cache-step configurations, prints the report, writes the JSON."""
+    results = cache_step.run_cache_suite(step_configs, schedule, show_progress)
+    report = cache_report(results, schedule, device, command)
+    print_cache_report(report)
+    write_json(report, json_path)
+    return report
+
+
+def run_cache(args, command: str) -> int:
+    """The quick cache-step suite (bench/cache_step.py runs the full sweep)."""
+    step_configs = cache_step.configs(args.budget or CACHE_BUDGETS, [CACHE_BATCH], CACHE_HEADS,
+                                      args.d, args.dtype)
+    schedule = cache_step.QUICK
+    if args.reps is not None:
+        schedule = dataclasses.replace(schedule, steps=args.reps)
+    report_cache_suite(step_configs, schedule, args.device, command, args.json,
+                       not args.no_progress)
+    return 0
+
+
 def run(args, steps=TARGET_STEPS, command: str | None = None) -> int:
     """Runs the (budget, S) ``steps`` unless ``--budget``/``--s`` name others;
     0 when every case was bit-exact. ``command`` is recorded in the JSON
@@ -51,6 +88,8 @@ def run(args, steps=TARGET_STEPS, command: str | None = None) -> int:
     previous_device = mx.default_device()
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     try:
+        if args.cache:
+            return run_cache(args, command)
         return run_ops(args, steps, command)
     finally:
         mx.set_default_device(previous_device)
