@@ -115,3 +115,29 @@ def test_cache_step_program_runs_the_same_suite(tmp_path):
     report = json.loads(path.read_text())
     assert report["command"].startswith("python bench/cache_step.py")
     check_cache_report(report, [(16, 1), (16, 2)])
+
+
+def test_decode_e2e_program_on_a_tiny_prompt(tmp_path):
+    """bench/decode_e2e.py end to end on one layer and a 40-token prompt:
+    JSON structure and the targets' fields, never the timings."""
+    program = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "decode_e2e.py"))
+    path = tmp_path / "e2e.json"
+    rc = program["main"]([
+        "--prompt", "40", "--tokens", "2", "--warmup", "1", "--round-tokens", "1", "--layers", "1",
+        "--intermediate", "64", "--vocab", "64", "--json", str(path),
+    ])
+    assert rc == 0
+    report = json.loads(path.read_text())
+    assert report["benchmark"] == "decode_e2e" and report["warm_process"] is True
+    assert report["model"]["num_hidden_layers"] == 1 and report["prompt_tokens"] == 40
+    names = {"KVCache", "RotatingKVCache", "slots", "temporal"}
+    assert set(report["caches"]) == names | ({"reference"} if report["reference_version"] else set())
+    weights = report["model"]["weights_bytes"]
+    for c in report["caches"].values():
+        assert c["reps"] == 2 and c["tokens_per_s"] > 0
+        assert c["peak_memory_bytes"] >= max(c["prefill_peak_memory_bytes"], weights)
+    assert report["caches"]["RotatingKVCache"]["peak_memory_ratio_to_rotating"] == 1.0
+    assert set(report["targets"]) == {
+        f"{layout}_{what}" for layout in ("slots", "temporal")
+        for what in ("tokens_per_s_ratio", "peak_memory_ratio")
+    }

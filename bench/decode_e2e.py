@@ -1,0 +1,259 @@
+"""End-to-end decode of a random-weight mlx-lm llama with the attention shapes
+of Llama-3.2-1B (hidden 2048, 32 query heads, 8 KV heads, head_dim 64;
+float16 weights, few layers, a small MLP and vocabulary so that it runs on a
+CPU), for each prompt cache: mlx-lm's KVCache (no eviction, for reference),
+RotatingKVCache(max_size=512, keep=4), the reference's L2NormKVCache and ours
+(make_knorm_cache, layout "slots" and "temporal"), budget 512 (README's
+end-to-end table).
+
+    python bench/decode_e2e.py --json bench/results/decode-e2e-cpu.json
+
+Each cache first takes the prompt in chunks of 512 (mlx-lm's
+prefill_step_size), then decodes greedily as mlx_lm.generate does: model(y[None],
+cache=cache), argmax, mx.eval, one token at a time. All caches stay alive in
+one warm process and decode in rounds, a few tokens of each in turn, the
+order rotating, so that the machine's drift hits all alike. Reported per
+cache: the median ms/token over the tokens after the warm-up, tokens/s
+(1000 / that median), the peak memory of its prefill and of its decode, and
+minor page faults per token.
+
+Peak memory: mx.reset_peak_memory() before each cache's prefill and before
+each of its decode rounds. The memory active at a reset holds the weights,
+the other caches and, in decode, the cache's own state; the peak of the
+cache's run counts the weights, the cache's own state and the most that
+mx.get_peak_memory() rose above the memory active at a reset, so the other
+caches, alive only for the interleaving, are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+import types
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from mlx_knorm import __version__, native_available
+from mlx_knorm.backend import backend_info
+from mlx_knorm.bench.cache_report import package_version
+from mlx_knorm.bench.cache_step import reference_cache_class, stored_arrays
+from mlx_knorm.bench.cli import write_json
+from mlx_knorm.bench.report import machine, markdown_table
+from mlx_knorm.bench.timing import minor_faults, summary, warm_up
+from mlx_knorm.cache import make_knorm_cache
+
+BUDGET, N_SINK, PREFILL_STEP = 512, 4, 512
+# Targets for our cache against RotatingKVCache, checked in the report.
+MIN_TOKENS_PER_S_RATIO = 0.95
+MAX_PEAK_MEMORY_RATIO = 1.05
+
+
+def build_model(layers: int, intermediate: int, vocab: int) -> llama.Model:
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=2048, num_hidden_layers=layers,
+        intermediate_size=intermediate, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=64, rms_norm_eps=1e-5, vocab_size=vocab, rope_theta=500000.0,
+        tie_word_embeddings=True,
+    )
+    mx.random.seed(0)
+    model = llama.Model(args)
+    model.set_dtype(mx.float16)
+    mx.eval(model.parameters())
+    return model
+
+
+def prompt_caches(model) -> dict:
+    """name -> make(): a fresh prompt cache (one cache per layer) of each kind."""
+    layers = range(len(model.layers))
+    kinds = {
+        "KVCache": lambda: [KVCache() for _ in layers],
+        "RotatingKVCache": lambda: [RotatingKVCache(max_size=BUDGET, keep=N_SINK) for _ in layers],
+    }
+    reference = reference_cache_class()
+    if reference is not None:
+        config = types.SimpleNamespace(knorm_budget=BUDGET, knorm_n_sink=N_SINK)
+        kinds["reference"] = lambda: [reference(config) for _ in layers]
+    for layout in ("slots", "temporal"):
+        kinds[layout] = lambda layout=layout: make_knorm_cache(
+            model, budget=BUDGET, n_sink=N_SINK, layout=layout)
+    return kinds
+
+
+class Decoder:
+    """One prompt cache: its prefill, then greedy decode a round at a time."""
+
+    def __init__(self, model, cache):
+        self.model, self.cache = model, cache
+        self.samples, self.faults = [], 0
+        self.prefill_peak = self.decode_peak = 0
+
+    def _rise(self, run) -> int:
+        """The most the active memory rose above its level at the start of ``run``."""
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        run()
+        return mx.get_peak_memory() - base
+
+    def prefill(self, prompt: mx.array) -> None:
+        def run():
+            for start in range(0, prompt.size - 1, PREFILL_STEP):
+                self.model(prompt[None, start : min(start + PREFILL_STEP, prompt.size - 1)],
+                           cache=self.cache)
+                mx.eval([stored_arrays(c) for c in self.cache])
+
+        self.prefill_peak = self._rise(run)
+        self.token = prompt[-1:]
+
+    def decode(self, count: int, timed: bool) -> None:
+        def run():
+            faults = minor_faults()
+            for _ in range(count):
+                t0 = time.perf_counter()
+                logits = self.model(self.token[None], cache=self.cache)
+                self.token = mx.argmax(logits[:, -1, :], axis=-1)
+                mx.eval(self.token)
+                if timed:
+                    self.samples.append(time.perf_counter() - t0)
+            if timed:
+                self.faults += minor_faults() - faults
+
+        held = sum(x.nbytes for c in self.cache for x in stored_arrays(c))
+        rise = self._rise(run)
+        if timed:
+            self.decode_peak = max(self.decode_peak, held + rise)
+
+
+def run(args) -> dict:
+    mx.set_default_device(mx.cpu)
+    warm_up()
+    model = build_model(args.layers, args.intermediate, args.vocab)
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    prompt = mx.random.randint(0, args.vocab, (args.prompt,), key=mx.random.key(1))
+    decoders = {}
+    for name, make in prompt_caches(model).items():
+        print(f"prefill {args.prompt} tokens: {name}", file=sys.stderr)
+        decoders[name] = Decoder(model, make())
+        decoders[name].prefill(prompt)
+    names = list(decoders)
+    for name in names:
+        decoders[name].decode(args.warmup, timed=False)
+    rounds = -(-args.tokens // args.round_tokens)
+    for r in range(rounds):
+        print(f"decode round {r + 1}/{rounds}", file=sys.stderr)
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            decoders[name].decode(args.round_tokens, timed=True)
+    caches = {}
+    for name, d in decoders.items():
+        timing = summary(d.samples, d.faults)
+        caches[name] = {
+            **timing,
+            "tokens_per_s": 1e3 / timing["median_ms"],
+            "peak_memory_bytes": weights + max(d.prefill_peak, d.decode_peak),
+            "prefill_peak_memory_bytes": weights + d.prefill_peak,
+            "decode_peak_memory_bytes": weights + d.decode_peak,
+        }
+    rotating = caches["RotatingKVCache"]
+    for c in caches.values():
+        c["tokens_per_s_ratio_to_rotating"] = c["tokens_per_s"] / rotating["tokens_per_s"]
+        c["peak_memory_ratio_to_rotating"] = c["peak_memory_bytes"] / rotating["peak_memory_bytes"]
+    return {
+        "benchmark": "decode_e2e",
+        "mlx_knorm_version": __version__,
+        "mlx_version": mx.__version__,
+        "mlx_lm_version": package_version("mlx-lm"),
+        "reference_version": package_version("veloxquant-mlx"),
+        "device": "cpu",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python bench/decode_e2e.py", *args.argv]),
+        "machine": machine(),
+        "backend": backend_info(),
+        "warm_process": True,
+        "model": {"hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 8,
+                  "head_dim": 64, "num_hidden_layers": args.layers,
+                  "intermediate_size": args.intermediate, "vocab_size": args.vocab,
+                  "dtype": "float16", "weights_bytes": weights},
+        "prompt_tokens": args.prompt, "prefill_step_size": PREFILL_STEP, "budget": BUDGET,
+        "n_sink": N_SINK, "warmup_tokens": args.warmup, "round_tokens": args.round_tokens,
+        "caches": caches,
+        "targets": targets(caches),
+    }
+
+
+def targets(caches: dict) -> dict:
+    """Ours against RotatingKVCache: tokens/s within 5%, peak memory within 5%."""
+    out = {}
+    for layout in ("slots", "temporal"):
+        c = caches[layout]
+        speed, memory = c["tokens_per_s_ratio_to_rotating"], c["peak_memory_ratio_to_rotating"]
+        out[f"{layout}_tokens_per_s_ratio"] = {
+            "measured": speed, "target": f">= {MIN_TOKENS_PER_S_RATIO:g}",
+            "met": speed >= MIN_TOKENS_PER_S_RATIO}
+        out[f"{layout}_peak_memory_ratio"] = {
+            "measured": memory, "target": f"<= {MAX_PEAK_MEMORY_RATIO:g}",
+            "met": memory <= MAX_PEAK_MEMORY_RATIO}
+    return out
+
+
+def print_report(report: dict) -> None:
+    m, model = report["machine"], report["model"]
+    print(f"mlx-knorm {report['mlx_knorm_version']} decode end to end on cpu: "
+          f"{m['cpu_model'] or m['processor']}, MLX {report['mlx_version']}, "
+          f"mlx-lm {report['mlx_lm_version']}, {report['date']}")
+    print(f"llama, hidden 2048, 32/8 heads, head_dim 64, {model['num_hidden_layers']} layers, "
+          f"MLP {model['intermediate_size']}, vocab {model['vocab_size']}, float16 "
+          f"({model['weights_bytes'] / 2**20:.0f} MiB of weights); prompt {report['prompt_tokens']} "
+          f"tokens in chunks of {report['prefill_step_size']}, budget {report['budget']}. "
+          "Timed in a warm process, the caches interleaved in rounds; medians over the tokens "
+          "after the warm-up; faults/token = minor page faults per token.")
+    header = ["cache", "ms/token [p25, p75]", "tokens/s", "vs RotatingKVCache", "peak MiB",
+              "vs RotatingKVCache", "prefill / decode peak MiB", "faults/token"]
+    rows = []
+    for name, c in report["caches"].items():
+        rows.append([
+            name, f"{c['median_ms']:.4g} [{c['p25_ms']:.4g}, {c['p75_ms']:.4g}]",
+            f"{c['tokens_per_s']:.3g}", f"{c['tokens_per_s_ratio_to_rotating']:.3f}x",
+            f"{c['peak_memory_bytes'] / 2**20:.1f}", f"{c['peak_memory_ratio_to_rotating']:.3f}x",
+            f"{c['prefill_peak_memory_bytes'] / 2**20:.1f} / {c['decode_peak_memory_bytes'] / 2**20:.1f}",
+            f"{c['faults_per_call']:.2f}",
+        ])
+    print(markdown_table(header, rows))
+    print("\nTargets (this run):")
+    for name, v in report["targets"].items():
+        print(f"  {name} {v['measured']:.3f} (target {v['target']}): {'met' if v['met'] else 'MISSED'}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="bench/decode_e2e.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="prompt 1024 tokens, 16 decode tokens")
+    parser.add_argument("--prompt", type=int, help="prompt tokens (default 4096)")
+    parser.add_argument("--tokens", type=int, help="timed decode tokens per cache (default 96)")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed decode tokens first")
+    parser.add_argument("--round-tokens", type=int, default=8, help="tokens per cache and round")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--intermediate", type=int, default=512, help="MLP width")
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--json", metavar="PATH", help="write the raw figures as JSON")
+    args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
+    args.prompt = args.prompt or (1024 if args.quick else 4096)
+    args.tokens = args.tokens or (16 if args.quick else 96)
+    if args.prompt < 2:
+        parser.error("--prompt must be at least 2 tokens")
+    if not native_available():
+        print("bench/decode_e2e.py: the native extension is not loaded", file=sys.stderr)
+        return 1
+    report = run(args)
+    print_report(report)
+    write_json(report, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
