@@ -19,7 +19,6 @@ import sys
 
 import mlx.core as mx
 
-from mlx_knorm import native_available
 from mlx_knorm.bench import cache_step, cli
 from mlx_knorm.validation import FLOAT_DTYPES
 
@@ -43,9 +42,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    if not native_available():
-        print("bench/cache_step.py: the native extension is not loaded; see `mlx-knorm info`",
-              file=sys.stderr)
+    if cli.native_missing("bench/cache_step.py"):
         return 1
     if args.quick:
         schedule, budgets, batches = cache_step.QUICK, cli.CACHE_BUDGETS, [cli.CACHE_BATCH]

@@ -38,11 +38,11 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from mlx_knorm import __version__, native_available
+from mlx_knorm import __version__
 from mlx_knorm.backend import backend_info
 from mlx_knorm.bench.cache_report import package_version
 from mlx_knorm.bench.cache_step import reference_cache_class, stored_arrays
-from mlx_knorm.bench.cli import write_json
+from mlx_knorm.bench.cli import native_missing, write_json
 from mlx_knorm.bench.report import machine, markdown_table
 from mlx_knorm.bench.timing import minor_faults, summary, warm_up
 from mlx_knorm.cache import make_knorm_cache
@@ -246,8 +246,7 @@ def main(argv=None) -> int:
     args.tokens = args.tokens or (16 if args.quick else 96)
     if args.prompt < 2:
         parser.error("--prompt must be at least 2 tokens")
-    if not native_available():
-        print("bench/decode_e2e.py: the native extension is not loaded", file=sys.stderr)
+    if native_missing("bench/decode_e2e.py"):
         return 1
     report = run(args)
     print_report(report)

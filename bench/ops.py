@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mlx_knorm import native_available
 from mlx_knorm.bench import cli
 
 # (budget, S): decode steps from a full cache over the budget, prefill steps
@@ -31,9 +30,7 @@ def main(argv=None) -> int:
     cli.add_arguments(parser)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    if not native_available():
-        print("bench/ops.py: the native extension is not loaded; see `mlx-knorm info`",
-              file=sys.stderr)
+    if cli.native_missing("bench/ops.py"):
         return 1
     return cli.run(args, steps=SWEEP, command=" ".join(["python bench/ops.py", *argv]))
 

@@ -14,6 +14,15 @@ from mlx_knorm.bench.cases import TARGET_STEPS
 pytestmark = pytest.mark.skipif(
     not mlx_knorm.native_available(), reason="native extension not loaded"
 )
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def run_program(name: str, argv: list[str], tmp_path):
+    """A checkout's bench/<name> run with ``argv`` and --json: (its globals, the report)."""
+    program = runpy.run_path(str(BENCH / name))
+    path = tmp_path / "report.json"
+    assert program["main"]([*argv, "--json", str(path)]) == 0
+    return program, json.loads(path.read_text())
 
 
 def test_bench_cli_writes_json_with_bit_exact_cases(tmp_path, capsys):
@@ -58,15 +67,11 @@ def test_default_command_is_the_quick_bench(monkeypatch):
 
 def test_sweep_program_runs_the_same_bench(tmp_path):
     """bench/ops.py (a checkout's sweep program) on a tiny grid."""
-    program = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "ops.py"))
-    assert set(TARGET_STEPS) <= set(program["SWEEP"])
-    path = tmp_path / "sweep.json"
-    rc = program["main"]([
+    program, report = run_program("ops.py", [
         "--quick", "--no-progress", "--n", "2", "--d", "8", "--budget", "16", "--s", "1",
-        "--reps", "3", "--json", str(path),
-    ])
-    assert rc == 0
-    report = json.loads(path.read_text())
+        "--reps", "3",
+    ], tmp_path)
+    assert set(TARGET_STEPS) <= set(program["SWEEP"])
     assert report["command"].startswith("python bench/ops.py")
     assert [c["label"] for c in report["cases"]] == ["decode S=1 budget=16"]
 
@@ -105,14 +110,10 @@ def test_bench_cache_writes_json(tmp_path, capsys):
 
 def test_cache_step_program_runs_the_same_suite(tmp_path):
     """bench/cache_step.py (the full sweep) on a tiny grid, both batch sizes."""
-    program = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "cache_step.py"))
-    path = tmp_path / "sweep.json"
-    rc = program["main"]([
+    _, report = run_program("cache_step.py", [
         "--no-progress", "--budget", "16", "--batch", "1", "2", "--heads", "2", "--dim", "8",
-        "--rounds", "2", "--steps", "3", "--json", str(path),
-    ])
-    assert rc == 0
-    report = json.loads(path.read_text())
+        "--rounds", "2", "--steps", "3",
+    ], tmp_path)
     assert report["command"].startswith("python bench/cache_step.py")
     check_cache_report(report, [(16, 1), (16, 2)])
 
@@ -120,14 +121,10 @@ def test_cache_step_program_runs_the_same_suite(tmp_path):
 def test_decode_e2e_program_on_a_tiny_prompt(tmp_path):
     """bench/decode_e2e.py end to end on one layer and a 40-token prompt:
     JSON structure and the targets' fields, never the timings."""
-    program = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "decode_e2e.py"))
-    path = tmp_path / "e2e.json"
-    rc = program["main"]([
+    _, report = run_program("decode_e2e.py", [
         "--prompt", "40", "--tokens", "2", "--warmup", "1", "--round-tokens", "1", "--layers", "1",
-        "--intermediate", "64", "--vocab", "64", "--json", str(path),
-    ])
-    assert rc == 0
-    report = json.loads(path.read_text())
+        "--intermediate", "64", "--vocab", "64",
+    ], tmp_path)
     assert report["benchmark"] == "decode_e2e" and report["warm_process"] is True
     assert report["model"]["num_hidden_layers"] == 1 and report["prompt_tokens"] == 40
     names = {"KVCache", "RotatingKVCache", "slots", "temporal"}

@@ -27,9 +27,7 @@ def info(_args) -> int:
 
 
 def run_bench(args) -> int:
-    if not native_available():
-        print("mlx-knorm bench: the native extension is not loaded; see `mlx-knorm info`",
-              file=sys.stderr)
+    if bench_cli.native_missing("mlx-knorm bench"):
         return 1
     return bench_cli.run(args)
 

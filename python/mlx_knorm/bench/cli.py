@@ -10,6 +10,7 @@ import sys
 
 import mlx.core as mx
 
+from ..backend import native_available
 from ..validation import FLOAT_DTYPES
 from . import cache_step
 from .cache_report import cache_report, print_cache_report
@@ -47,6 +48,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the raw figures as JSON")
     parser.add_argument("--plot", metavar="PATH", help="time vs budget and vs S (needs matplotlib)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def native_missing(program: str) -> bool:
+    """True, after saying so on stderr, when the native extension is not loaded."""
+    if native_available():
+        return False
+    print(f"{program}: the native extension is not loaded; see `mlx-knorm info`", file=sys.stderr)
+    return True
 
 
 def write_json(report: dict, path: str | None) -> None:
