@@ -54,6 +54,11 @@ struct EncoderBinder {
   void constant(int idx, uint32_t value) {
     encoder.set_bytes(value, idx);
   }
+  // An empty array has no MTL::Buffer: four zero bytes stand in, as MLX's
+  // own kernels bind placeholders where there is nothing to bind.
+  void placeholder(int idx, const mx::array&) {
+    encoder.set_bytes(uint32_t{0}, idx);
+  }
 };
 
 } // namespace
