@@ -10,6 +10,11 @@ row, four rows per threadgroup: the cases below cross those boundaries.
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+import textwrap
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -151,3 +156,46 @@ def test_step_rejects_key_widths_past_the_norm_kernel():
     config = dict(filled=4, offset=4, capacity=4, budget=3, n_sink=0, recent=0, keep="low", layout="slots")
     with pytest.raises(ValueError, match="D <= 512"):
         _native.ext.evict_and_fill(*args, **config, emulate_metal=True, stream=mx.cpu)
+
+
+# Address space for the interpreter's own needs, far short of a threadgroup's
+# thread stacks (128 of 8 MiB by default): the emulator can start only some
+# of the threads of one threadgroup.
+THREAD_STARVED_SCRIPT = textwrap.dedent(
+    """
+    import resource
+    import mlx.core as mx
+    import mlx_knorm
+
+    keys = mx.random.normal((8, 64), key=mx.random.key(0))
+    with mlx_knorm.use_backend("metal-emulator"):
+        want = mlx_knorm.key_norms(keys, stream=mx.cpu)
+        mx.eval(want)
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        with open("/proc/self/status") as status:
+            used = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (used + (64 << 20), hard))
+        try:
+            mx.eval(mlx_knorm.key_norms(keys, stream=mx.cpu))
+        except RuntimeError as err:
+            print("raised:", err)
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        got = mlx_knorm.key_norms(keys, stream=mx.cpu)
+        print("equal after:", mx.array_equal(got, want).item())
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_threads_that_cannot_start_raise():
+    """Under an address-space limit the threads of a threadgroup cannot all
+    start: those that did are released and joined, the call raises naming the
+    emulator, and the process runs the kernel again once the limit is lifted."""
+    result = subprocess.run([sys.executable, "-c", THREAD_STARVED_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2, result.stdout + result.stderr
+    assert re.fullmatch(r"raised: metal emulator: knorm_key_norms_float32: started \d+ of a threadgroup's 128 threads .*",
+                        lines[0]), lines[0]
+    assert lines[1] == "equal after: True"

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import mlx_knorm
+from conftest import emulator_built
 from mlx_knorm import _native
 
-BACKENDS = ["kernel", "fallback"]
+BACKENDS = ["kernel", "fallback"] + (["metal-emulator"] if emulator_built() else [])
 
 
 def good(n=2, n_prior=5, s=3, d=8, dtype=mx.float16):

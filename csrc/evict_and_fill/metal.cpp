@@ -36,7 +36,7 @@ LaunchPlan evict_and_fill_plan(
   plan.group_size = kEvictGroupSize;
   plan.groups = kept + inputs.n_new() == 0 ? 0 : static_cast<uint32_t>(inputs.n_heads());
   auto u32 = [](int64_t v) { return BufferSlot::constant(static_cast<uint32_t>(v)); };
-  plan.buffers = array_slots(6, 4);
+  plan.buffers = array_slots(arrays, outputs);
   plan.buffers.insert(plan.buffers.end(), {
       u32(inputs.capacity()),
       u32(config.out_capacity),

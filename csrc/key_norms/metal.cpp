@@ -48,14 +48,14 @@ LaunchPlan key_norms_plan(const mx::array& keys, const mx::array& norms) {
   plan.source = "key_norms";
   plan.kernel = "knorm_key_norms_" + dtype_name(keys.dtype());
   plan.group_size = kKeyNormsRowsPerGroup * kSimdWidth;
-  // D = 0 still launches: the kernel reduces an all-padding row to sqrt(0).
+  // D = 0 still launches, keys bound to a placeholder: the kernel reduces
+  // an all-padding row to sqrt(0).
   plan.groups = static_cast<uint32_t>(
       (rows + kKeyNormsRowsPerGroup - 1) / kKeyNormsRowsPerGroup);
-  plan.buffers = {
-      BufferSlot::input(0),
-      BufferSlot::output(0),
+  plan.buffers = array_slots({keys}, {norms});
+  plan.buffers.insert(plan.buffers.end(), {
       BufferSlot::constant(static_cast<uint32_t>(keys.shape(-1))),
-      BufferSlot::constant(static_cast<uint32_t>(rows))};
+      BufferSlot::constant(static_cast<uint32_t>(rows))});
   return plan;
 }
 

@@ -49,16 +49,30 @@ class Barrier {
     expected_ = participants;
     arrived_ = 0;
     diverged_ = false;
+    abandoned_ = false;
   }
 
-  void arrive_and_wait() {
+  // False when the barrier was abandoned before all participants arrived.
+  bool arrive_and_wait() {
     std::unique_lock<std::mutex> lock(mutex_);
     const uint64_t generation = generation_;
+    if (abandoned_) {
+      return false;
+    }
     if (++arrived_ == expected_) {
       release();
     } else {
-      cv_.wait(lock, [&] { return generation_ != generation; });
+      cv_.wait(lock, [&] { return generation_ != generation || abandoned_; });
     }
+    return generation_ != generation;
+  }
+
+  // Wakes the waiting threads, and fails every later wait, without a release:
+  // for participants that will never arrive.
+  void abandon() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    abandoned_ = true;
+    cv_.notify_all();
   }
 
   void leave() {
@@ -90,6 +104,7 @@ class Barrier {
   uint32_t arrived_ = 0;
   uint64_t generation_ = 0;
   bool diverged_ = false;
+  bool abandoned_ = false;
 };
 
 constexpr uint32_t kSimdWidth = 32;
@@ -208,8 +223,9 @@ struct KernelRegistration {
 
 // Runs n_groups threadgroups of group_size threads, one threadgroup at a
 // time, all threads of a group concurrently. Throws on an unknown kernel, a
-// buffer count that does not match the kernel's signature, or divergent
-// barriers.
+// buffer count that does not match the kernel's signature, divergent
+// barriers, or threads that cannot be started (after joining those that
+// were).
 inline void dispatch(
     const std::string& kernel,
     uint32_t n_groups,
@@ -237,7 +253,10 @@ inline void dispatch(
   for (uint32_t s = 0; s < n_simd; ++s) {
     group->simd_groups.push_back(std::make_unique<SimdGroupState>());
   }
-  Barrier launch;  // separates threadgroups; never left early
+  // Separates threadgroups; never left early. No thread enters the kernel
+  // before all group_size threads have reached it, so when one cannot be
+  // started, abandoning it releases every thread that was.
+  Barrier launch;
   launch.reset(group_size);
   std::vector<uint64_t> barrier_counts(group_size);
   std::string error;
@@ -258,7 +277,9 @@ inline void dispatch(
           s->barrier.reset(kSimdWidth);
         }
       }
-      launch.arrive_and_wait();
+      if (!launch.arrive_and_wait()) {
+        break;
+      }
       context.memory_offset = 0;
       context.barriers_passed = 0;
       k.invoke(buffers, g, thread, context.lane, context.simd_group);
@@ -285,8 +306,19 @@ inline void dispatch(
   };
   std::vector<std::thread> threads;
   threads.reserve(group_size);
-  for (uint32_t t = 0; t < group_size; ++t) {
-    threads.emplace_back(worker, t);
+  try {
+    for (uint32_t t = 0; t < group_size; ++t) {
+      threads.emplace_back(worker, t);
+    }
+  } catch (const std::exception& e) {
+    // Out of threads or of address space for their stacks.
+    launch.abandon();
+    for (auto& t : threads) {
+      t.join();
+    }
+    throw std::runtime_error(
+        "metal emulator: " + kernel + ": started " + std::to_string(threads.size()) +
+        " of a threadgroup's " + std::to_string(group_size) + " threads (" + e.what() + ")");
   }
   for (auto& t : threads) {
     t.join();

@@ -106,6 +106,7 @@ void protected_topk_gather_emulated(
 // metal.cpp: the launch plan of the Metal kernel.
 LaunchPlan protected_topk_gather_plan(
     const GatherInputs& inputs,
+    const std::vector<mx::array>& outputs,
     const SelectionConfig& config);
 
 } // namespace mlx_knorm

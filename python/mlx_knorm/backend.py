@@ -147,6 +147,17 @@ def resolve(stream, key_dim: int | None = None) -> str:
     return "kernel" if has_kernel and fits else "fallback"
 
 
+def _metal_kernel_library() -> dict | None:
+    """Where the Metal kernels come from, in builds that have them: the
+    prebuilt ``mlx_knorm.metallib`` or the ``.metal`` sources compiled at
+    first use (``"jit"``)."""
+    ext = _native.ext
+    if ext is None or not ext.has_metal_kernels:
+        return None
+    kind, path = ext.metal_kernel_library()
+    return {"kind": kind, "path": str(path)}
+
+
 def backend_info() -> dict:
     """What is loaded and what runs where."""
     ext = _native.ext
@@ -161,4 +172,5 @@ def backend_info() -> dict:
             **_kernel_devices(),
             "metal-emulator": ext is not None and bool(ext.has_metal_emulator),
         },
+        "metal_kernel_library": _metal_kernel_library(),
     }

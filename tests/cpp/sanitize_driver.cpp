@@ -9,14 +9,16 @@
 // checks the emulator's half/bfloat conversions against MLX's.
 //
 // usage: knorm_sanitize_driver [cases] [seed]
-// (cases = 0 runs the fixed cases alone: the conversions and the in-place
-// temporal compaction that .ci/sanitize's broken kernel must fail)
+// (cases = 0 runs the fixed cases alone: the conversions, the refusal of a
+// plan that binds an empty array, and the in-place temporal compaction that
+// .ci/sanitize's broken kernel must fail)
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -27,6 +29,7 @@
 
 #include "evict_and_fill/evict_and_fill.h"
 #include "key_norms/key_norms.h"
+#include "metal_emulator/run_plan.h"
 #include "protected_topk_gather/protected_topk_gather.h"
 
 // Included after every other header, and its qualifier macros undefined at
@@ -134,6 +137,25 @@ void key_norms_case(std::mt19937_64& rng, int c) {
   key_norms_emulated(keys->array, emulated->array);
   if (!same_bits(*native, *emulated, true)) {
     fail("key norms case " + std::to_string(c) + " D=" + std::to_string(dim));
+  }
+}
+
+// Keys with D = 0 have no elements, so no Metal buffer: their slot must be
+// marked empty, and the emulator must refuse the plan once the mark is
+// taken away (the check that holds every plan to it has teeth).
+void check_empty_array_slots() {
+  auto keys = make({3, 0}, mx::float16);
+  auto norms = make({3}, mx::float32);
+  LaunchPlan plan = key_norms_plan(keys->array, norms->array);
+  if (!plan.buffers.at(0).empty || plan.buffers.at(1).empty) {
+    fail("key_norms_plan marks the wrong slots of D = 0 keys empty");
+  }
+  plan.buffers.at(0).empty = false;
+  std::vector<mx::array> outputs{norms->array};
+  try {
+    run_emulated_plan(plan, {keys->array}, outputs);
+    fail("the emulator bound an empty array that its plan did not mark");
+  } catch (const std::logic_error&) {
   }
 }
 
@@ -387,6 +409,7 @@ int main(int argc, char** argv) {
   const uint64_t seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 1;
   std::mt19937_64 rng(seed);
   check_conversions(rng);
+  check_empty_array_slots();
   for (const StepCase& sc : in_place_temporal_cases()) {
     check_step(sc, rng, "in place, temporal");
   }
