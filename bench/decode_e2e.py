@@ -28,7 +28,6 @@ caches, alive only for the interleaving, are left out.
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import time
 import types
@@ -43,7 +42,7 @@ from mlx_knorm.backend import backend_info
 from mlx_knorm.bench.cache_report import package_version
 from mlx_knorm.bench.cache_step import reference_cache_class, stored_arrays
 from mlx_knorm.bench.cli import native_missing, write_json
-from mlx_knorm.bench.report import machine, markdown_table
+from mlx_knorm.bench.report import machine, markdown_table, now
 from mlx_knorm.bench.timing import minor_faults, summary, warm_up
 from mlx_knorm.cache import make_knorm_cache
 
@@ -129,6 +128,7 @@ class Decoder:
 
 
 def run(args) -> dict:
+    host, date = machine(), now()
     mx.set_default_device(mx.cpu)
     warm_up()
     model = build_model(args.layers, args.intermediate, args.vocab)
@@ -168,9 +168,9 @@ def run(args) -> dict:
         "mlx_lm_version": package_version("mlx-lm"),
         "reference_version": package_version("veloxquant-mlx"),
         "device": "cpu",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": date,
         "command": " ".join(["python bench/decode_e2e.py", *args.argv]),
-        "machine": machine(),
+        "machine": host,
         "backend": backend_info(),
         "warm_process": True,
         "model": {"hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 8,

@@ -3,14 +3,13 @@ set for our cache, and the table."""
 
 from __future__ import annotations
 
-import datetime
 from importlib import metadata
 
 import mlx.core as mx
 
 from .. import __version__
 from ..backend import backend_info
-from .report import machine, markdown_table
+from .report import markdown_table
 
 # Targets for our cache's decode step, checked in the report (never in tests).
 SLOTS_MAX_RATIO_TO_ROTATING = 1.5
@@ -60,8 +59,10 @@ def config_targets(result: dict) -> dict:
     return targets
 
 
-def cache_report(results: list[dict], schedule, device: str, command: str) -> dict:
-    """The suite's figures with their targets, the command, the versions and the machine."""
+def cache_report(results: list[dict], schedule, device: str, command: str, host: dict,
+                 date: str) -> dict:
+    """The suite's figures with their targets, the command, the versions, and
+    the machine and date as they were when the suite started."""
     for result in results:
         result["targets"] = config_targets(result)
     return {
@@ -71,9 +72,9 @@ def cache_report(results: list[dict], schedule, device: str, command: str) -> di
         "mlx_lm_version": package_version("mlx-lm"),
         "reference_version": package_version("veloxquant-mlx"),
         "device": device,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": date,
         "command": command,
-        "machine": machine(),
+        "machine": host,
         "backend": backend_info(),
         "warm_process": True,
         "schedule": {"rounds": schedule.rounds, "steps": schedule.steps,

@@ -16,7 +16,7 @@ from . import cache_step
 from .cache_report import cache_report, print_cache_report
 from .cases import TARGET_STEPS, suite
 from .plot import plot
-from .report import print_report
+from .report import machine, now, print_report
 from .timing import run_suite
 
 
@@ -67,8 +67,9 @@ def write_json(report: dict, path: str | None) -> None:
 def report_cache_suite(step_configs, schedule, device: str, command: str,
                        json_path: str | None, show_progress: bool) -> dict:
     """Runs the cache-step configurations, prints the report, writes the JSON."""
+    host, date = machine(), now()
     results = cache_step.run_cache_suite(step_configs, schedule, show_progress)
-    report = cache_report(results, schedule, device, command)
+    report = cache_report(results, schedule, device, command, host, date)
     print_cache_report(report)
     write_json(report, json_path)
     return report

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import platform
 
@@ -45,6 +46,11 @@ def case_targets(case: Case, result: dict) -> dict:
             vs_reference, vs_reference >= PREFILL_MIN_SPEEDUP_VS_REFERENCE,
             f">= {PREFILL_MIN_SPEEDUP_VS_REFERENCE:g}")
     return targets
+
+
+def now() -> str:
+    """The UTC date and time, as the reports record it."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def machine() -> dict:

@@ -23,7 +23,6 @@ from the returned indices.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import resource
 import statistics
 import time
@@ -38,7 +37,7 @@ from ..state import knorm_update_batched
 from ..validation import FLOAT_DTYPES
 from .cases import N_SINK, Case, case_inputs, output_copies, random_arrays, reference_update, step_arguments
 from .progress import Progress
-from .report import case_targets, machine
+from .report import case_targets, machine, now
 
 # Timing stops adding repetitions once an implementation has used this much
 # wall time (after at least MIN_REPS), so slow references do not dominate.
@@ -240,7 +239,7 @@ def run_suite(cases: list[Case], device: str, reps: int, quick: bool, command: s
     """Every case on the default device (named ``device`` in the report): the
     report's figures, with the command, the versions and the machine they
     were measured with."""
-    host = machine()
+    host, date = machine(), now()
     implementations = {
         "kernel": (knorm_update_batched, "kernel"),
         "fallback": (knorm_update_batched, "fallback"),
@@ -263,7 +262,7 @@ def run_suite(cases: list[Case], device: str, reps: int, quick: bool, command: s
         "mlx_knorm_version": __version__,
         "mlx_version": mx.__version__,
         "device": device,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": date,
         "command": command,
         "machine": host,
         "backend": backend_info(),
