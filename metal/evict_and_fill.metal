@@ -515,7 +515,10 @@ template <typename K, typename V>
     for (uint d = lane; d < value_dim; d += kSimdWidth) {
       b.out_values[ulong(dst) * value_dim + d] = value[d];
     }
-    const float norm = knorm_row_norm(key, key_dim, lane);
+    // Sized for the widest key the kernel takes: the padding past P leaves
+    // the pinned sum as it is (knorm_row_norm), and a new row's norm is a
+    // small part of a step.
+    const float norm = knorm_row_norm<kKeyNormsMaxDim / kSimdWidth>(key, key_dim, lane);
     if (lane == 0) {
       b.out_norms[dst] = norm;
       b.out_positions[dst] = int(offset + j);

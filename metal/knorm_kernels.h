@@ -118,25 +118,23 @@ inline KnormCut<Key> knorm_radix_select(
 }
 
 // docs/spec.md section 2 for the row of `dim` elements at x, by the 32
-// lanes of one SIMD group (all of them must call it): zero padding to P,
-// the next power of two >= D, then halving adds. For P > 32, lane i holds
-// the squares s[i + 32k], k < P/32; the first log2(P/32) halving levels pair
-// registers of the same lane (s[i + 32k] + s[i + 32k + P/2] ...). The last
-// five levels (16, 8, 4, 2, 1 apart) are simd_shuffle_down adds, lane 0
-// ending with s[0]. Rows of D <= 32 start at the level P/2 instead. The norm
-// is lane 0's result; D <= kKeyNormsMaxDim.
-template <typename T>
+// lanes of one SIMD group (all of them must call it), lane i holding the
+// squares s[i + 32k], k < kPerLane, in registers: kPerLane is a compile-time
+// count so that s is never indexed at run time (which would put it in stack
+// memory). The first log2(kPerLane) halving levels pair registers of the
+// same lane (s[i + 32k] + s[i + 32k + 16 kPerLane] ...); the last five
+// (16, 8, 4, 2, 1 apart) are simd_shuffle_down adds, lane 0 ending with
+// s[0]. The norm is lane 0's result.
+//
+// This pads the row with +0 to 32 kPerLane >= P (P, the next power of two
+// >= D) rather than to P. That is the same sum bit for bit: squares are
+// >= +0 or NaN and x + (+0) == x for each of them, so the levels above P/2
+// return the first P squares unchanged and the levels from P/2 down are
+// the pinned ones. kPerLane = P / 32 (1 for D <= 32) does the least work.
+template <uint kPerLane, typename T>
 inline float knorm_row_norm(device const T* x, uint dim, uint lane) {
-  uint width = 1;
-  while (width < dim) {
-    width <<= 1;
-  }
-  const uint per_lane = width > kSimdWidth ? width / kSimdWidth : 1;
-
-  // Zero padding past D: adding +0 leaves a square (>= +0 or NaN) unchanged,
-  // exactly as the pinned order's padded adds do.
-  float s[kKeyNormsMaxDim / kSimdWidth];
-  for (uint k = 0; k < per_lane; ++k) {
+  float s[kPerLane];
+  for (uint k = 0; k < kPerLane; ++k) {
     const uint i = lane + kSimdWidth * k;
     float square = 0.0f;
     if (i < dim) {
@@ -151,14 +149,14 @@ inline float knorm_row_norm(device const T* x, uint dim, uint lane) {
     }
     s[k] = square;
   }
-  for (uint c = per_lane / 2; c >= 1; c /= 2) {
+  for (uint c = kPerLane / 2; c >= 1; c /= 2) {
     for (uint k = 0; k < c; ++k) {
       s[k] = s[k] + s[k + c];
     }
   }
   float acc = s[0];
-  for (uint delta = min(width / 2, kSimdWidth / 2); delta >= 1; delta /= 2) {
-    const float other = simd_shuffle_down(acc, ushort(delta));
+  for (ushort delta = kSimdWidth / 2; delta >= 1; delta /= 2) {
+    const float other = simd_shuffle_down(acc, delta);
     acc = acc + other;
   }
   const float norm = precise::sqrt(acc);
