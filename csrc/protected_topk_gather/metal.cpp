@@ -17,6 +17,7 @@ namespace mlx_knorm {
 
 LaunchPlan protected_topk_gather_plan(
     const GatherInputs& inputs,
+    const std::vector<mx::array>& outputs,
     const SelectionConfig& config) {
   // check_inputs keeps n_prior + S within uint32, as the kernel's row
   // indices need.
@@ -43,7 +44,9 @@ LaunchPlan protected_topk_gather_plan(
       u32(sink_end),
       u32(mid_end),
       u32(mid_keep),
-      u32(config.keep == Keep::High ? 1 : 0)});
+      u32(config.keep == Keep::High ? 1 : 0),
+      u32(row_unit({&inputs.prior_keys, &inputs.new_keys, &outputs[0]}, inputs.key_dim())),
+      u32(row_unit({&inputs.prior_values, &inputs.new_values, &outputs[1]}, inputs.value_dim()))});
   return plan;
 }
 
@@ -57,7 +60,7 @@ void ProtectedTopKGather::eval_gpu(
   for (auto& out : outputs) {
     out.set_data(mx::allocator::malloc(out.nbytes()));
   }
-  dispatch_on_gpu(protected_topk_gather_plan(in, config_), inputs, outputs, stream());
+  dispatch_on_gpu(protected_topk_gather_plan(in, outputs, config_), inputs, outputs, stream());
 }
 #else
 void ProtectedTopKGather::eval_gpu(
