@@ -179,6 +179,27 @@ def test_gather_moves_rows_at_any_alignment(dtype, dim, shift):
         assert_bitwise_equal(b, a, name)
 
 
+@pytest.mark.parametrize("dtype, dim", ROW_WIDTHS)
+@pytest.mark.parametrize("shift", [0, 2, 4, 8])
+@pytest.mark.parametrize("layout", ["slots", "temporal"])
+def test_step_moves_rows_at_any_alignment(dtype, dim, shift, layout):
+    rng = np.random.default_rng(dim + shift)
+    args = [
+        at_offset(fill(rng, (2, 40, dim), "special", dtype), shift),
+        at_offset(fill(rng, (2, 40, dim + 1), "special", dtype), shift // 2),
+        fill_norms(rng, (2, 40), "ties"),
+        mx.array(np.stack([rng.permutation(40) for _ in range(2)]).astype(np.int32)),
+        at_offset(fill(rng, (2, 3, dim), "special", dtype), 1),
+        fill(rng, (2, 3, dim + 1), "special", dtype),
+    ]
+    config = dict(filled=40, offset=40, capacity=40, budget=30, n_sink=2, recent=3,
+                  keep="low", layout=layout)
+    native = _native.ext.evict_and_fill(*args, **config, stream=mx.cpu)
+    emulated = _native.ext.evict_and_fill(*args, **config, emulate_metal=True, stream=mx.cpu)
+    for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
+        assert_bitwise_equal(b[:, :33], a[:, :33], name)
+
+
 def test_step_rejects_key_widths_past_the_norm_kernel():
     args = step_args(4, 4, 3, 1, "distinct", "normal", key_dim=513)
     config = dict(filled=4, offset=4, capacity=4, budget=3, n_sink=0, recent=0, keep="low", layout="slots")
