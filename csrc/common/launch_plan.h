@@ -1,16 +1,20 @@
 // Launch plans of the Metal kernels in metal/: everything a dispatch needs,
-// computed from shapes alone and free of Metal types. Each op builds its plan
-// in its metal.cpp; eval_gpu (common/metal_dispatch.cpp) and the emulator
-// (metal_emulator/run_plan.cpp) both bind it through bind_slots below, so
-// the kernels are launched identically on a GPU and in the emulator.
+// computed from shapes (and, for how rows move, the arrays' offsets) and
+// free of Metal types. Each op builds its plan in its metal.cpp; eval_gpu
+// (common/metal_dispatch.cpp) and the emulator (metal_emulator/run_plan.cpp)
+// both bind it through bind_slots below, so the kernels are launched
+// identically on a GPU and in the emulator.
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "mlx/array.h"
+
+#include "metal/knorm_defines.h"
 
 namespace mlx_knorm {
 
@@ -44,6 +48,29 @@ inline std::vector<BufferSlot> array_slots(
     slots.push_back({BufferSlot::Kind::Output, static_cast<int>(i), 0, outputs[i].size() == 0});
   }
   return slots;
+}
+
+// The unit, in bytes, in which a kernel moves rows of `row_elements`
+// elements between `arrays` (one dtype): kRowUnitWide or kRowUnitNarrow
+// (metal/knorm_defines.h) when it divides the row width and every array's
+// offset, else the element's size. A kernel sees an array at the start of
+// its MLX buffer, which a GPU aligns to more than 16 bytes, plus the
+// array's offset (the emulator binds it the same way). Empty arrays are
+// never read.
+inline uint32_t row_unit(
+    std::initializer_list<const mlx::core::array*> arrays,
+    int64_t row_elements) {
+  const size_t element = (*arrays.begin())->itemsize();
+  for (const uint32_t unit : {kRowUnitWide, kRowUnitNarrow}) {
+    bool fits = row_elements * element % unit == 0;
+    for (const mlx::core::array* a : arrays) {
+      fits = fits && (a->size() == 0 || a->offset() % unit == 0);
+    }
+    if (fits) {
+      return unit;
+    }
+  }
+  return static_cast<uint32_t>(element);
 }
 
 struct LaunchPlan {

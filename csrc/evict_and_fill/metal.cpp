@@ -51,7 +51,9 @@ LaunchPlan evict_and_fill_plan(
       u32(config.rank().protect_from),
       u32(config.selection.keep == Keep::High ? 1 : 0),
       u32(config.layout == Layout::Temporal ? 1 : 0),
-      u32(in_place)});
+      u32(in_place),
+      u32(row_unit({&inputs.keys, &inputs.new_keys, &outputs[0]}, inputs.key_dim())),
+      u32(row_unit({&inputs.values, &inputs.new_values, &outputs[1]}, inputs.value_dim()))});
   return plan;
 }
 

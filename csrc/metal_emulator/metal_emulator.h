@@ -7,8 +7,10 @@
 // Modelled: address-space qualifiers (as no-ops), half and bfloat with
 // bit-exact conversions, threadgroup memory (a per-threadgroup arena filled
 // with garbage so that reads of unwritten memory show), threadgroup_barrier,
-// SIMD groups of width 32 (simd_shuffle_down, simd_prefix_inclusive_sum),
-// relaxed threadgroup atomics, as_type, precise::sqrt. Threadgroups of a
+// SIMD groups of width 32 (simd_shuffle, simd_shuffle_down,
+// simd_prefix_inclusive_sum, simd_ballot), relaxed threadgroup atomics,
+// uint2 and uint4 for moving raw bits (alignment checked), as_type, ctz,
+// popcount, precise::sqrt. Threadgroups of a
 // grid run one after another, reusing the same threads.
 //
 // Include this header, then the .metal files, in a translation unit that
@@ -506,6 +508,76 @@ T simd_prefix_inclusive_sum(T v) {
     return sum;
   });
 }
+
+template <typename T>
+T simd_shuffle(T v, ushort lane) {
+  return detail::simd_exchange(v, [&](uint32_t, auto lane_value) {
+    return lane_value(lane);
+  });
+}
+
+// Bit i: lane i's expr.
+struct simd_vote {
+  using vote_t = uint64_t;
+  explicit simd_vote(vote_t bits = 0) : bits_(bits) {}
+  explicit operator vote_t() const {
+    return bits_;
+  }
+
+ private:
+  vote_t bits_;
+};
+
+inline simd_vote simd_ballot(bool expr) {
+  return detail::simd_exchange(simd_vote(expr ? 1u : 0u), [](uint32_t, auto lane_value) {
+    simd_vote::vote_t bits = 0;
+    for (uint32_t l = 0; l < metal_emu::kSimdWidth; ++l) {
+      bits |= static_cast<simd_vote::vote_t>(lane_value(l)) << l;
+    }
+    return simd_vote(bits);
+  });
+}
+
+inline uint ctz(uint x) {
+  return x == 0 ? 32u : static_cast<uint>(__builtin_ctz(x));
+}
+
+inline uint popcount(uint x) {
+  return static_cast<uint>(__builtin_popcount(x));
+}
+
+// uint2 and uint4, for the kernels' moves of raw bits. A GPU loads and
+// stores them at naturally aligned addresses only; here a copy from or to a
+// misaligned one aborts, which checks the launch plans' choice of unit.
+template <size_t N>
+struct alignas(sizeof(uint) * N) uint_vector {
+  uint v[N];
+
+  uint_vector() = default;
+  uint_vector(const uint_vector& other) {
+    check_aligned(&other);
+    std::memcpy(v, other.v, sizeof(v));
+  }
+  uint_vector& operator=(const uint_vector& other) {
+    check_aligned(this);
+    check_aligned(&other);
+    std::memcpy(v, other.v, sizeof(v));
+    return *this;
+  }
+
+ private:
+  static void check_aligned(const void* p) {
+    auto address = reinterpret_cast<std::uintptr_t>(p);
+    // Hides the address from the optimiser, which may assume the type's
+    // alignment and drop the test.
+    asm("" : "+r"(address));
+    if (address % sizeof(uint_vector) != 0) {
+      metal_emu::fatal("misaligned vector load or store");
+    }
+  }
+};
+using uint2 = uint_vector<2>;
+using uint4 = uint_vector<4>;
 
 // Threadgroup atomics. Only relaxed ordering is used by the kernels; the
 // barriers around them provide the ordering.

@@ -1,6 +1,9 @@
 #include "metal_emulator/run_plan.h"
 
 #include <cstdint>
+#include <cstring>
+#include <memory>
+#include <new>
 #include <stdexcept>
 #include <string>
 
@@ -12,28 +15,80 @@ namespace mx = mlx::core;
 
 namespace {
 
+// Buffers start at least this aligned on a GPU, and the copies below too.
+constexpr size_t kBufferAlignment = 64;
+
+struct AlignedDelete {
+  void operator()(char* p) const {
+    ::operator delete[](p, std::align_val_t(kBufferAlignment));
+  }
+};
+
+// One array's bytes as a kernel sees them: a copy that starts offset() bytes
+// past an aligned address, as Metal binds an MLX buffer at the array's
+// offset. MLX's CPU allocator aligns buffers to 8 bytes only, while the
+// launch plans choose how rows move from the offsets (row_unit in
+// common/launch_plan.h): so the kernels run on copies and take the paths
+// they take on a GPU. Each copy is a heap block that ends where the array
+// ends, so AddressSanitizer sees an access past it.
+struct StagedArray {
+  char* data;  // the array's own bytes
+  size_t bytes;
+  std::unique_ptr<char[], AlignedDelete> block;
+  char* bound;  // what the kernel gets
+  bool output = false;
+};
+
 // Binds plan slots to the emulator's buffer table: [[buffer(i)]] is
-// buffers[i], a pointer to the array's data or to the constant. Holds plans
-// to the rule eval_gpu depends on (common/launch_plan.h): an array slot is
-// marked empty exactly when its array has no elements, since Metal would
-// see no buffer there. A placeholder is a null pointer here, so a kernel
-// that touches one faults.
+// buffers[i], the staged copy of an array or a constant. An output that is
+// its input's buffer (in place) shares the input's copy; outputs are copied
+// back after the dispatch. Holds plans to the rule eval_gpu depends on
+// (common/launch_plan.h): an array slot is marked empty exactly when its
+// array has no elements, since Metal would see no buffer there. A
+// placeholder is a null pointer here, so a kernel that touches one faults.
 struct EmulatorBinder {
   const std::string& kernel;
   std::vector<void*> buffers;
   // Constants need stable addresses for the duration of the dispatch.
   std::vector<uint32_t> constants;
+  std::vector<StagedArray> staged;
 
   EmulatorBinder(const std::string& kernel, size_t n_slots)
-      : kernel(kernel), buffers(n_slots), constants(n_slots) {}
+      : kernel(kernel), buffers(n_slots), constants(n_slots) {
+    staged.reserve(n_slots);
+  }
+
+  StagedArray& stage(const mx::array& a) {
+    char* data = const_cast<char*>(a.data<char>());
+    const size_t bytes = a.nbytes();
+    for (StagedArray& s : staged) {
+      if (s.data == data && bytes > 0) {
+        if (s.bytes != bytes) {
+          throw std::logic_error("metal emulator: arrays share data but differ in size");
+        }
+        return s;
+      }
+    }
+    const size_t pad = static_cast<size_t>(a.offset()) % kBufferAlignment;
+    std::unique_ptr<char[], AlignedDelete> block(static_cast<char*>(
+        ::operator new[](pad + bytes, std::align_val_t(kBufferAlignment))));
+    char* bound = block.get() + pad;
+    if (bytes > 0) {
+      std::memcpy(bound, data, bytes);
+    }
+    staged.push_back({data, bytes, std::move(block), bound});
+    return staged.back();
+  }
 
   void input(int idx, const mx::array& a) {
     check_marked(idx, a, false);
-    buffers[idx] = const_cast<void*>(static_cast<const void*>(a.data<char>()));
+    buffers[idx] = stage(a).bound;
   }
   void output(int idx, mx::array& a) {
     check_marked(idx, a, false);
-    buffers[idx] = a.data<char>();
+    StagedArray& s = stage(a);
+    s.output = true;
+    buffers[idx] = s.bound;
   }
   void constant(int idx, uint32_t value) {
     constants[idx] = value;
@@ -53,6 +108,14 @@ struct EmulatorBinder {
           " elements there");
     }
   }
+
+  void copy_back() const {
+    for (const StagedArray& s : staged) {
+      if (s.output && s.bytes > 0) {
+        std::memcpy(s.data, s.bound, s.bytes);
+      }
+    }
+  }
 };
 
 } // namespace
@@ -64,6 +127,7 @@ void run_emulated_plan(
   EmulatorBinder binder(plan.kernel, plan.buffers.size());
   bind_slots(plan, inputs, outputs, binder);
   run_emulated_kernel(plan.kernel, plan.groups, plan.group_size, binder.buffers);
+  binder.copy_back();
 }
 
 } // namespace mlx_knorm

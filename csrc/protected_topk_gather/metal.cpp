@@ -44,7 +44,9 @@ LaunchPlan protected_topk_gather_plan(
       u32(sink_end),
       u32(mid_end),
       u32(mid_keep),
-      u32(config.keep == Keep::High ? 1 : 0)});
+      u32(config.keep == Keep::High ? 1 : 0),
+      u32(row_unit({&inputs.prior_keys, &inputs.new_keys, &outputs[0]}, inputs.key_dim())),
+      u32(row_unit({&inputs.prior_values, &inputs.new_values, &outputs[1]}, inputs.value_dim()))});
   return plan;
 }
 
