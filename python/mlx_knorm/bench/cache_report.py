@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from .. import __version__
 from ..backend import backend_info
-from .report import markdown_table
+from .report import faults_text, markdown_table
 
 # Targets for our cache's decode step, checked in the report (never in tests).
 SLOTS_MAX_RATIO_TO_ROTATING = 1.5
@@ -97,10 +97,10 @@ def cache_table(report: dict) -> str:
         lead = [str(config["budget"]), str(config["batch"])]
         for name, t in r["caches"].items():
             rows.append([*lead, name, _ms(t), f"{t['ratio_to_rotating']:.2f}x",
-                         f"{t['ratio_to_memcpy']:.2f}x", f"{t['faults_per_call']:.3g}", str(t["reps"])])
+                         f"{t['ratio_to_memcpy']:.2f}x", faults_text(t['faults_per_call']), str(t["reps"])])
         m = r["memcpy"]
         rows.append([*lead, f"memcpy of K+V ({r['kv_bytes'] / 2**20:.3g} MiB)", _ms(m), "-", "1x",
-                     f"{m['faults_per_call']:.3g}", str(m["reps"])])
+                     faults_text(m['faults_per_call']), str(m["reps"])])
     return markdown_table(header, rows)
 
 

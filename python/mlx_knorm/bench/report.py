@@ -77,12 +77,15 @@ def _cpu_model() -> str | None:
     return None
 
 
+def faults_text(faults: float) -> str:
+    """Page faults per call: whole numbers from 10 up, else two digits."""
+    return f"{faults:.0f}" if faults >= 10 else f"{faults:.2g}"
+
+
 def _ms(timing: dict) -> str:
     """Median ± half the interquartile range, and minor page faults per call."""
     spread = (timing["p75_ms"] - timing["p25_ms"]) / 2
-    faults = timing["faults_per_call"]
-    shown = f"{faults:.0f}" if faults >= 10 else f"{faults:.2g}"
-    return f"{timing['median_ms']:.3g} ± {spread:.2g} ({shown} pf)"
+    return f"{timing['median_ms']:.3g} ± {spread:.2g} ({faults_text(timing['faults_per_call'])} pf)"
 
 
 def _ratio(value) -> str:
