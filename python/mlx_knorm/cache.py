@@ -119,44 +119,18 @@ class L2NormKVCache(_BaseCache):
         self._clear()
 
     def _clear(self) -> None:
-        # Heads first, [B*H, capacity, ...]: the op's own layout, so a step
-        # adds no reshape of the buffers to the graph.
-        self._buffers: list | None = None
-        self._batch_heads = (0, 0)
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.norms: mx.array | None = None
+        self.slot_positions: mx.array | None = None
         self.filled = 0
         self.offset = 0
 
-    def _by_head(self, buffer: mx.array) -> mx.array:
-        return buffer.reshape(*self._batch_heads, *buffer.shape[1:])
+    def _buffers(self) -> list:
+        return [self.keys, self.values, self.norms, self.slot_positions]
 
-    def _buffer_view(self, index: int) -> mx.array | None:
-        return None if self._buffers is None else self._by_head(self._buffers[index])
-
-    def _set_buffer(self, index: int, buffer: mx.array) -> None:
-        # For mlx-lm's pipeline models, which chain a send onto
-        # ``cache.keys`` with ``mx.depends``: same shape, another graph node.
-        if self._buffers is None or tuple(buffer.shape[:2]) != self._batch_heads:
-            raise ValueError("mlx_knorm: L2NormKVCache buffers can only be replaced by arrays of their shape")
-        self._buffers[index] = buffer.reshape(self._buffers[index].shape)
-
-    keys = property(
-        lambda self: self._buffer_view(0),
-        lambda self, buffer: self._set_buffer(0, buffer),
-        doc="The key buffer ``[B, H, capacity, D_k]``, slots ``[0, filled)`` occupied.",
-    )
-    values = property(
-        lambda self: self._buffer_view(1),
-        lambda self, buffer: self._set_buffer(1, buffer),
-        doc="The value buffer ``[B, H, capacity, D_v]``, slots ``[0, filled)`` occupied.",
-    )
-    norms = property(
-        lambda self: self._buffer_view(2),
-        doc="float32 norms of the stored keys ``[B, H, capacity]``, in storage order.",
-    )
-    slot_positions = property(
-        lambda self: self._buffer_view(3),
-        doc="int32 absolute positions of the stored rows ``[B, H, capacity]``, in storage order.",
-    )
+    def _set_buffers(self, buffers) -> None:
+        self.keys, self.values, self.norms, self.slot_positions = buffers
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Absorb ``[B, H, S, D]`` keys/values; return the kept rows and the new rows.
@@ -166,16 +140,14 @@ class L2NormKVCache(_BaseCache):
         rows cause is applied by the next step.
         """
         batch, heads, steps, key_dim = keys.shape
-        value_dim = values.shape[-1]
-        rows = batch * heads
-        previous = self._buffers
-        if previous is None:
+        previous = self._buffers()
+        if self.keys is None:
             dtype = _storage_dtype(keys, values)
             buffers = [
-                mx.zeros((rows, 0, key_dim), dtype),
-                mx.zeros((rows, 0, value_dim), dtype),
-                mx.zeros((rows, 0), mx.float32),
-                mx.zeros((rows, 0), mx.int32),
+                mx.zeros((batch, heads, 0, key_dim), dtype),
+                mx.zeros((batch, heads, 0, values.shape[-1]), dtype),
+                mx.zeros((batch, heads, 0), mx.float32),
+                mx.zeros((batch, heads, 0), mx.int32),
             ]
         else:
             self._check_block(keys, values)
@@ -186,31 +158,30 @@ class L2NormKVCache(_BaseCache):
                 f"{steps} new tokens must be < 2**31"
             )
         kept = min(self.filled, self.budget)
-        capacity = self._capacity(kept + steps, buffers[0].shape[1])
+        capacity = self._capacity(kept + steps, buffers[0].shape[2])
         # The op writes in place only if it holds the buffers' last reference.
-        self._buffers = None
+        self._set_buffers([None] * 4)
         try:
             out = evict_and_fill_unchecked(
                 *buffers,
-                keys.astype(buffers[0].dtype).reshape(rows, steps, key_dim),
-                values.astype(buffers[1].dtype).reshape(rows, steps, value_dim),
+                keys.astype(buffers[0].dtype),
+                values.astype(buffers[1].dtype),
                 filled=self.filled, offset=self.offset, capacity=capacity,
                 budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
                 layout=self.layout,
             )
         except BaseException:
-            self._buffers = previous
+            self._set_buffers(previous)
             raise
         del buffers, previous
-        self._buffers = list(out)
-        self._batch_heads = (batch, heads)
+        self._set_buffers(out)
         self.filled = kept + steps
         self.offset += steps
-        return self._occupied(out[0]), self._occupied(out[1])
+        return self._occupied(self.keys), self._occupied(self.values)
 
     def _check_block(self, keys: mx.array, values: mx.array) -> None:
-        batch, heads = self._batch_heads
-        key_dim, value_dim = self._buffers[0].shape[-1], self._buffers[1].shape[-1]
+        batch, heads, _, key_dim = self.keys.shape
+        value_dim = self.values.shape[-1]
         if keys.shape[:2] != (batch, heads) or keys.shape[-1] != key_dim or values.shape != (
             *keys.shape[:3], value_dim
         ):
@@ -231,30 +202,29 @@ class L2NormKVCache(_BaseCache):
         return min(-(-needed // GROWTH_STEP) * GROWTH_STEP, most)
 
     def _occupied(self, buffer: mx.array) -> mx.array:
-        """Slots ``[0, filled)`` of a heads-first buffer as ``[B, H, filled, D]`` (a view)."""
-        if buffer.shape[1] != self.filled:
-            buffer = buffer[:, : self.filled]
-        return self._by_head(buffer)
+        """Slots ``[0, filled)`` of a ``[B, H, capacity, D]`` buffer (a view)."""
+        return buffer if buffer.shape[2] == self.filled else buffer[..., : self.filled, :]
 
     def _kept_rows(self) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
         """The kept rows once the pending eviction is applied, in temporal
         order: keys, values, norms, positions ``[B, H, kept, ...]``.
         Computed out of place; the buffers are not touched."""
-        if self._buffers is None:
+        if self.keys is None:
             return None
         kept = self.size()
-        rows = [b[:, :kept] for b in self._buffers]
+        buffers = self._buffers()
+        rows = [b[:, :, :kept] for b in buffers]
         if kept < self.filled:
-            no_rows = [mx.zeros((b.shape[0], 0, b.shape[2]), b.dtype) for b in self._buffers[:2]]
+            no_rows = [mx.zeros((*b.shape[:2], 0, b.shape[3]), b.dtype) for b in buffers[:2]]
             rows = evict_and_fill_unchecked(
-                *self._buffers, *no_rows, filled=self.filled, offset=self.offset, capacity=kept,
+                *buffers, *no_rows, filled=self.filled, offset=self.offset, capacity=kept,
                 budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
                 layout="temporal",
             )
         if self.layout == "slots":
-            order = mx.argsort(rows[3], axis=1)
-            rows = [mx.take_along_axis(r, order if r.ndim == 2 else order[..., None], axis=1) for r in rows]
-        return tuple(self._by_head(r) for r in rows)
+            order = mx.argsort(rows[3], axis=2)
+            rows = [mx.take_along_axis(r, order if r.ndim == 3 else order[..., None], axis=2) for r in rows]
+        return tuple(rows)
 
     @property
     def positions(self) -> mx.array | None:
@@ -293,7 +263,7 @@ class L2NormKVCache(_BaseCache):
         return False
 
     def empty(self) -> bool:
-        return self._buffers is None
+        return self.keys is None
 
     def size(self) -> int:
         """Rows kept per head (at most ``budget``), as RotatingKVCache reports its window."""
@@ -302,7 +272,7 @@ class L2NormKVCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         """Bytes of the buffers: keys, values, norms and positions, every slot."""
-        return 0 if self._buffers is None else sum(b.nbytes for b in self._buffers)
+        return 0 if self.keys is None else sum(b.nbytes for b in self._buffers())
 
     @property
     def state(self):
@@ -325,10 +295,8 @@ class L2NormKVCache(_BaseCache):
         self._clear()
         self.offset = checked.offset
         if checked.rows is not None:
-            batch, heads, kept = checked.rows[0].shape[:3]
-            self._buffers = [r.reshape(batch * heads, *r.shape[2:]) for r in checked.rows]
-            self._batch_heads = (batch, heads)
-            self.filled = kept
+            self._set_buffers(checked.rows)
+            self.filled = checked.rows[0].shape[2]
 
     @property
     def meta_state(self) -> tuple[str, ...]:
@@ -346,18 +314,18 @@ class L2NormKVCache(_BaseCache):
     def _fp16_bytes(self, tokens: int) -> int:
         # The reference's accounting: K + V at 2 bytes per element, all B*H
         # heads; keys and values may differ in width (multi-head latent attention).
-        rows, _, key_dim = self._buffers[0].shape
-        return rows * tokens * (key_dim + self._buffers[1].shape[-1]) * 2
+        batch, heads, _, key_dim = self.keys.shape
+        return batch * heads * tokens * (key_dim + self.values.shape[-1]) * 2
 
     @property
     def knorm_kept_bytes(self) -> int:
         """float16-equivalent bytes of the kept K + V rows across all heads."""
-        return 0 if self._buffers is None else self._fp16_bytes(self.size())
+        return 0 if self.keys is None else self._fp16_bytes(self.size())
 
     @property
     def full_seq_bytes(self) -> int:
         """float16-equivalent K + V bytes had every token seen been kept."""
-        return 0 if self._buffers is None else self._fp16_bytes(self.offset)
+        return 0 if self.keys is None else self._fp16_bytes(self.offset)
 
     @property
     def compression_ratio(self) -> float:
@@ -368,7 +336,10 @@ class L2NormKVCache(_BaseCache):
     @property
     def tokens_seen(self) -> int:
         """Token positions absorbed, summed over all B*H heads."""
-        return 0 if self._buffers is None else self._buffers[0].shape[0] * self.offset
+        if self.keys is None:
+            return 0
+        batch, heads = self.keys.shape[:2]
+        return batch * heads * self.offset
 
     @property
     def tokens_kept(self) -> int:
