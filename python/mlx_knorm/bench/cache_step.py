@@ -103,7 +103,7 @@ def stored_arrays(cache) -> list[mx.array]:
     """The arrays ``cache`` holds for its next step: what a step evaluates
     besides the attended keys and values."""
     if isinstance(cache, L2NormKVCache):
-        return list(cache._buffers)
+        return [cache.keys, cache.values, cache.norms, cache.slot_positions]
     reference = reference_cache_class()
     if reference is not None and isinstance(cache, reference):
         return [cache._keys, cache._values, cache._norms, cache._positions]
