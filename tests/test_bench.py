@@ -5,11 +5,13 @@ import json
 import runpy
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 import mlx_knorm
 from mlx_knorm.__main__ import main
 from mlx_knorm.bench.cases import TARGET_STEPS
+from mlx_knorm.bench.timing import RAISED_CACHE_LIMIT
 
 pytestmark = pytest.mark.skipif(
     not mlx_knorm.native_available(), reason="native extension not loaded"
@@ -46,11 +48,34 @@ def test_bench_cli_writes_json_with_bit_exact_cases(tmp_path, capsys):
             assert timing["min_ms"] <= timing["median_ms"] <= timing["max_ms"]
         assert case["ratio_to_memcpy"] > 0 and case["call_overhead_us"] > 0
         assert all({"measured", "target", "met"} <= set(t) for t in case["targets"].values())
-    in_place = report["cases"][0]["in_place"]
+    decode, prefill = report["cases"]
+    in_place = decode["in_place"]
     assert 0 <= in_place["mean_bytes_moved"] <= in_place["state_bytes"] == 2 * 16 * (2 * 8 * 2 + 4)
-    assert "in_place" not in report["cases"][1]
+    raised = decode["raised_cache_limit"]
+    assert raised["cache_limit_bytes"] == RAISED_CACHE_LIMIT
+    assert set(raised) >= {"kernel", "memcpy", "default_cache_limit_bytes", "ratio_to_memcpy"}
+    assert "in_place" not in prefill and "raised_cache_limit" not in prefill
+    assert report["warm_process"] is True
     out = capsys.readouterr().out
     assert "| decode S=1 budget=16 |" in out and "| prefill S=40 budget=16 |" in out
+    assert "raised to 256 MiB" in out
+
+
+def test_bench_restores_the_cache_limit_it_raises(tmp_path):
+    """The raised-limit row sets MLX's process-wide cache limit for its own
+    timings only: the caller's limit is the one in force afterwards and the
+    one the report names as the default."""
+    limit = 48 << 20
+    previous = mx.set_cache_limit(limit)
+    try:
+        path = tmp_path / "bench.json"
+        assert main(["bench", "--quick", "--no-progress", "--n", "2", "--d", "8", "--budget", "16",
+                     "--s", "1", "--reps", "3", "--json", str(path)]) == 0
+        assert mx.set_cache_limit(limit) == limit
+    finally:
+        mx.set_cache_limit(previous)
+    raised = json.loads(path.read_text())["cases"][0]["raised_cache_limit"]
+    assert raised["default_cache_limit_bytes"] == limit
 
 
 def test_default_command_is_the_quick_bench(monkeypatch):
