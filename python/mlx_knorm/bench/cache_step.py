@@ -82,17 +82,14 @@ def reference_cache_class():
 
 def cache_kinds() -> dict:
     """name -> make(budget): a fresh cache of each kind under test."""
-
-    def make_reference(budget):
-        return reference(types.SimpleNamespace(knorm_budget=budget, knorm_n_sink=N_SINK))
-
     kinds = {
         "KVCache": lambda budget: KVCache(),
         "RotatingKVCache": lambda budget: RotatingKVCache(max_size=budget, keep=N_SINK),
     }
     reference = reference_cache_class()
     if reference is not None:
-        kinds["reference"] = make_reference
+        kinds["reference"] = lambda budget: reference(
+            types.SimpleNamespace(knorm_budget=budget, knorm_n_sink=N_SINK))
     for layout in ("slots", "temporal"):
         kinds[layout] = lambda budget, layout=layout: L2NormKVCache(
             budget=budget, n_sink=N_SINK, layout=layout)
