@@ -394,7 +394,9 @@ inline void knorm_fill_holes(
       mover_tail += at.total;
       mover_next += kEvictGroupSize;
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // The queues are complete, and the scans' reads of the ranks are done
+    // before the moves below overwrite holes (in place).
+    threadgroup_barrier(mem_flags::mem_threadgroup | mem_flags::mem_device);
     const uint pairs = min(hole_tail - hole_head, mover_tail - mover_head);
     if (pairs == 0 && !scan_holes && !scan_movers) {
       break;
