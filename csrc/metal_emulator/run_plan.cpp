@@ -2,6 +2,7 @@
 
 #include <cstdint>
 
+#include "common/dtype.h"
 #include "metal_emulator/dispatch.h"
 
 namespace mlx_knorm {
@@ -11,23 +12,27 @@ namespace mx = mlx::core;
 namespace {
 
 // Binds plan slots to the emulator's buffer table: [[buffer(i)]] is
-// buffers[i], a pointer to the array's data or to the constant.
+// buffers[i], the array's data or the constant, with what the emulator
+// checks against the kernel's signature.
 struct EmulatorBinder {
-  std::vector<void*> buffers;
+  std::vector<EmulatedBuffer> buffers;
   // Constants need stable addresses for the duration of the dispatch.
   std::vector<uint32_t> constants;
 
   explicit EmulatorBinder(size_t n_slots) : buffers(n_slots), constants(n_slots) {}
 
   void input(int idx, const mx::array& a) {
-    buffers[idx] = const_cast<void*>(static_cast<const void*>(a.data<char>()));
+    buffers[idx] = {const_cast<void*>(static_cast<const void*>(a.data<char>())), a.nbytes(),
+                    dtype_name(a.dtype()), EmulatedBuffer::Access::Read};
   }
   void output(int idx, mx::array& a) {
-    buffers[idx] = a.data<char>();
+    buffers[idx] = {a.data<char>(), a.nbytes(), dtype_name(a.dtype()),
+                    EmulatedBuffer::Access::Write};
   }
   void constant(int idx, uint32_t value) {
     constants[idx] = value;
-    buffers[idx] = &constants[idx];
+    buffers[idx] = {&constants[idx], sizeof(uint32_t), dtype_name(mx::uint32),
+                    EmulatedBuffer::Access::Constant};
   }
 };
 
