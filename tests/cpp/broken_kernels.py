@@ -1,6 +1,6 @@
 """Deliberately broken copies of metal/, each with what must reject it: the
-emulator's binding check, its threadgroup-memory model, its kernel-scope
-check, ThreadSanitizer, or the compiler. .ci/sanitize writes them, builds a
+emulator's binding check, its threadgroup-memory model (stale data, write
+conflicts), its kernel-scope check, ThreadSanitizer, or the compiler. .ci/sanitize writes them, builds a
 sanitizer driver over each (CMakeLists.txt, MLX_KNORM_BROKEN_KERNELS_DIR)
 and checks that each fails as expected, while the real kernels pass: a check
 that no longer fails its broken kernel has lost its teeth.
@@ -68,6 +68,17 @@ BROKEN_KERNELS = (
           "    worst[3 * simd_group + 2] = slot;\n  }\n  threadgroup_barrier(mem_flags::mem_none);\n"),),
         "run",
         {"thread": (TSAN_RACE, "knorm_worst_slot"), "address": ("MISMATCH: step case in place, temporal",)},
+    ),
+    # Two lanes of each SIMD group writing its worst row, with no barrier
+    # between them.
+    BrokenKernel(
+        "threadgroup_write_race",
+        (("evict_and_fill.metal",
+          "  if (lane == 0) {\n    worst[3 * simd_group] = uint(rank >> 32);\n",
+          "  if (lane < 2) {\n    worst[3 * simd_group] = uint(rank >> 32);\n"),),
+        "run",
+        {"thread": (TSAN_RACE, "knorm_worst_slot"),
+         "address": ("of threadgroup memory with no barrier ordering threadgroup memory between",)},
     ),
     # The gather's barrier before the copies read the kept rows' indices,
     # without mem_device.

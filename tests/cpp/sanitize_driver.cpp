@@ -1,9 +1,9 @@
 // Standalone check of the emulated Metal kernels (csrc/metal_emulator/),
-// built under a sanitizer by .ci/sanitize: random cases (random bit patterns, ties, NaN, infinities,
-// rows spanning several threadgroup chunks, outputs updated in place) run
-// through the emulator and the CPU kernels, and every output must agree bit
-// for bit. Under
-// ThreadSanitizer a missing barrier in a kernel is a reported race; under
+// built under a sanitizer by .ci/sanitize: random cases (random bit
+// patterns, ties, NaN, infinities, rows spanning several threadgroup chunks,
+// outputs updated in place) run through the emulator and the CPU kernels,
+// and every output must agree bit for bit. Under ThreadSanitizer a barrier
+// missing or too weak in a kernel is a reported race; under
 // AddressSanitizer an access past a buffer is a reported overflow (each
 // buffer is a heap block of its own that ends where the array ends). Also
 // checks the emulator's half/bfloat conversions against MLX's.
