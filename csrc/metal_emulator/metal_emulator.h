@@ -1,8 +1,9 @@
 // Header-only emulation of the part of the Metal execution model that the
 // kernels in metal/ use, so that the very same .metal files compile as C++
 // and run on a CPU. Every thread of a threadgroup is a real std::thread and
-// every barrier is a real barrier: a kernel that misses a barrier races here
-// exactly as it would on a GPU, and ThreadSanitizer sees it.
+// every barrier is a real barrier: a kernel that misses a barrier, or whose
+// barrier orders too little, reads stale data or races here as it may on a
+// GPU, and ThreadSanitizer reports it (memory ordering, below).
 //
 // Modelled: the kernel signature (each parameter's [[buffer(i)]] or thread
 // attribute, through KNORM_BUFFER and KNORM_ATTRIBUTE), half and bfloat with
