@@ -3,6 +3,7 @@
 // are shared with MLX's module.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/filesystem.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
@@ -13,6 +14,9 @@
 #include "key_norms/key_norms.h"
 #include "metal/knorm_defines.h"
 #include "protected_topk_gather/protected_topk_gather.h"
+#ifdef MLX_KNORM_METAL
+#include "common/metal_dispatch.h"
+#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -42,6 +46,15 @@ NB_MODULE(_ext, m) {
   m.attr("metal_key_norms_max_dim") = mlx_knorm::kKeyNormsMaxDim;
 #ifdef MLX_KNORM_METAL
   m.attr("has_metal_kernels") = true;
+  m.def(
+      "metal_kernel_library",
+      [] {
+        const auto& library = mlx_knorm::metal_kernel_library();
+        return std::make_pair(
+            std::string(library.prebuilt ? "metallib" : "jit"), library.path);
+      },
+      "Where the Metal kernels come from: (\"metallib\", its path) or "
+      "(\"jit\", the folder of .metal sources compiled at first use).");
 #else
   m.attr("has_metal_kernels") = false;
 #endif

@@ -3,7 +3,8 @@
 // head:
 //   selection   nothing leaves (filled <= budget); one row leaves (a decode
 //               step): SIMD-group and threadgroup reductions of the 64-bit
-//               rank; several leave: the radix select of knorm_kernels.h;
+//               rank; several leave: the radix select of knorm_kernels.h,
+//               on ranks kept in threadgroup memory where they fit;
 //   compaction  slot layout: the kept rows at or past `kept` fill the holes
 //               below it, both in slot order; temporal layout: a stable
 //               compaction, chunk by chunk;
@@ -13,7 +14,8 @@
 // place: only the rows that move are written. The temporal compaction then
 // moves rows in waves (every thread reads its share of a wave into
 // registers, a barrier, then all write), so that no row is overwritten
-// before it is read. All offsets into K/V buffers are 64-bit.
+// before it is read. K/V rows move in the units of knorm_copy_bits that the
+// launch plan chose. All offsets into K/V buffers are 64-bit.
 //
 // Launched by csrc/evict_and_fill/metal.cpp. Compiles as Metal Shading
 // Language and, through csrc/metal_emulator/metal_emulator.h, as C++.
@@ -23,8 +25,13 @@ constant constexpr uint kEvictSimdGroups = kEvictGroupSize / kSimdWidth;
 // Entries of each queue of the slot layout's pairing: a chunk is scanned
 // only while fewer than kEvictGroupSize wait, so a queue never holds more.
 constant constexpr uint kEvictQueue = 2 * kEvictGroupSize;
-// Elements each thread holds in one wave of an in-place compaction.
-constant constexpr uint kWaveElements = 16;
+// Bytes each thread holds in one wave of an in-place compaction.
+constant constexpr uint kWaveBytes = 64;
+// Slots of a head whose ranks are kept in threadgroup memory when several
+// rows leave (the radix select reads them in eight passes, the compaction
+// again): 24 KiB, with the kernel's other threadgroup arrays within the
+// 32 KiB a threadgroup may have.
+constant constexpr uint kEvictCachedRanks = 3072;
 
 // How many rows leave.
 constant constexpr uint kKeepAll = 0;
@@ -40,16 +47,22 @@ struct KnormStep {
   bool keep_high;
   device const float* norms;
   device const int* positions;
+  bool cached;  // the ranks of slots [0, filled) are in cached_ranks
+  threadgroup const ulong* cached_ranks;
 };
 
 // docs/spec.md section 4 step 1 as one 64-bit key: the score key, or 0 for
 // a protected row (no score key is 0), then the position. Equal keys rank
 // by slot, lower first.
-inline ulong knorm_eviction_rank(KnormStep step, uint s) {
+inline ulong knorm_rank_of(KnormStep step, uint s) {
   const int p = step.positions[s];
   const bool protect = p < step.n_sink || p >= step.protect_from;
   const ulong score = protect ? ulong(0) : ulong(knorm_score_key(step.norms[s], step.keep_high));
   return (score << 32) | ulong(as_type<uint>(p) ^ 0x80000000u);
+}
+
+inline ulong knorm_eviction_rank(KnormStep step, uint s) {
+  return step.cached ? step.cached_ranks[s] : knorm_rank_of(step, s);
 }
 
 // The ranks of a head's rows, for knorm_radix_select.
@@ -190,53 +203,82 @@ struct KnormStepBuffers {
   device int* out_positions;
   uint key_dim;
   uint value_dim;
+  uint key_unit;  // bytes of the units K and V rows move in (knorm_copy_bits)
+  uint value_unit;
   uint in_place;
 };
-
-template <typename T>
-inline void knorm_copy_row(
-    device const T* in,
-    device T* out,
-    uint src,
-    uint dst,
-    uint dim,
-    uint lane) {
-  for (uint d = lane; d < dim; d += kSimdWidth) {
-    out[ulong(dst) * dim + d] = in[ulong(src) * dim + d];
-  }
-}
 
 // Row src of every input to row dst of its output, by the lanes of one SIMD
 // group; the bits move as they are.
 template <typename K, typename V>
 inline void knorm_move_row(KnormStepBuffers<K, V> b, uint src, uint dst, uint lane) {
-  knorm_copy_row(b.keys, b.out_keys, src, dst, b.key_dim, lane);
-  knorm_copy_row(b.values, b.out_values, src, dst, b.value_dim, lane);
+  knorm_copy_bits(b.keys + ulong(src) * b.key_dim, b.out_keys + ulong(dst) * b.key_dim,
+                  b.key_dim, b.key_unit, lane, kSimdWidth);
+  knorm_copy_bits(b.values + ulong(src) * b.value_dim, b.out_values + ulong(dst) * b.value_dim,
+                  b.value_dim, b.value_unit, lane, kSimdWidth);
   if (lane == 0) {
     b.out_norms[dst] = b.norms[src];
     b.out_positions[dst] = b.positions[src];
   }
 }
 
-// The first `count` elements of an input that is not updated in place, by
-// the whole threadgroup.
-template <typename T>
-inline void knorm_copy_elements(device const T* in, device T* out, ulong count, uint tid) {
-  for (ulong e = tid; e < count; e += kEvictGroupSize) {
-    out[e] = in[e];
+// Rows src[p] -> dst[p] of one buffer, p < n, rows of `width` units U, by
+// the whole threadgroup; dst and src increase with p and dst[p] <= src[p].
+// Into a separate output, unit by unit. In place (`overlapping`), rows
+// already where they belong are skipped and the others move in waves over
+// their units in order: every thread reads its units of the wave, a
+// barrier, then writes them. A later wave's sources lie at or past its own
+// destinations, hence past every earlier wave's, so no unit is overwritten
+// before it is read.
+template <typename U>
+inline void knorm_move_rows(
+    device const U* in,
+    device U* out,
+    bool overlapping,
+    threadgroup const uint* src,
+    threadgroup const uint* dst,
+    uint n,
+    uint width,
+    uint tid) {
+  const ulong total = ulong(n) * width;
+  if (!overlapping) {
+    for (ulong e = tid; e < total; e += kEvictGroupSize) {
+      const uint p = uint(e / width);
+      const uint d = uint(e % width);
+      out[ulong(dst[p]) * width + d] = in[ulong(src[p]) * width + d];
+    }
+    return;
+  }
+  constexpr uint kWaveUnits = kWaveBytes / sizeof(U);
+  for (ulong base = 0; base < total; base += kEvictGroupSize * kWaveUnits) {
+    U held[kWaveUnits];
+    for (uint k = 0; k < kWaveUnits; ++k) {
+      const ulong e = base + ulong(k) * kEvictGroupSize + tid;
+      if (e < total) {
+        const uint p = uint(e / width);
+        if (src[p] != dst[p]) {
+          held[k] = in[ulong(src[p]) * width + e % width];
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_device);
+    for (uint k = 0; k < kWaveUnits; ++k) {
+      const ulong e = base + ulong(k) * kEvictGroupSize + tid;
+      if (e < total) {
+        const uint p = uint(e / width);
+        if (src[p] != dst[p]) {
+          out[ulong(dst[p]) * width + e % width] = held[k];
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_device);
   }
 }
 
-// Rows src[p] -> dst[p] of one buffer, p < n, by the whole threadgroup; dst
-// and src increase with p and dst[p] <= src[p]. Into a separate output,
-// element by element. In place (`overlapping`), rows already where they
-// belong are skipped and the others move in waves over their elements in
-// order: every thread reads its elements of the wave, a barrier, then
-// writes them. A later wave's sources lie at or past its own destinations,
-// hence past every earlier wave's, so no element is overwritten before it
-// is read.
+// knorm_move_rows for K or V rows of `dim` elements, in `unit`-byte units
+// (knorm_copy_bits).
 template <typename T>
-inline void knorm_move_rows(
+inline void knorm_move_kv_rows(
     device const T* in,
     device T* out,
     bool overlapping,
@@ -244,38 +286,18 @@ inline void knorm_move_rows(
     threadgroup const uint* dst,
     uint n,
     uint dim,
+    uint unit,
     uint tid) {
-  const ulong total = ulong(n) * dim;
-  if (!overlapping) {
-    for (ulong e = tid; e < total; e += kEvictGroupSize) {
-      const uint p = uint(e / dim);
-      const uint d = uint(e % dim);
-      out[ulong(dst[p]) * dim + d] = in[ulong(src[p]) * dim + d];
-    }
-    return;
-  }
-  for (ulong base = 0; base < total; base += kEvictGroupSize * kWaveElements) {
-    T held[kWaveElements];
-    for (uint k = 0; k < kWaveElements; ++k) {
-      const ulong e = base + ulong(k) * kEvictGroupSize + tid;
-      if (e < total) {
-        const uint p = uint(e / dim);
-        if (src[p] != dst[p]) {
-          held[k] = in[ulong(src[p]) * dim + e % dim];
-        }
-      }
-    }
-    threadgroup_barrier(mem_flags::mem_device);
-    for (uint k = 0; k < kWaveElements; ++k) {
-      const ulong e = base + ulong(k) * kEvictGroupSize + tid;
-      if (e < total) {
-        const uint p = uint(e / dim);
-        if (src[p] != dst[p]) {
-          out[ulong(dst[p]) * dim + e % dim] = held[k];
-        }
-      }
-    }
-    threadgroup_barrier(mem_flags::mem_device);
+  if (unit == kRowUnitWide) {
+    knorm_move_rows(reinterpret_cast<device const uint4*>(in), reinterpret_cast<device uint4*>(out),
+                    overlapping, src, dst, n, dim / uint(kRowUnitWide / sizeof(T)), tid);
+  } else if (unit == kRowUnitNarrow) {
+    knorm_move_rows(reinterpret_cast<device const uint2*>(in), reinterpret_cast<device uint2*>(out),
+                    overlapping, src, dst, n, dim / uint(kRowUnitNarrow / sizeof(T)), tid);
+  } else {
+    typedef typename KnormBits<sizeof(T)>::type Bits;
+    knorm_move_rows(reinterpret_cast<device const Bits*>(in), reinterpret_cast<device Bits*>(out),
+                    overlapping, src, dst, n, dim, tid);
   }
 }
 
@@ -318,10 +340,12 @@ inline void knorm_compact_temporal(
         moves ? 1u : 0u, simd_totals, lane, simd_group).total != 0;
     const uint n = at.total;
     if ((b.in_place & 1u) == 0 || any_moves) {
-      knorm_move_rows(b.keys, b.out_keys, (b.in_place & 1u) != 0, src, dst, n, b.key_dim, tid);
+      knorm_move_kv_rows(b.keys, b.out_keys, (b.in_place & 1u) != 0, src, dst, n, b.key_dim,
+                         b.key_unit, tid);
     }
     if ((b.in_place & 2u) == 0 || any_moves) {
-      knorm_move_rows(b.values, b.out_values, (b.in_place & 2u) != 0, src, dst, n, b.value_dim, tid);
+      knorm_move_kv_rows(b.values, b.out_values, (b.in_place & 2u) != 0, src, dst, n,
+                         b.value_dim, b.value_unit, tid);
     }
     if ((b.in_place & 4u) == 0 || any_moves) {
       knorm_move_rows(b.norms, b.out_norms, (b.in_place & 4u) != 0, src, dst, n, 1u, tid);
@@ -394,8 +418,9 @@ inline void knorm_fill_holes(
       mover_tail += at.total;
       mover_next += kEvictGroupSize;
     }
-    // The queues are complete, and the scans' reads of the ranks are done
-    // before the moves below overwrite holes (in place).
+    // The queues are complete, and the scans' reads of the rows' norms and
+    // positions (where the ranks are not cached) are done before the moves
+    // below overwrite holes (in place).
     threadgroup_barrier(mem_flags::mem_threadgroup | mem_flags::mem_device);
     const uint pairs = min(hole_tail - hole_head, mover_tail - mover_head);
     if (pairs == 0 && !scan_holes && !scan_movers) {
@@ -437,6 +462,8 @@ template <typename K, typename V>
     constant uint& keep_high KNORM_BUFFER(20),
     constant uint& temporal KNORM_BUFFER(21),
     constant uint& in_place KNORM_BUFFER(22),
+    constant uint& key_unit KNORM_BUFFER(23),
+    constant uint& value_unit KNORM_BUFFER(24),
     uint head KNORM_ATTRIBUTE(threadgroup_position_in_grid),
     uint tid KNORM_ATTRIBUTE(thread_position_in_threadgroup),
     uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
@@ -449,17 +476,18 @@ template <typename K, typename V>
   // (temporal layout).
   KNORM_THREADGROUP_ARRAY(uint, first_list, kEvictQueue);
   KNORM_THREADGROUP_ARRAY(uint, second_list, kEvictQueue);
+  KNORM_THREADGROUP_ARRAY(ulong, cached_ranks, kEvictCachedRanks);
 
   const ulong in_row = ulong(head) * slots;
   const ulong out_row = ulong(head) * out_slots;
-  const KnormStep step = {
+  KnormStep step = {
       filled, kept, int(n_sink), as_type<int>(protect_from), keep_high != 0,
-      norms + in_row, positions + in_row};
+      norms + in_row, positions + in_row, false, cached_ranks};
   const KnormStepBuffers<K, V> b = {
       keys + in_row * key_dim, values + in_row * value_dim, norms + in_row,
       positions + in_row, out_keys + out_row * key_dim,
       out_values + out_row * value_dim, out_norms + out_row,
-      out_positions + out_row, key_dim, value_dim, in_place};
+      out_positions + out_row, key_dim, value_dim, key_unit, value_unit, in_place};
 
   // docs/spec.md section 4 step 1.
   KnormEviction ev = {kKeepAll, 0u, {ulong(0), 0u, 0u}};
@@ -468,6 +496,15 @@ template <typename K, typename V>
     ev.evicted = knorm_worst_slot(step, worst, tid, lane, simd_group);
   } else if (filled > kept) {
     ev.mode = kEvictMany;
+    // Read before any row moves, so the scans below see the ranks as they
+    // were even where the outputs are the inputs.
+    if (filled <= kEvictCachedRanks) {
+      for (uint s = tid; s < filled; s += kEvictGroupSize) {
+        cached_ranks[s] = knorm_rank_of(step, s);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      step.cached = true;
+    }
     KnormStepRanks ranks = {step};
     ev.cut = knorm_radix_select<ulong, kEvictGroupSize>(
         ranks, 0u, filled, kept, histogram, simd_totals, picked, tid, lane, simd_group);
@@ -479,16 +516,19 @@ template <typename K, typename V>
   } else {
     // Outputs not updated in place start as a copy of the rows below kept.
     if ((in_place & 1u) == 0) {
-      knorm_copy_elements(b.keys, b.out_keys, ulong(kept) * key_dim, tid);
+      knorm_copy_bits(b.keys, b.out_keys, ulong(kept) * key_dim, key_unit, tid, kEvictGroupSize);
     }
     if ((in_place & 2u) == 0) {
-      knorm_copy_elements(b.values, b.out_values, ulong(kept) * value_dim, tid);
+      knorm_copy_bits(b.values, b.out_values, ulong(kept) * value_dim, value_unit, tid,
+                      kEvictGroupSize);
     }
     if ((in_place & 4u) == 0) {
-      knorm_copy_elements(b.norms, b.out_norms, ulong(kept), tid);
+      knorm_copy_bits(b.norms, b.out_norms, ulong(kept), uint(sizeof(float)), tid,
+                      kEvictGroupSize);
     }
     if ((in_place & 8u) == 0) {
-      knorm_copy_elements(b.positions, b.out_positions, ulong(kept), tid);
+      knorm_copy_bits(b.positions, b.out_positions, ulong(kept), uint(sizeof(int)), tid,
+                      kEvictGroupSize);
     }
     // The holes among those rows are overwritten below, by other threads.
     threadgroup_barrier(mem_flags::mem_device);
@@ -511,13 +551,13 @@ template <typename K, typename V>
     device const K* key = new_keys + src * key_dim;
     device const V* value = new_values + src * value_dim;
     const uint dst = kept + j;
-    for (uint d = lane; d < key_dim; d += kSimdWidth) {
-      b.out_keys[ulong(dst) * key_dim + d] = key[d];
-    }
-    for (uint d = lane; d < value_dim; d += kSimdWidth) {
-      b.out_values[ulong(dst) * value_dim + d] = value[d];
-    }
-    const float norm = knorm_row_norm(key, key_dim, lane);
+    knorm_copy_bits(key, b.out_keys + ulong(dst) * key_dim, key_dim, key_unit, lane, kSimdWidth);
+    knorm_copy_bits(value, b.out_values + ulong(dst) * value_dim, value_dim, value_unit, lane,
+                    kSimdWidth);
+    // Sized for the widest key the kernel takes: the padding past P leaves
+    // the pinned sum as it is (knorm_row_norm), and a new row's norm is a
+    // small part of a step.
+    const float norm = knorm_row_norm<kKeyNormsMaxDim / kSimdWidth>(key, key_dim, lane);
     if (lane == 0) {
       b.out_norms[dst] = norm;
       b.out_positions[dst] = int(offset + j);

@@ -54,6 +54,14 @@ KNORM_CONSTANT uint32_t kKeyNormsMaxDim = 512;
 // groups, so that many are resident.
 KNORM_CONSTANT uint32_t kKeyNormsRowsPerGroup = 4;
 
+// K/V rows move as raw bits in units of kRowUnitWide bytes (one uint4) or
+// kRowUnitNarrow (one uint2) where the row width and every row start are
+// multiples of the unit, else one element at a time; the launch plans
+// choose, the kernels take the unit in bytes (knorm_copy_bits in
+// knorm_kernels.h).
+KNORM_CONSTANT uint32_t kRowUnitWide = 16;
+KNORM_CONSTANT uint32_t kRowUnitNarrow = 8;
+
 // Threads per threadgroup of the gather kernel (one threadgroup per head).
 KNORM_CONSTANT uint32_t kGatherGroupSize = 256;
 

@@ -1,8 +1,9 @@
 // Device code the kernels in this folder share: the order key of a score,
-// the threadgroup prefix sum, the radix select, and the norm of one key row
-// (docs/spec.md section 2). Compiles as Metal Shading Language and, through
-// csrc/metal_emulator/metal_emulator.h, as C++; the JIT loader inlines it
-// like knorm_defines.h (csrc/common/kernel_source.cpp).
+// the threadgroup prefix sum, the radix select, the norm of one key row
+// (docs/spec.md section 2) and the moves of K/V rows. Compiles as Metal
+// Shading Language and, through csrc/metal_emulator/metal_emulator.h, as
+// C++; the JIT loader inlines it like knorm_defines.h
+// (csrc/common/kernel_source.cpp).
 #ifndef MLX_KNORM_METAL_KNORM_KERNELS_H
 #define MLX_KNORM_METAL_KNORM_KERNELS_H
 
@@ -68,10 +69,48 @@ struct KnormCut {
   uint equal;
 };
 
+// How many bins a SIMD group adds to with one atomic for all of its lanes
+// that share them, per step over the rows (knorm_histogram_add).
+constant constexpr uint kHistogramMerges = 2;
+
+// histogram[bin] += 1 for every lane with `counted`, by the 32 lanes of a
+// SIMD group (all of them must call it). Keys of one magnitude share one or
+// two bins of the top byte, and 32 lanes adding to one threadgroup atomic
+// wait on each other: so the lanes that share the bin of the first lane
+// still counting add with one atomic, up to kHistogramMerges times, and the
+// lanes left over (bins spread out) add one each.
+inline void knorm_histogram_add(
+    threadgroup atomic_uint* histogram,
+    uint bin,
+    bool counted,
+    uint lane) {
+  bool pending = counted;
+  for (uint m = 0; m < kHistogramMerges; ++m) {
+    const uint waiting = uint(static_cast<simd_vote::vote_t>(simd_ballot(pending)));
+    // The same ballot in every lane: the group leaves together.
+    if (waiting == 0) {
+      break;
+    }
+    const uint leader = ctz(waiting);
+    const uint leader_bin = simd_shuffle(bin, ushort(leader));
+    const bool same = pending && bin == leader_bin;
+    const uint merged = uint(static_cast<simd_vote::vote_t>(simd_ballot(same)));
+    if (lane == leader) {
+      atomic_fetch_add_explicit(
+          &histogram[leader_bin], popcount(merged), memory_order_relaxed);
+    }
+    pending = pending && !same;
+  }
+  if (pending) {
+    atomic_fetch_add_explicit(&histogram[bin], 1u, memory_order_relaxed);
+  }
+}
+
 // Radix select over the order keys keys(j) of rows [begin, end), most
 // significant 8 bits first (4 passes for uint keys, 8 for ulong): the cut
 // that keeps the `rank` smallest. histogram has kRadixBins entries, one per
-// thread. Needs rank >= 1.
+// thread. Needs rank >= 1. Every thread runs the same number of steps over
+// the rows, so that each SIMD group counts its 32 rows together.
 template <typename Key, uint kGroupSize, typename Keys>
 inline KnormCut<Key> knorm_radix_select(
     Keys keys,
@@ -91,12 +130,12 @@ inline KnormCut<Key> knorm_radix_select(
   for (int shift = int(sizeof(Key)) * 8 - 8; shift >= 0; shift -= 8) {
     atomic_store_explicit(&histogram[tid], 0u, memory_order_relaxed);
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint j = begin + tid; j < end; j += kGroupSize) {
-      const Key key = keys(j);
-      if ((key & mask) == prefix) {
-        atomic_fetch_add_explicit(
-            &histogram[uint(key >> shift) & 0xFFu], 1u, memory_order_relaxed);
-      }
+    for (uint base = begin; base < end; base += kGroupSize) {
+      const uint j = base + tid;
+      const bool valid = j < end;
+      const Key key = valid ? keys(j) : Key(0);
+      knorm_histogram_add(
+          histogram, uint(key >> shift) & 0xFFu, valid && (key & mask) == prefix, lane);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     const uint count =
@@ -117,26 +156,80 @@ inline KnormCut<Key> knorm_radix_select(
   return out;
 }
 
-// docs/spec.md section 2 for the row of `dim` elements at x, by the 32
-// lanes of one SIMD group (all of them must call it): zero padding to P,
-// the next power of two >= D, then halving adds. For P > 32, lane i holds
-// the squares s[i + 32k], k < P/32; the first log2(P/32) halving levels pair
-// registers of the same lane (s[i + 32k] + s[i + 32k + P/2] ...). The last
-// five levels (16, 8, 4, 2, 1 apart) are simd_shuffle_down adds, lane 0
-// ending with s[0]. Rows of D <= 32 start at the level P/2 instead. The norm
-// is lane 0's result; D <= kKeyNormsMaxDim.
-template <typename T>
-inline float knorm_row_norm(device const T* x, uint dim, uint lane) {
-  uint width = 1;
-  while (width < dim) {
-    width <<= 1;
-  }
-  const uint per_lane = width > kSimdWidth ? width / kSimdWidth : 1;
+// K/V rows move as raw bits (docs/spec.md section 5), never through float
+// arithmetic: in units of 16 bytes (uint4), 8 (uint2) or one element's bits,
+// as the launch plan chose (`unit`, in bytes) so that the row width and
+// every row start are multiples of the unit.
+static_assert(sizeof(uint4) == kRowUnitWide && sizeof(uint2) == kRowUnitNarrow,
+              "row units are one uint4 or one uint2");
+template <uint kBytes>
+struct KnormBits;
+template <>
+struct KnormBits<2> {
+  typedef ushort type;
+};
+template <>
+struct KnormBits<4> {
+  typedef uint type;
+};
 
-  // Zero padding past D: adding +0 leaves a square (>= +0 or NaN) unchanged,
-  // exactly as the pinned order's padded adds do.
-  float s[kKeyNormsMaxDim / kSimdWidth];
-  for (uint k = 0; k < per_lane; ++k) {
+// Units first, first + stride, ... below count.
+template <typename U, typename Index>
+inline void knorm_copy_units(
+    device const U* src,
+    device U* dst,
+    Index count,
+    uint first,
+    uint stride) {
+  for (Index u = first; u < count; u += stride) {
+    dst[u] = src[u];
+  }
+}
+
+// The `count` elements (whole rows) at src to dst in `unit`-byte units,
+// shared by `stride` threads, this one being number `first`.
+template <typename T, typename Index>
+inline void knorm_copy_bits(
+    device const T* src,
+    device T* dst,
+    Index count,
+    uint unit,
+    uint first,
+    uint stride) {
+  if (unit == kRowUnitWide) {
+    knorm_copy_units(
+        reinterpret_cast<device const uint4*>(src), reinterpret_cast<device uint4*>(dst),
+        count / Index(kRowUnitWide / sizeof(T)), first, stride);
+  } else if (unit == kRowUnitNarrow) {
+    knorm_copy_units(
+        reinterpret_cast<device const uint2*>(src), reinterpret_cast<device uint2*>(dst),
+        count / Index(kRowUnitNarrow / sizeof(T)), first, stride);
+  } else {
+    typedef typename KnormBits<sizeof(T)>::type Bits;
+    knorm_copy_units(
+        reinterpret_cast<device const Bits*>(src), reinterpret_cast<device Bits*>(dst),
+        count, first, stride);
+  }
+}
+
+// docs/spec.md section 2 for the row of `dim` elements at x, by the 32
+// lanes of one SIMD group (all of them must call it), lane i holding the
+// squares s[i + 32k], k < kPerLane, in registers: kPerLane is a compile-time
+// count so that s is never indexed at run time (which would put it in stack
+// memory). The first log2(kPerLane) halving levels pair registers of the
+// same lane (s[i + 32k] + s[i + 32k + 16 kPerLane] ...); the last five
+// (16, 8, 4, 2, 1 apart) are simd_shuffle_down adds, lane 0 ending with
+// s[0]. The norm is lane 0's result.
+//
+// This pads the row with +0 to 32 kPerLane >= P (P, the next power of two
+// >= D) rather than to P. That is the same sum bit for bit: squares are
+// >= +0 or NaN and x + (+0) == x for each of them, so the levels above P/2
+// return the first P squares unchanged and the levels from P/2 down are
+// the pinned ones. kPerLane = P / 32 (1 for D <= 32) does the least work.
+template <uint kPerLane, typename T>
+inline float knorm_row_norm(device const T* x, uint dim, uint lane) {
+  float s[kPerLane];
+  for (uint k = 0; k < kPerLane; ++k) {
     const uint i = lane + kSimdWidth * k;
     float square = 0.0f;
     if (i < dim) {
@@ -151,14 +244,14 @@ inline float knorm_row_norm(device const T* x, uint dim, uint lane) {
     }
     s[k] = square;
   }
-  for (uint c = per_lane / 2; c >= 1; c /= 2) {
+  for (uint c = kPerLane / 2; c >= 1; c /= 2) {
     for (uint k = 0; k < c; ++k) {
       s[k] = s[k] + s[k + c];
     }
   }
   float acc = s[0];
-  for (uint delta = min(width / 2, kSimdWidth / 2); delta >= 1; delta /= 2) {
-    const float other = simd_shuffle_down(acc, ushort(delta));
+  for (ushort delta = kSimdWidth / 2; delta >= 1; delta /= 2) {
+    const float other = simd_shuffle_down(acc, delta);
     acc = acc + other;
   }
   const float norm = precise::sqrt(acc);

@@ -5,13 +5,19 @@
 //   knorm_compact       the kept rows' indices and norms, in temporal order;
 //   knorm_copy_rows     their key and value rows.
 // Rows are read straight from prior or new: the concatenation is never
-// built. All offsets into K/V buffers are 64-bit.
+// built. A head that evicts reads its norms five times (four radix passes
+// and the compaction): from threadgroup memory when they fit there. All
+// offsets into K/V buffers are 64-bit.
 //
 // Launched by csrc/protected_topk_gather/metal.cpp. Compiles as Metal
 // Shading Language and, through csrc/metal_emulator/metal_emulator.h, as C++.
 #include "knorm_kernels.h"
 
 constant constexpr uint kGatherSimdGroups = kGatherGroupSize / kSimdWidth;
+// Rows of a head whose norms are copied to threadgroup memory: 28 KiB, with
+// the histogram and the scan's scratch within the 32 KiB a threadgroup may
+// have.
+constant constexpr uint kGatherCachedNorms = 7168;
 
 // One head: where its rows are and the plan's selection constants, computed
 // on the host from the shapes. Rows [0, sink_end) and [mid_end, n_total)
@@ -28,9 +34,14 @@ struct KnormHead {
   bool keep_high;
   device const float* prior_norms;  // this head's rows
   device const float* new_norms;
+  bool cached;  // the norms of rows [0, n_prior + n_new) are in cached_norms
+  threadgroup const float* cached_norms;
 };
 
 inline float knorm_norm_at(KnormHead head, uint j) {
+  if (head.cached) {
+    return head.cached_norms[j];
+  }
   return j < head.n_prior ? head.prior_norms[j] : head.new_norms[j - head.n_prior];
 }
 
@@ -83,8 +94,9 @@ inline void knorm_compact(
 }
 
 // Copies the kept rows of keys or values (which may differ in width): one
-// SIMD group per output row, lanes on consecutive elements so that loads and
-// stores coalesce; the bits move as they are.
+// SIMD group per output row, lanes on consecutive units of `unit` bytes
+// (knorm_copy_bits) so that loads and stores coalesce; the bits move as they
+// are.
 template <typename T>
 inline void knorm_copy_rows(
     KnormHead head,
@@ -93,18 +105,18 @@ inline void knorm_copy_rows(
     device const T* fresh,
     device T* out,
     uint dim,
+    uint unit,
     uint lane,
     uint simd_group) {
-  for (uint p = simd_group; p < head.kept; p += kGatherSimdGroups) {
+  device const T* prior_rows = prior + ulong(head.index) * head.n_prior * dim;
+  device const T* new_rows = fresh + ulong(head.index) * head.n_new * dim;
+  device T* dst = out + (ulong(head.index) * head.kept + simd_group) * dim;
+  const ulong dst_step = ulong(kGatherSimdGroups) * dim;
+  for (uint p = simd_group; p < head.kept; p += kGatherSimdGroups, dst += dst_step) {
     const uint j = row_indices[p];
-    const bool from_prior = j < head.n_prior;
-    const ulong src_row = from_prior ? ulong(head.index) * head.n_prior + j
-                                     : ulong(head.index) * head.n_new + (j - head.n_prior);
-    device const T* src = (from_prior ? prior : fresh) + src_row * dim;
-    device T* dst = out + (ulong(head.index) * head.kept + p) * dim;
-    for (uint d = lane; d < dim; d += kSimdWidth) {
-      dst[d] = src[d];
-    }
+    device const T* src = j < head.n_prior ? prior_rows + ulong(j) * dim
+                                           : new_rows + ulong(j - head.n_prior) * dim;
+    knorm_copy_bits(src, dst, dim, unit, lane, kSimdWidth);
   }
 }
 
@@ -129,6 +141,8 @@ template <typename K, typename V>
     constant uint& mid_end KNORM_BUFFER(16),
     constant uint& mid_keep KNORM_BUFFER(17),
     constant uint& keep_high KNORM_BUFFER(18),
+    constant uint& key_unit KNORM_BUFFER(19),
+    constant uint& value_unit KNORM_BUFFER(20),
     uint row KNORM_ATTRIBUTE(threadgroup_position_in_grid),
     uint tid KNORM_ATTRIBUTE(thread_position_in_threadgroup),
     uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
@@ -136,13 +150,23 @@ template <typename K, typename V>
   KNORM_THREADGROUP_ARRAY(atomic_uint, histogram, kRadixBins);
   KNORM_THREADGROUP_ARRAY(uint, simd_totals, kGatherSimdGroups);
   KNORM_THREADGROUP_ARRAY(uint, picked, 3);
+  KNORM_THREADGROUP_ARRAY(float, cached_norms, kGatherCachedNorms);
 
-  const KnormHead head = {
+  const uint n_total = n_prior + n_new;
+  KnormHead head = {
       row, n_prior, n_new, kept, sink_end, mid_end, mid_keep, keep_high != 0,
-      prior_norms + ulong(row) * n_prior, new_norms + ulong(row) * n_new};
+      prior_norms + ulong(row) * n_prior, new_norms + ulong(row) * n_new,
+      false, cached_norms};
   // Radix select of the mid_keep-th smallest middle key.
   KnormCut<uint> cut = {0u, 0u, 0u};
   if (mid_keep > 0) {
+    if (n_total <= kGatherCachedNorms) {
+      for (uint j = tid; j < n_total; j += kGatherGroupSize) {
+        cached_norms[j] = knorm_norm_at(head, j);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      head.cached = true;
+    }
     KnormGatherKeys keys = {head};
     cut = knorm_radix_select<uint, kGatherGroupSize>(
         keys, sink_end, mid_end, mid_keep, histogram, simd_totals, picked, tid,
@@ -154,9 +178,9 @@ template <typename K, typename V>
   // The copies read indices written by other threads of the group.
   threadgroup_barrier(mem_flags::mem_device);
   knorm_copy_rows(head, row_indices, prior_keys, new_keys, out_keys, key_dim,
-                  lane, simd_group);
+                  key_unit, lane, simd_group);
   knorm_copy_rows(head, row_indices, prior_values, new_values, out_values,
-                  value_dim, lane, simd_group);
+                  value_dim, value_unit, lane, simd_group);
 }
 
 #define KNORM_GATHER_INSTANCE(kname, ktype, vname, vtype)                  \

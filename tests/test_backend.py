@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -58,6 +59,13 @@ def test_backend_info_reports_versions_and_devices():
     if info["extension_loaded"]:
         assert info["mlx_version_built"] == mx.__version__ and info["extension_error"] is None
     assert set(info["kernels"]) == {"cpu", "gpu", "metal-emulator"}
+    library = info["metal_kernel_library"]
+    if info["extension_loaded"] and _native.ext.has_metal_kernels:
+        assert library["kind"] in ("metallib", "jit")
+        name = "mlx_knorm.metallib" if library["kind"] == "metallib" else "metal"
+        assert Path(library["path"]).name == name and Path(library["path"]).exists()
+    else:
+        assert library is None
     json.dumps(info)
 
 

@@ -19,6 +19,7 @@ from mlx_knorm.cache import L2NormKVCache, make_knorm_cache
 from tiny_models import HEAD_DIM, KV_HEADS, VOCAB, teacher_forced, tiny_model, tokens
 
 ARCHS = ("llama", "qwen2")
+LAYOUTS = ("slots", "temporal")
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -26,19 +27,29 @@ def knorm_layers(cache) -> list[L2NormKVCache]:
     return [c for c in cache if isinstance(c, L2NormKVCache)]
 
 
+def buffers(cache: L2NormKVCache) -> tuple:
+    return cache.keys, cache.values, cache.norms, cache.slot_positions
+
+
 def check_accounting(cache: L2NormKVCache, batch: int, seen: int, budget: int) -> None:
     kept = min(seen, budget)
+    keys, values, norms, positions = cache.state[:4]
     assert cache.offset == seen
-    assert cache.keys.shape == cache.values.shape == (batch, KV_HEADS, kept, HEAD_DIM)
-    assert cache.norms.shape == (batch, KV_HEADS, kept) and cache.norms.dtype == mx.float32
+    assert keys.shape == values.shape == (batch, KV_HEADS, kept, HEAD_DIM)
+    assert norms.shape == (batch, KV_HEADS, kept) and norms.dtype == mx.float32
     assert cache.size() == cache.tokens_kept == kept
     assert cache.tokens_seen == batch * KV_HEADS * seen
     assert cache.knorm_kept_bytes == batch * KV_HEADS * kept * HEAD_DIM * 4
     assert cache.full_seq_bytes == batch * KV_HEADS * seen * HEAD_DIM * 4
     assert cache.compression_ratio == seen / kept
-    assert cache.nbytes == cache.keys.nbytes + cache.values.nbytes + cache.norms.nbytes
-    # Stored norms are the keys' own norms: nothing got out of step in the gather.
-    assert mx.array_equal(cache.norms, mlx_knorm.key_norms(cache.keys)).item()
+    assert cache.nbytes == sum(b.nbytes for b in buffers(cache))
+    capacity = cache.keys.shape[2]
+    assert [b.shape[:3] for b in buffers(cache)] == [(batch, KV_HEADS, capacity)] * 4
+    assert cache.filled <= capacity <= max(cache.filled, budget + 1)
+    # Stored norms are the keys' own norms: nothing got out of step in the step.
+    assert mx.array_equal(norms, mlx_knorm.key_norms(keys)).item()
+    assert mx.array_equal(positions, cache.positions).item() and positions.dtype == mx.int32
+    assert mx.all(positions[..., 1:] > positions[..., :-1]).item()
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -100,7 +111,7 @@ def test_kernel_and_fallback_bit_identical_far_past_budget(arch, dtype):
         assert mx.array_equal(a, b).item(), f"step {step}"
     for a, b in zip(runs["kernel"][1], runs["fallback"][1]):
         check_accounting(a, batch, sum(blocks), budget)
-        assert mx.array_equal(a.keys, b.keys).item() and mx.array_equal(a.values, b.values).item()
+        assert all(mx.array_equal(x, y).item() for x, y in zip(a.state[:4], b.state[:4]))
 
 
 def test_never_more_than_budget_rows_and_keeps_lowest_norms():
@@ -126,14 +137,16 @@ def test_never_more_than_budget_rows_and_keeps_lowest_norms():
     for head in range(KV_HEADS):
         rest = n_sink + np.argsort(norms[0, head, n_sink:], kind="stable")[: budget - n_sink]
         expected = np.concatenate([np.arange(n_sink), np.sort(rest)])
-        assert mx.array_equal(cache[0].keys[0, head], all_keys[0, head][mx.array(expected)]).item()
+        assert mx.array_equal(cache[0].state[0][0, head], all_keys[0, head][mx.array(expected)]).item()
+        assert cache[0].positions[0, head].tolist() == expected.tolist()
 
 
-def test_same_kept_rows_and_accounting_as_reference_cache():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_same_kept_rows_and_accounting_as_reference_cache(layout):
     from veloxquant_mlx.cache import knorm_cache as reference
 
     config = SimpleNamespace(knorm_budget=24, knorm_n_sink=4, knorm_recent=3, knorm_keep="low")
-    ours, theirs = L2NormKVCache(config), reference.L2NormKVCache(config)
+    ours, theirs = L2NormKVCache(config, layout=layout), reference.L2NormKVCache(config)
     key = mx.random.key(19)
     for size in [10, 1, 30, 1, 1, 8, 1]:
         key, k_key, v_key = mx.random.split(key, 3)
@@ -141,9 +154,15 @@ def test_same_kept_rows_and_accounting_as_reference_cache():
         values = mx.random.normal((2, KV_HEADS, size, HEAD_DIM), key=v_key).astype(mx.float16)
         our_k, our_v = ours.update_and_fetch(keys, values)
         ref_k, ref_v = theirs.update_and_fetch(keys, values)
+        if layout == "slots":
+            # The same rows in storage order: put them in temporal order.
+            order = mx.argsort(ours.slot_positions[..., : ours.filled], axis=2)[..., None]
+            our_k = mx.take_along_axis(our_k, order, axis=2)
+            our_v = mx.take_along_axis(our_v, order, axis=2)
         assert mx.array_equal(our_k, ref_k).item() and mx.array_equal(our_v, ref_v).item()
-        assert mx.array_equal(ours.keys, theirs.keys).item()
-        assert mx.array_equal(ours.values, theirs.values).item()
+        assert mx.array_equal(ours.state[0], theirs.state[0]).item()
+        assert mx.array_equal(ours.state[1], theirs.state[1]).item()
+        assert mx.array_equal(ours.positions, theirs._positions).item()
         assert ours.offset == theirs.offset
         for name in ("knorm_kept_bytes", "full_seq_bytes", "compression_ratio", "tokens_seen", "tokens_kept"):
             assert getattr(ours, name) == getattr(theirs, name), name
@@ -189,7 +208,7 @@ def test_generate_step_with_chunked_prefill(arch):
     model(prompt[None, :-1], cache=whole)
     chunked = make_knorm_cache(model, budget=16, n_sink=2)
     chunked_prefill_reference(model, chunked, prompt, 8, 0)
-    assert mx.array_equal(whole[0].keys, chunked[0].keys).item()
+    assert mx.array_equal(whole[0].state[0], chunked[0].state[0]).item()
 
 
 def test_skip_layers_keep_plain_kvcache_and_validation():
@@ -228,7 +247,7 @@ def test_save_load_round_trip_continues_identically(tmp_path):
     for ours, back in zip(knorm_layers(cache), knorm_layers(loaded)):
         assert (back.budget, back.n_sink, back.recent, back.keep) == (10, 2, 1, "high")
         assert back.offset == ours.offset and back.keys.dtype == mx.bfloat16
-        assert mx.array_equal(back.norms, ours.norms).item()
+        assert all(mx.array_equal(a, b).item() for a, b in zip(back.state[:4], ours.state[:4]))
     blocks = [1] * 6 + [4] + [1] * 5
     for a, b in zip(
         teacher_forced(model, cache, ids[:, 25:], blocks),
@@ -303,35 +322,114 @@ def test_storage_dtype_follows_input():
         cache = L2NormKVCache(budget=4, n_sink=1)
         kv = mx.random.normal((2, KV_HEADS, 6, HEAD_DIM)).astype(given)
         keys, values = cache.update_and_fetch(kv, kv)
-        assert keys.dtype == values.dtype == cache.keys.dtype == cache.values.dtype == stored
+        assert keys.dtype == values.dtype == cache.state[0].dtype == cache.state[1].dtype == stored
         keys, _ = cache.update_and_fetch(kv[:, :, :1], kv[:, :, :1])
         assert keys.shape == (2, KV_HEADS, 5, HEAD_DIM) and keys.dtype == stored
 
 
 def test_meta_state_round_trip():
-    cache = L2NormKVCache(budget=9, n_sink=1, recent=2, keep="high")
+    cache = L2NormKVCache(budget=9, n_sink=1, recent=2, keep="high", layout="temporal")
     other = L2NormKVCache()
     other.meta_state = cache.meta_state
-    assert cache.meta_state == ("9", "1", "2", "high")
-    assert (other.budget, other.n_sink, other.recent, other.keep) == (9, 1, 2, "high")
+    assert cache.meta_state == ("9", "1", "2", "high", "temporal")
+    assert (other.budget, other.n_sink, other.recent, other.keep, other.layout) == (9, 1, 2, "high", "temporal")
     with pytest.raises(ValueError, match="budget"):
-        other.meta_state = ("2", "1", "1", "low")
+        other.meta_state = ("2", "1", "1", "low", "slots")
+    with pytest.raises(ValueError, match="layout"):
+        other.meta_state = ("9", "1", "1", "low", "rows")
+
+
+def decode_token(step: int, dim: int = 64) -> mx.array:
+    token = mx.random.normal((1, 8, 1, dim), key=mx.random.key(step)).astype(mx.float16)
+    mx.eval(token)
+    return token
 
 
 @pytest.mark.usefixtures("cpu_default_device")
-def test_decode_step_reuses_the_state_buffers():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_decode_steps_run_in_place_on_buffers_of_budget_plus_one_slots(layout):
     """Once a step's attention has run, the cache holds the only reference to
-    its state, so the native op compacts it in place: storing the next state
-    allocates no second copy of it."""
-    cache = L2NormKVCache(budget=256, n_sink=4)
-    keys = mx.random.normal((1, 8, 256, 64), key=mx.random.key(23)).astype(mx.float16)
+    its buffers, so a decode step writes into them: no second copy is
+    allocated, and the buffers keep budget + 1 slots."""
+    budget = 256
+    cache = L2NormKVCache(budget=budget, n_sink=4, layout=layout)
+    keys = mx.random.normal((1, 8, 300, 64), key=mx.random.key(23)).astype(mx.float16)
     mx.eval(cache.update_and_fetch(keys, keys))
-    state_bytes = cache.keys.nbytes + cache.values.nbytes
-    for step in range(3):
-        token = mx.random.normal((1, 8, 1, 64), key=mx.random.key(step)).astype(mx.float16)
-        mx.eval(cache.update_and_fetch(token, token))
+    assert cache.keys.shape[2] == 300
+    mx.eval(cache.update_and_fetch(decode_token(0), decode_token(0)))
+    # The prefill's larger buffers shrink to what a decode step needs.
+    assert cache.keys.shape[2] == budget + 1
+    buffer_bytes = cache.nbytes
+    for step in range(1, 4):
+        token = decode_token(step)
         before = mx.get_active_memory()
         mx.reset_peak_memory()
-        mx.eval(cache.keys, cache.values, cache.norms)
-        assert mx.get_peak_memory() - before < state_bytes // 4
-        assert cache.size() == 256 and cache.offset == 257 + step
+        mx.eval(cache.update_and_fetch(token, token))
+        assert mx.get_peak_memory() - before < buffer_bytes // 8
+        assert cache.nbytes == buffer_bytes and cache.size() == budget and cache.offset == 301 + step
+
+
+@pytest.mark.usefixtures("cpu_default_device")
+@pytest.mark.parametrize("backend", ["kernel", "fallback"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_held_view_is_never_written(layout, backend):
+    """A caller still holding last step's keys keeps them as they were: the
+    step then writes fresh buffers, with the same result as in place."""
+    held, free = (L2NormKVCache(budget=32, n_sink=2, layout=layout) for _ in range(2))
+    keys = mx.random.normal((1, 8, 40, 64), key=mx.random.key(3)).astype(mx.float16)
+    with mlx_knorm.use_backend(backend):
+        for cache in (held, free):
+            mx.eval(cache.update_and_fetch(keys, keys))
+        for step in range(3):
+            token = decode_token(step)
+            view, _ = held.update_and_fetch(token, token)
+            mx.eval(view, free.update_and_fetch(token, token))
+            snapshot = np.array(view)
+            token = decode_token(10 + step)
+            mx.eval(held.update_and_fetch(token, token), free.update_and_fetch(token, token))
+            assert np.array_equal(np.array(view), snapshot)
+            for a, b in zip(buffers(held), buffers(free)):
+                assert mx.array_equal(a[:, :, : held.filled], b[:, :, : free.filled]).item()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_slot_layout_logits_follow_temporal_layout_past_the_budget(arch):
+    """The layouts store the same rows in different orders: attention sums
+    them in another order, so logits agree to rounding, and exactly while
+    nothing has been evicted."""
+    model = tiny_model(arch, mx.float32)
+    budget = 16
+    blocks = [10, 1, 1, 1, 1, 1, 1, 9] + [1] * 30
+    ids = tokens(2, sum(blocks), seed=41)
+    slots, temporal = (make_knorm_cache(model, budget=budget, n_sink=2, layout=layout) for layout in LAYOUTS)
+    seen = 0
+    for a, b, size in zip(teacher_forced(model, slots, ids, blocks), teacher_forced(model, temporal, ids, blocks), blocks):
+        seen += size
+        if seen <= budget + 1:
+            assert mx.array_equal(a, b).item()
+        else:
+            assert mx.allclose(a, b, rtol=1e-4, atol=1e-5).item()
+    # Layer 0's keys depend on the tokens alone: the same rows are kept.
+    for x, y in zip(slots[0].state[:5], temporal[0].state[:5]):
+        assert x == y if isinstance(x, int) else mx.array_equal(x, y).item()
+
+
+def test_layout_is_validated():
+    with pytest.raises(ValueError, match="layout"):
+        L2NormKVCache(layout="rows")
+    with pytest.raises(TypeError, match="layout"):
+        L2NormKVCache(layout=None)
+    with pytest.raises(ValueError, match="layout"):
+        make_knorm_cache(tiny_model("llama", layers=1), layout="rows")
+
+
+def test_a_block_of_other_heads_or_widths_raises_and_keeps_the_state():
+    cache = L2NormKVCache(budget=8, n_sink=1)
+    kv = mx.random.normal((1, KV_HEADS, 10, HEAD_DIM)).astype(mx.float16)
+    cache.update_and_fetch(kv, kv)
+    before = [np.array(x) for x in cache.state[:4]]
+    for keys in (kv[:, :1], kv[..., :8], mx.concatenate([kv, kv])):
+        with pytest.raises(ValueError, match="L2NormKVCache holds"):
+            cache.update_and_fetch(keys, keys)
+    assert cache.offset == 10
+    assert all(np.array_equal(a, np.array(b)) for a, b in zip(before, cache.state[:4]))

@@ -224,3 +224,24 @@ def test_inside_compile():
     config = config_for(filled=12, budget=9, capacity=10, layout="temporal")
     compiled = mx.compile(lambda *a: mlx_knorm.evict_and_fill(*a, **config))
     assert_same_step(compiled(*arrays), step_on("kernel", arrays, config), arrays, config)
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
+def test_heads_on_several_axes_step_as_one(backend):
+    """[B, H, C, D] buffers, as a model's cache holds them, give the [B*H, C, D]
+    step's bits in the same shape."""
+    arrays = slot_state(n_heads=6, slots=12, dim=8, seed=9)
+    config = config_for(filled=12, budget=9, capacity=13)
+    flat = step_on(backend, arrays, config)
+    by_batch = step_on(backend, tuple(a.reshape(2, 3, *a.shape[1:]) for a in arrays), config)
+    assert [o.shape for o in by_batch] == [(2, 3, *o.shape[1:]) for o in flat]
+    defined = defined_slots(config, arrays)
+    for name, a, b in zip(OUTPUTS, by_batch, flat):
+        assert_bitwise_equal(a.reshape(b.shape)[:, :defined], b[:, :defined], name)
+    by_batch_inputs = [a.reshape(2, 3, *a.shape[1:]) for a in arrays]
+    with mlx_knorm.use_backend(backend):
+        with pytest.raises(ValueError, match="values must have rank 4"):
+            mlx_knorm.evict_and_fill(by_batch_inputs[0], *arrays[1:], **config)
+        swapped = arrays[1].reshape(3, 2, *arrays[1].shape[1:])
+        with pytest.raises(ValueError, match="keys/values mismatch in N or rows"):
+            mlx_knorm.evict_and_fill(by_batch_inputs[0], swapped, *by_batch_inputs[2:], **config)

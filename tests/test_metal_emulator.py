@@ -10,6 +10,11 @@ row, four rows per threadgroup: the cases below cross those boundaries.
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+import textwrap
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -146,8 +151,105 @@ def test_step_new_row_norms_at_every_width(key_dim):
         assert_bitwise_equal(b[:, :39], a[:, :39], name)
 
 
+def at_offset(a: mx.array, elements: int) -> mx.array:
+    """``a`` as a row-contiguous view that starts ``elements`` elements into
+    its buffer, as a slice along a leading axis would."""
+    flat = mx.concatenate([mx.zeros((elements,), a.dtype), a.reshape(-1)])
+    view = flat[elements:].reshape(a.shape)
+    mx.eval(view)
+    return view
+
+
+# Rows of 16-byte multiples, of 8-byte multiples and neither; each array
+# shifted by 0, 2, 4 or 8 elements: the plans move rows in 16-byte, 8-byte
+# or element units, and the emulator aborts on a misaligned vector.
+ROW_WIDTHS = [("float16", 64), ("float16", 12), ("float16", 3), ("bfloat16", 8),
+              ("float32", 4), ("float32", 6), ("float32", 33)]
+
+
+@pytest.mark.parametrize("dtype, dim", ROW_WIDTHS)
+@pytest.mark.parametrize("shift", [0, 2, 4, 8])
+def test_gather_moves_rows_at_any_alignment(dtype, dim, shift):
+    rng = np.random.default_rng(dim + shift)
+    args = (
+        at_offset(fill(rng, (2, 40, dim), "special", dtype), shift),
+        at_offset(fill(rng, (2, 40, dim + 1), "special", dtype), shift // 2),
+        fill_norms(rng, (2, 40), "ties"),
+        at_offset(fill(rng, (2, 9, dim), "special", dtype), 1),
+        fill(rng, (2, 9, dim + 1), "special", dtype),
+        fill_norms(rng, (2, 9), "ties"),
+        30, 2, 3, "low",
+    )
+    for name, a, b in zip(("keys", "values", "norms", "indices"), *native_and_emulated("protected_topk_gather", *args)):
+        assert_bitwise_equal(b, a, name)
+
+
+@pytest.mark.parametrize("dtype, dim", ROW_WIDTHS)
+@pytest.mark.parametrize("shift", [0, 2, 4, 8])
+@pytest.mark.parametrize("layout", ["slots", "temporal"])
+def test_step_moves_rows_at_any_alignment(dtype, dim, shift, layout):
+    rng = np.random.default_rng(dim + shift)
+    args = [
+        at_offset(fill(rng, (2, 40, dim), "special", dtype), shift),
+        at_offset(fill(rng, (2, 40, dim + 1), "special", dtype), shift // 2),
+        fill_norms(rng, (2, 40), "ties"),
+        mx.array(np.stack([rng.permutation(40) for _ in range(2)]).astype(np.int32)),
+        at_offset(fill(rng, (2, 3, dim), "special", dtype), 1),
+        fill(rng, (2, 3, dim + 1), "special", dtype),
+    ]
+    config = dict(filled=40, offset=40, capacity=40, budget=30, n_sink=2, recent=3,
+                  keep="low", layout=layout)
+    native = _native.ext.evict_and_fill(*args, **config, stream=mx.cpu)
+    emulated = _native.ext.evict_and_fill(*args, **config, emulate_metal=True, stream=mx.cpu)
+    for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
+        assert_bitwise_equal(b[:, :33], a[:, :33], name)
+
+
 def test_step_rejects_key_widths_past_the_norm_kernel():
     args = step_args(4, 4, 3, 1, "distinct", "normal", key_dim=513)
     config = dict(filled=4, offset=4, capacity=4, budget=3, n_sink=0, recent=0, keep="low", layout="slots")
     with pytest.raises(ValueError, match="D <= 512"):
         _native.ext.evict_and_fill(*args, **config, emulate_metal=True, stream=mx.cpu)
+
+
+# Address space for the interpreter's own needs, far short of a threadgroup's
+# thread stacks (128 of 8 MiB by default): the emulator can start only some
+# of the threads of one threadgroup.
+THREAD_STARVED_SCRIPT = textwrap.dedent(
+    """
+    import resource
+    import mlx.core as mx
+    import mlx_knorm
+
+    keys = mx.random.normal((8, 64), key=mx.random.key(0))
+    with mlx_knorm.use_backend("metal-emulator"):
+        want = mlx_knorm.key_norms(keys, stream=mx.cpu)
+        mx.eval(want)
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        with open("/proc/self/status") as status:
+            used = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (used + (64 << 20), hard))
+        try:
+            mx.eval(mlx_knorm.key_norms(keys, stream=mx.cpu))
+        except RuntimeError as err:
+            print("raised:", err)
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        got = mlx_knorm.key_norms(keys, stream=mx.cpu)
+        print("equal after:", mx.array_equal(got, want).item())
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_threads_that_cannot_start_raise():
+    """Under an address-space limit the threads of a threadgroup cannot all
+    start: those that did are released and joined, the call raises naming the
+    emulator, and the process runs the kernel again once the limit is lifted."""
+    result = subprocess.run([sys.executable, "-c", THREAD_STARVED_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 2, result.stdout + result.stderr
+    assert re.fullmatch(r"raised: metal emulator: knorm_key_norms_float32_\d+: started \d+ of a threadgroup's 128 threads .*",
+                        lines[0]), lines[0]
+    assert lines[1] == "equal after: True"

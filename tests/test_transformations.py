@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mlx_knorm
-from conftest import EMULATOR_SETTINGS, assert_bitwise_equal, emulator_built
+from conftest import EMULATOR_SETTINGS, assert_bitwise_equal, emulator_built, requires_emulator
 
 BACKENDS = ["kernel", "fallback"] + (["metal-emulator"] if emulator_built() else [])
 CONFIG = (6, 1, 1, "low")  # budget, n_sink, recent, keep
@@ -209,3 +209,15 @@ def test_step_replay_with_short_positions_raises():
     args = step_arrays(2, 4000, 1, 8, 8, {3: (2, 4)}, 1)
     with pytest.raises(ValueError, match=r"positions must be \[N, C\]"):
         mx.eval(op(*args))
+
+
+@requires_emulator
+def test_emulator_replay_past_its_key_width_raises():
+    """Traced at D = 8, replayed at D = 1024: each lane of the norm kernel
+    holds D / 32 squares in an array sized for D <= 512, so the replay must
+    raise before the kernel writes past it."""
+    with mlx_knorm.use_backend("metal-emulator"):
+        op = mx.compile(norms, shapeless=True)
+        mx.eval(op(mx.ones((2, 8))))
+        with pytest.raises(ValueError, match=r"supports D <= 512, got D = 1024"):
+            mx.eval(op(mx.ones((2, 1024))))

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import mlx_knorm
+from conftest import emulator_built
 from mlx_knorm import _native
 
-BACKENDS = ["kernel", "fallback"]
+BACKENDS = ["kernel", "fallback"] + (["metal-emulator"] if emulator_built() else [])
 
 
 def good(n=2, n_prior=5, s=3, d=8, dtype=mx.float16):
@@ -217,7 +218,8 @@ STEP_VALUE_ERRORS = [
     (dict(positions=mx.zeros((2, 7), mx.int32)), "positions must be [N, C]"),
     (dict(norms=mx.zeros((2, 6, 1))), "norms must have rank 2"),
     (dict(positions=mx.zeros((12,), mx.int32)), "positions must have rank 2"),
-    (dict(keys=mx.zeros((2, 6), mx.float16)), "keys must have rank 3"),
+    (dict(keys=mx.zeros((2, 6), mx.float16)), "keys must be [..., C, D_k] with at least one head axis"),
+    (dict(keys=mx.zeros((1, 2, 6, 8), mx.float16)), "values must have rank 4"),
     (dict(new_values=mx.ones((2, 3))), "new_values must have rank 3"),
     (dict(filled=7), "filled (7) must be <= C, the buffers' slots (6)"),
     (dict(filled=-1), "filled must be >= 0"),

@@ -1,49 +1,76 @@
 // Launch plans of the Metal kernels in metal/: everything a dispatch needs,
-// computed from shapes alone and free of Metal types. Each op builds its plan
-// in its metal.cpp; eval_gpu (common/metal_dispatch.cpp) and the emulator
-// (metal_emulator/run_plan.cpp) both bind it through bind_slots below, so
-// the kernels are launched identically on a GPU and in the emulator.
+// computed from shapes (and, for how rows move, the arrays' offsets) and
+// free of Metal types. Each op builds its plan in its metal.cpp; eval_gpu
+// (common/metal_dispatch.cpp) and the emulator (metal_emulator/run_plan.cpp)
+// both bind it through bind_slots below, so the kernels are launched
+// identically on a GPU and in the emulator.
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "mlx/array.h"
 
+#include "metal/knorm_defines.h"
+
 namespace mlx_knorm {
 
 // What is bound at [[buffer(i)]]: a primitive input, a primitive output, or
-// a uint constant.
+// a uint constant. An array without elements has no Metal buffer (MLX's
+// allocator returns none for zero bytes), and a kernel argument left without
+// a binding fails Metal's API validation, so an empty array's slot is marked
+// and bound to a placeholder instead; the kernel reads no element of it.
 struct BufferSlot {
   enum class Kind { Input, Output, Constant };
   Kind kind;
   int array;       // index into inputs or outputs
   uint32_t value;  // for Kind::Constant
+  bool empty;      // for Input and Output: the array has no elements
 
-  static BufferSlot input(int i) {
-    return {Kind::Input, i, 0};
-  }
-  static BufferSlot output(int i) {
-    return {Kind::Output, i, 0};
-  }
   static BufferSlot constant(uint32_t v) {
-    return {Kind::Constant, -1, v};
+    return {Kind::Constant, -1, v, false};
   }
 };
 
-// The slots of a kernel that takes the primitive's n_inputs inputs, then
-// its n_outputs outputs, as its first buffers; constants follow.
-inline std::vector<BufferSlot> array_slots(int n_inputs, int n_outputs) {
+// The slots of a kernel that takes the primitive's inputs, then its outputs,
+// as its first buffers; constants follow.
+inline std::vector<BufferSlot> array_slots(
+    const std::vector<mlx::core::array>& inputs,
+    const std::vector<mlx::core::array>& outputs) {
   std::vector<BufferSlot> slots;
-  for (int i = 0; i < n_inputs; ++i) {
-    slots.push_back(BufferSlot::input(i));
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    slots.push_back({BufferSlot::Kind::Input, static_cast<int>(i), 0, inputs[i].size() == 0});
   }
-  for (int i = 0; i < n_outputs; ++i) {
-    slots.push_back(BufferSlot::output(i));
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    slots.push_back({BufferSlot::Kind::Output, static_cast<int>(i), 0, outputs[i].size() == 0});
   }
   return slots;
+}
+
+// The unit, in bytes, in which a kernel moves rows of `row_elements`
+// elements between `arrays` (one dtype): kRowUnitWide or kRowUnitNarrow
+// (metal/knorm_defines.h) when it divides the row width and every array's
+// offset, else the element's size. A kernel sees an array at the start of
+// its MLX buffer, which a GPU aligns to more than 16 bytes, plus the
+// array's offset (the emulator binds it the same way). Empty arrays are
+// never read.
+inline uint32_t row_unit(
+    std::initializer_list<const mlx::core::array*> arrays,
+    int64_t row_elements) {
+  const size_t element = (*arrays.begin())->itemsize();
+  for (const uint32_t unit : {kRowUnitWide, kRowUnitNarrow}) {
+    bool fits = row_elements * element % unit == 0;
+    for (const mlx::core::array* a : arrays) {
+      fits = fits && (a->size() == 0 || a->offset() % unit == 0);
+    }
+    if (fits) {
+      return unit;
+    }
+  }
+  return static_cast<uint32_t>(element);
 }
 
 struct LaunchPlan {
@@ -55,7 +82,9 @@ struct LaunchPlan {
 };
 
 // Binds slot i of the plan as [[buffer(i)]] through `bind`, which has
-// input(i, const array&), output(i, array&) and constant(i, uint32_t).
+// input(i, const array&), output(i, array&), constant(i, uint32_t) and
+// placeholder(i, BufferSlot::Kind, const array&) for an array slot marked
+// empty.
 template <typename Binder>
 void bind_slots(
     const LaunchPlan& plan,
@@ -67,10 +96,18 @@ void bind_slots(
     const int idx = static_cast<int>(i);
     switch (slot.kind) {
       case BufferSlot::Kind::Input:
-        bind.input(idx, inputs.at(slot.array));
+        if (slot.empty) {
+          bind.placeholder(idx, slot.kind, inputs.at(slot.array));
+        } else {
+          bind.input(idx, inputs.at(slot.array));
+        }
         break;
       case BufferSlot::Kind::Output:
-        bind.output(idx, outputs.at(slot.array));
+        if (slot.empty) {
+          bind.placeholder(idx, slot.kind, outputs.at(slot.array));
+        } else {
+          bind.output(idx, outputs.at(slot.array));
+        }
         break;
       case BufferSlot::Kind::Constant:
         bind.constant(idx, slot.value);

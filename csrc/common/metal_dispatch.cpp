@@ -1,14 +1,16 @@
-// Kernel library: mlx_knorm.metallib beside this extension when the Metal
-// toolchain was available at build time; otherwise the .metal sources
+// Kernel library: mlx_knorm.metallib beside this extension when a working
+// Metal compiler was found at build time; otherwise the .metal sources
 // installed in mlx_knorm/metal/ are compiled at first use through MLX's
 // device library API (safe math, as in the metallib build), with the shared
-// header inlined (common/kernel_source.h).
+// header inlined (common/kernel_source.h). MLX's Device keeps each library
+// and pipeline once built, by name.
 #include "common/metal_dispatch.h"
 
 #include <dlfcn.h>
 
 #include <filesystem>
 #include <stdexcept>
+#include <string>
 
 #include "mlx/backend/metal/device.h"
 
@@ -21,6 +23,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
+constexpr const char* kMetallibName = "mlx_knorm.metallib";
+
 // The directory of this extension module (not of libmlx).
 fs::path extension_dir() {
   Dl_info info;
@@ -31,14 +35,26 @@ fs::path extension_dir() {
 }
 
 MTL::Library* kernel_library(mx::metal::Device& d, const std::string& source) {
-  const fs::path dir = extension_dir();
-  if (fs::exists(dir / "mlx_knorm.metallib")) {
-    return d.get_library("mlx_knorm", dir.string());
+  const MetalKernelLibrary& location = metal_kernel_library();
+  if (location.prebuilt) {
+    return d.get_library("mlx_knorm", location.path.string());
   }
-  const fs::path metal_dir = dir / "metal";
-  return d.get_library("mlx_knorm_" + source, [metal_dir, source] {
+  return d.get_library("mlx_knorm_" + source, [metal_dir = location.path, source] {
     return metal_kernel_source(metal_dir, source);
   });
+}
+
+// The kernels index threads by the plan's fixed group size, so a pipeline
+// that cannot run that many threads per threadgroup (registers or
+// threadgroup memory beyond what this GPU has) cannot run them at all.
+void check_group_size(const LaunchPlan& plan, MTL::ComputePipelineState* kernel) {
+  const auto max_threads = kernel->maxTotalThreadsPerThreadgroup();
+  if (plan.group_size > max_threads) {
+    throw std::runtime_error(
+        "mlx_knorm: the Metal kernel " + plan.kernel + " needs threadgroups of " +
+        std::to_string(plan.group_size) + " threads; this GPU runs it with at most " +
+        std::to_string(max_threads) + " (use the fallback backend)");
+  }
 }
 
 // Binds plan slots to MLX's Metal command encoder.
@@ -54,9 +70,28 @@ struct EncoderBinder {
   void constant(int idx, uint32_t value) {
     encoder.set_bytes(value, idx);
   }
+  // An empty array has no MTL::Buffer: four zero bytes stand in, as MLX's
+  // own kernels bind placeholders where there is nothing to bind.
+  void placeholder(int idx, BufferSlot::Kind, const mx::array&) {
+    encoder.set_bytes(uint32_t{0}, idx);
+  }
 };
 
 } // namespace
+
+// Looked up once per process (a local static, initialised thread-safely):
+// the extension's folder and what it holds do not change while it is loaded.
+const MetalKernelLibrary& metal_kernel_library() {
+  static const MetalKernelLibrary location = [] {
+    const fs::path dir = extension_dir();
+    const fs::path metallib = dir / kMetallibName;
+    if (fs::exists(metallib)) {
+      return MetalKernelLibrary{true, metallib};
+    }
+    return MetalKernelLibrary{false, dir / "metal"};
+  }();
+  return location;
+}
 
 void dispatch_on_gpu(
     const LaunchPlan& plan,
@@ -68,6 +103,7 @@ void dispatch_on_gpu(
   }
   auto& d = mx::metal::device(s.device);
   auto* kernel = d.get_kernel(plan.kernel, kernel_library(d, plan.source));
+  check_group_size(plan, kernel);
   auto& encoder = mx::metal::get_command_encoder(s);
   encoder.set_compute_pipeline_state(kernel);
   EncoderBinder binder{encoder};

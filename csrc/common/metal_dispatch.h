@@ -3,6 +3,7 @@
 // MLX has Metal.
 #pragma once
 
+#include <filesystem>
 #include <vector>
 
 #include "mlx/array.h"
@@ -11,6 +12,15 @@
 #include "common/launch_plan.h"
 
 namespace mlx_knorm {
+
+// The kernel library dispatch_on_gpu uses, found once per process: the
+// prebuilt mlx_knorm.metallib, or the folder of .metal sources that the JIT
+// path compiles.
+struct MetalKernelLibrary {
+  bool prebuilt;
+  std::filesystem::path path;
+};
+const MetalKernelLibrary& metal_kernel_library();
 
 void dispatch_on_gpu(
     const LaunchPlan& plan,

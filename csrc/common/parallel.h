@@ -2,7 +2,8 @@
 // smaller calls stay on the calling thread. The workers are started once and
 // reused, yet waking one still costs tens of microseconds on a busy or
 // virtualised machine: below about 8 MiB per thread (a decode step of a
-// 512-row cache) one thread finishes first.
+// 512-row cache) one thread finishes first. A forked child starts workers of
+// its own on first use (parallel.cpp).
 #pragma once
 
 #include <algorithm>

@@ -316,7 +316,7 @@ void evict_and_fill_cpu(
       .key_dim = in.key_dim(),
       .n_new = in.n_new()};
   for (int i = 0; i < 4; ++i) {
-    const int64_t width = i < 2 ? inputs[i].shape(2) : 1;
+    const int64_t width = i < 2 ? inputs[i].shape(-1) : 1;
     b.rows[i] = {inputs[i].data<char>(), outputs[i].data<char>(),
                  static_cast<size_t>(width) * inputs[i].itemsize()};
   }

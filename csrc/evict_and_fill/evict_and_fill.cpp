@@ -57,13 +57,39 @@ std::vector<mx::array> evict_and_fill(
       stream);
 }
 
+namespace {
+
+// a and b agree on their first `axes` axes, else shape_mismatch(what, ...).
+void check_leading_axes(
+    const char* what,
+    const char* a_name,
+    const mx::array& a,
+    const char* b_name,
+    const mx::array& b,
+    int axes) {
+  for (int i = 0; i < axes; ++i) {
+    if (a.shape(i) != b.shape(i)) {
+      shape_mismatch(what, a_name, a, b_name, b);
+    }
+  }
+}
+
+} // namespace
+
 void EvictAndFill::check_inputs(const StepInputs& in) {
-  check_rank(in.keys, 3, "keys");
-  check_rank(in.values, 3, "values");
-  check_rank(in.norms, 2, "norms");
-  check_rank(in.positions, 2, "positions");
-  check_rank(in.new_keys, 3, "new_keys");
-  check_rank(in.new_values, 3, "new_values");
+  if (in.keys.ndim() < 3) {
+    throw std::invalid_argument(
+        "mlx_knorm: keys must be [..., C, D_k] with at least one head axis, got rank " +
+        std::to_string(in.keys.ndim()));
+  }
+  // Every array has the keys' head axes; then one axis of slots or new
+  // rows, and one of width for keys and values.
+  const int heads = in.head_axes();
+  check_rank(in.values, heads + 2, "values");
+  check_rank(in.norms, heads + 1, "norms");
+  check_rank(in.positions, heads + 1, "positions");
+  check_rank(in.new_keys, heads + 2, "new_keys");
+  check_rank(in.new_values, heads + 2, "new_values");
   check_floating(in.keys, "keys");
   check_floating(in.values, "values");
   check_floating(in.new_keys, "new_keys");
@@ -72,22 +98,23 @@ void EvictAndFill::check_inputs(const StepInputs& in) {
   check_int32(in.positions, "positions");
   check_same_dtype(in.new_keys, "new_keys", in.keys, "keys");
   check_same_dtype(in.new_values, "new_values", in.values, "values");
-  check_heads_and_rows("keys/values mismatch in N or rows", "keys", in.keys,
-                       "values", in.values);
-  check_heads_and_rows("keys/values mismatch in N or rows", "new_keys",
-                       in.new_keys, "new_values", in.new_values);
-  if (in.keys.shape(0) != in.new_keys.shape(0) ||
-      in.keys.shape(2) != in.new_keys.shape(2)) {
+  check_leading_axes("keys/values mismatch in N or rows", "keys", in.keys,
+                     "values", in.values, heads + 1);
+  check_leading_axes("keys/values mismatch in N or rows", "new_keys",
+                     in.new_keys, "new_values", in.new_values, heads + 1);
+  check_leading_axes("buffers vs new rows mismatch in N or D", "keys", in.keys,
+                     "new_keys", in.new_keys, heads);
+  if (in.keys.shape(-1) != in.new_keys.shape(-1)) {
     shape_mismatch("buffers vs new rows mismatch in N or D", "keys", in.keys,
                    "new_keys", in.new_keys);
   }
-  if (in.values.shape(2) != in.new_values.shape(2)) {
+  if (in.values.shape(-1) != in.new_values.shape(-1)) {
     shape_mismatch("buffers vs new rows mismatch in N or D", "values", in.values,
                    "new_values", in.new_values);
   }
-  check_heads_and_rows("norms must be [N, C]", "norms", in.norms, "keys", in.keys);
-  check_heads_and_rows("positions must be [N, C]", "positions", in.positions,
-                       "keys", in.keys);
+  check_leading_axes("norms must be [N, C]", "norms", in.norms, "keys", in.keys, heads + 1);
+  check_leading_axes("positions must be [N, C]", "positions", in.positions,
+                     "keys", in.keys, heads + 1);
   check_selection_config(config_.selection);
   const int64_t filled = config_.filled;
   if (filled < 0) {
@@ -139,13 +166,13 @@ std::vector<mx::Shape> EvictAndFill::output_shapes(
     const std::vector<mx::array>& inputs) {
   const auto in = StepInputs::from(inputs);
   check_inputs(in);
-  const int n_heads = in.n_heads();
-  const int slots = static_cast<int>(config_.out_capacity);
-  return {
-      {n_heads, slots, in.key_dim()},
-      {n_heads, slots, in.value_dim()},
-      {n_heads, slots},
-      {n_heads, slots}};
+  mx::Shape slots(in.keys.shape().begin(), in.keys.shape().end() - 1);
+  slots.back() = static_cast<int>(config_.out_capacity);
+  mx::Shape keys = slots;
+  keys.push_back(in.key_dim());
+  mx::Shape values = slots;
+  values.push_back(in.value_dim());
+  return {keys, values, slots, slots};
 }
 
 void EvictAndFill::eval_cpu(

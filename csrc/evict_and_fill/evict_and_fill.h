@@ -29,8 +29,9 @@ enum class Layout { Slots, Temporal };
 
 Layout parse_layout(const std::string& layout);
 
-// The primitive's inputs, in its input order: the buffers [N, C, *] and the
-// new rows [N, S, *].
+// The primitive's inputs, in its input order: the buffers [..., C, *] and
+// the new rows [..., S, *]. The heads are the axes before C and S ([N], or
+// [B, H] as a model's cache holds them), the same in every array.
 struct StepInputs {
   mx::array keys;
   mx::array values;
@@ -43,20 +44,28 @@ struct StepInputs {
   static StepInputs from(const std::vector<mx::array>& inputs);
   std::vector<mx::array> to_vector() const;
 
-  int n_heads() const {
-    return keys.shape(0);
+  // How many leading axes the heads take.
+  int head_axes() const {
+    return static_cast<int>(keys.ndim()) - 2;
+  }
+  int64_t n_heads() const {
+    int64_t n = 1;
+    for (int i = 0; i < head_axes(); ++i) {
+      n *= keys.shape(i);
+    }
+    return n;
   }
   int capacity() const {
-    return keys.shape(1);
+    return keys.shape(-2);
   }
   int n_new() const {
-    return new_keys.shape(1);
+    return new_keys.shape(-2);
   }
   int key_dim() const {
-    return keys.shape(2);
+    return keys.shape(-1);
   }
   int value_dim() const {
-    return values.shape(2);
+    return values.shape(-1);
   }
 };
 
@@ -82,8 +91,9 @@ struct StepConfig {
   }
 };
 
-// Returns {keys [N, C_out, D_k], values [N, C_out, D_v], norms [N, C_out]
-// float32, positions [N, C_out] int32}; slots [0, kept + S) defined.
+// Returns {keys [..., C_out, D_k], values [..., C_out, D_v], norms
+// [..., C_out] float32, positions [..., C_out] int32}, with the inputs' head
+// axes; slots [0, kept + S) defined.
 std::vector<mx::array> evict_and_fill(
     const StepInputs& inputs,
     StepConfig config,

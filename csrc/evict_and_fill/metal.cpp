@@ -36,7 +36,7 @@ LaunchPlan evict_and_fill_plan(
   plan.group_size = kEvictGroupSize;
   plan.groups = kept + inputs.n_new() == 0 ? 0 : static_cast<uint32_t>(inputs.n_heads());
   auto u32 = [](int64_t v) { return BufferSlot::constant(static_cast<uint32_t>(v)); };
-  plan.buffers = array_slots(6, 4);
+  plan.buffers = array_slots(arrays, outputs);
   plan.buffers.insert(plan.buffers.end(), {
       u32(inputs.capacity()),
       u32(config.out_capacity),
@@ -51,7 +51,9 @@ LaunchPlan evict_and_fill_plan(
       u32(config.rank().protect_from),
       u32(config.selection.keep == Keep::High ? 1 : 0),
       u32(config.layout == Layout::Temporal ? 1 : 0),
-      u32(in_place)});
+      u32(in_place),
+      u32(row_unit({&inputs.keys, &inputs.new_keys, &outputs[0]}, inputs.key_dim())),
+      u32(row_unit({&inputs.values, &inputs.new_values, &outputs[1]}, inputs.value_dim()))});
   return plan;
 }
 

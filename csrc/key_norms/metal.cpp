@@ -26,6 +26,16 @@ int64_t key_rows(const mx::array& keys) {
   return rows;
 }
 
+// Squares each lane holds (the kernel's kPerLane): P / 32 for P, the next
+// power of two >= D, and 1 for D <= 32.
+uint32_t squares_per_lane(int64_t dim) {
+  uint32_t width = 1;
+  while (width < dim) {
+    width <<= 1;
+  }
+  return width > kSimdWidth ? width / kSimdWidth : 1;
+}
+
 } // namespace
 
 void check_metal_key_norms_shape(const mx::array& keys) {
@@ -46,16 +56,17 @@ LaunchPlan key_norms_plan(const mx::array& keys, const mx::array& norms) {
   const int64_t rows = static_cast<int64_t>(norms.size());
   LaunchPlan plan;
   plan.source = "key_norms";
-  plan.kernel = "knorm_key_norms_" + dtype_name(keys.dtype());
+  plan.kernel = "knorm_key_norms_" + dtype_name(keys.dtype()) + "_" +
+      std::to_string(squares_per_lane(keys.shape(-1)));
   plan.group_size = kKeyNormsRowsPerGroup * kSimdWidth;
-  // D = 0 still launches: the kernel reduces an all-padding row to sqrt(0).
+  // D = 0 still launches, keys bound to a placeholder: the kernel reduces
+  // an all-padding row to sqrt(0).
   plan.groups = static_cast<uint32_t>(
       (rows + kKeyNormsRowsPerGroup - 1) / kKeyNormsRowsPerGroup);
-  plan.buffers = {
-      BufferSlot::input(0),
-      BufferSlot::output(0),
+  plan.buffers = array_slots({keys}, {norms});
+  plan.buffers.insert(plan.buffers.end(), {
       BufferSlot::constant(static_cast<uint32_t>(keys.shape(-1))),
-      BufferSlot::constant(static_cast<uint32_t>(rows))};
+      BufferSlot::constant(static_cast<uint32_t>(rows))});
   return plan;
 }
 

@@ -11,9 +11,10 @@
 // filled with garbage so that reads of unwritten memory show, and made
 // visible to other threads only by the barriers that order it, below),
 // threadgroup_barrier and its mem_flags, SIMD groups of width 32
-// (simd_shuffle_down, simd_prefix_inclusive_sum), relaxed threadgroup
-// atomics, as_type, precise::sqrt. Threadgroups of a grid run one after
-// another, reusing the same threads.
+// (simd_shuffle, simd_shuffle_down, simd_prefix_inclusive_sum, simd_ballot),
+// relaxed threadgroup atomics, uint2 and uint4 for moving raw bits
+// (alignment checked), as_type, ctz, popcount, precise::sqrt. Threadgroups
+// of a grid run one after another, reusing the same threads.
 //
 // Memory ordering. A threadgroup_barrier orders threadgroup memory only with
 // mem_threadgroup and device memory only with mem_device:
@@ -156,14 +157,19 @@ class Barrier {
     expected_ = participants;
     arrived_ = 0;
     diverged_ = false;
+    abandoned_ = false;
   }
 
   // The last thread to arrive runs `complete` before any thread returns.
+  // False when the barrier was abandoned before all participants arrived.
   template <typename Complete>
-  void arrive_and_wait(unsigned kind, Complete&& complete) {
+  bool arrive_and_wait(unsigned kind, Complete&& complete) {
     HiddenFromTsan hidden;
     std::unique_lock<std::mutex> lock(mutex_);
     const uint64_t generation = generation_;
+    if (abandoned_) {
+      return false;
+    }
     if (arrived_ == 0) {
       kind_ = kind;
     } else if (kind != kind_) {
@@ -173,12 +179,22 @@ class Barrier {
       complete();
       release();
     } else {
-      cv_.wait(lock, [&] { return generation_ != generation; });
+      cv_.wait(lock, [&] { return generation_ != generation || abandoned_; });
     }
+    return generation_ != generation;
   }
 
-  void arrive_and_wait() {
-    arrive_and_wait(0, [] {});
+  // Wakes the waiting threads, and fails every later wait, without a release:
+  // for participants that will never arrive.
+  void abandon() {
+    HiddenFromTsan hidden;
+    std::lock_guard<std::mutex> lock(mutex_);
+    abandoned_ = true;
+    cv_.notify_all();
+  }
+
+  bool arrive_and_wait() {
+    return arrive_and_wait(0, [] {});
   }
 
   void leave() {
@@ -213,6 +229,7 @@ class Barrier {
   uint64_t generation_ = 0;
   unsigned kind_ = 0;
   bool diverged_ = false;
+  bool abandoned_ = false;
 };
 
 constexpr uint32_t kSimdWidth = 32;
@@ -807,8 +824,9 @@ inline void check_binding(
 
 // Runs n_groups threadgroups of group_size threads, one threadgroup at a
 // time, all threads of a group concurrently. Throws on an unknown kernel, a
-// binding that does not match the kernel's signature, divergent barriers or
-// conflicting threadgroup writes.
+// binding that does not match the kernel's signature, divergent barriers,
+// conflicting threadgroup writes, or threads that cannot be started (after
+// joining those that were).
 inline void dispatch(
     const std::string& kernel,
     uint32_t n_groups,
@@ -828,7 +846,10 @@ inline void dispatch(
     return;
   }
   auto group = std::make_unique<ThreadgroupState>(group_size);
-  Barrier launch;  // separates threadgroups; never left early
+  // Separates threadgroups; never left early. No thread enters the kernel
+  // before all group_size threads have reached it, so when one cannot be
+  // started, abandoning it releases every thread that was.
+  Barrier launch;
   launch.reset(group_size);
   std::vector<uint64_t> barrier_counts(group_size);
   // One ThreadSanitizer synchronisation address per threadgroup: no barrier
@@ -854,7 +875,9 @@ inline void dispatch(
           s->barrier.reset(kSimdWidth);
         }
       }
-      launch.arrive_and_wait();
+      if (!launch.arrive_and_wait()) {
+        break;
+      }
       context.group_index = g;
       context.memory_offset = 0;
       context.barriers_passed = 0;
@@ -885,8 +908,19 @@ inline void dispatch(
   };
   std::vector<std::thread> threads;
   threads.reserve(group_size);
-  for (uint32_t t = 0; t < group_size; ++t) {
-    threads.emplace_back(worker, t);
+  try {
+    for (uint32_t t = 0; t < group_size; ++t) {
+      threads.emplace_back(worker, t);
+    }
+  } catch (const std::exception& e) {
+    // Out of threads or of address space for their stacks.
+    launch.abandon();
+    for (auto& t : threads) {
+      t.join();
+    }
+    throw std::runtime_error(
+        "metal emulator: " + kernel + ": started " + std::to_string(threads.size()) +
+        " of a threadgroup's " + std::to_string(group_size) + " threads (" + e.what() + ")");
   }
   for (auto& t : threads) {
     t.join();
@@ -1078,6 +1112,76 @@ T simd_prefix_inclusive_sum(T v) {
     return sum;
   });
 }
+
+template <typename T>
+T simd_shuffle(T v, ushort lane) {
+  return detail::simd_exchange(v, [&](uint32_t, auto lane_value) {
+    return lane_value(lane);
+  });
+}
+
+// Bit i: lane i's expr.
+struct simd_vote {
+  using vote_t = uint64_t;
+  explicit simd_vote(vote_t bits = 0) : bits_(bits) {}
+  explicit operator vote_t() const {
+    return bits_;
+  }
+
+ private:
+  vote_t bits_;
+};
+
+inline simd_vote simd_ballot(bool expr) {
+  return detail::simd_exchange(simd_vote(expr ? 1u : 0u), [](uint32_t, auto lane_value) {
+    simd_vote::vote_t bits = 0;
+    for (uint32_t l = 0; l < metal_emu::kSimdWidth; ++l) {
+      bits |= static_cast<simd_vote::vote_t>(lane_value(l)) << l;
+    }
+    return simd_vote(bits);
+  });
+}
+
+inline uint ctz(uint x) {
+  return x == 0 ? 32u : static_cast<uint>(__builtin_ctz(x));
+}
+
+inline uint popcount(uint x) {
+  return static_cast<uint>(__builtin_popcount(x));
+}
+
+// uint2 and uint4, for the kernels' moves of raw bits. A GPU loads and
+// stores them at naturally aligned addresses only; here a copy from or to a
+// misaligned one aborts, which checks the launch plans' choice of unit.
+template <size_t N>
+struct alignas(sizeof(uint) * N) uint_vector {
+  uint v[N];
+
+  uint_vector() = default;
+  uint_vector(const uint_vector& other) {
+    check_aligned(&other);
+    std::memcpy(v, other.v, sizeof(v));
+  }
+  uint_vector& operator=(const uint_vector& other) {
+    check_aligned(this);
+    check_aligned(&other);
+    std::memcpy(v, other.v, sizeof(v));
+    return *this;
+  }
+
+ private:
+  static void check_aligned(const void* p) {
+    auto address = reinterpret_cast<std::uintptr_t>(p);
+    // Hides the address from the optimiser, which may assume the type's
+    // alignment and drop the test.
+    asm("" : "+r"(address));
+    if (address % sizeof(uint_vector) != 0) {
+      metal_emu::fatal("misaligned vector load or store");
+    }
+  }
+};
+using uint2 = uint_vector<2>;
+using uint4 = uint_vector<4>;
 
 // Threadgroup atomics, on the shared threadgroup memory whatever the view of
 // the calling thread. Only relaxed ordering is used by the kernels; the

@@ -1,6 +1,11 @@
 #include "metal_emulator/run_plan.h"
 
 #include <cstdint>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <stdexcept>
+#include <string>
 
 #include "common/dtype.h"
 #include "metal_emulator/dispatch.h"
@@ -11,28 +16,112 @@ namespace mx = mlx::core;
 
 namespace {
 
+// Buffers start at least this aligned on a GPU, and the copies below too.
+constexpr size_t kBufferAlignment = 64;
+
+struct AlignedDelete {
+  void operator()(char* p) const {
+    ::operator delete[](p, std::align_val_t(kBufferAlignment));
+  }
+};
+
+// One array's bytes as a kernel sees them: a copy that starts offset() bytes
+// past an aligned address, as Metal binds an MLX buffer at the array's
+// offset. MLX's CPU allocator aligns buffers to 8 bytes only, while the
+// launch plans choose how rows move from the offsets (row_unit in
+// common/launch_plan.h): so the kernels run on copies and take the paths
+// they take on a GPU. Each copy is a heap block that ends where the array
+// ends, so AddressSanitizer sees an access past it.
+struct StagedArray {
+  char* data;  // the array's own bytes
+  size_t bytes;
+  std::unique_ptr<char[], AlignedDelete> block;
+  char* bound;  // what the kernel gets
+  bool output = false;
+};
+
 // Binds plan slots to the emulator's buffer table: [[buffer(i)]] is
-// buffers[i], the array's data or the constant, with what the emulator
-// checks against the kernel's signature.
+// buffers[i]: the staged copy of an array or a constant, with what the
+// emulator checks against the kernel's signature. An output that is its
+// input's buffer (in place) shares the input's copy; outputs are copied back
+// after the dispatch. Holds plans to the rule eval_gpu depends on
+// (common/launch_plan.h): an array slot is marked empty exactly when its
+// array has no elements, since Metal would see no buffer there. A
+// placeholder is bound with a null pointer, so a kernel that touches one
+// faults.
 struct EmulatorBinder {
+  const std::string& kernel;
   std::vector<EmulatedBuffer> buffers;
   // Constants need stable addresses for the duration of the dispatch.
   std::vector<uint32_t> constants;
+  std::vector<StagedArray> staged;
 
-  explicit EmulatorBinder(size_t n_slots) : buffers(n_slots), constants(n_slots) {}
+  EmulatorBinder(const std::string& kernel, size_t n_slots)
+      : kernel(kernel), buffers(n_slots), constants(n_slots) {
+    staged.reserve(n_slots);
+  }
+
+  StagedArray& stage(const mx::array& a) {
+    char* data = const_cast<char*>(a.data<char>());
+    const size_t bytes = a.nbytes();
+    for (StagedArray& s : staged) {
+      if (s.data == data && bytes > 0) {
+        if (s.bytes != bytes) {
+          throw std::logic_error("metal emulator: arrays share data but differ in size");
+        }
+        return s;
+      }
+    }
+    const size_t pad = static_cast<size_t>(a.offset()) % kBufferAlignment;
+    std::unique_ptr<char[], AlignedDelete> block(static_cast<char*>(
+        ::operator new[](pad + bytes, std::align_val_t(kBufferAlignment))));
+    char* bound = block.get() + pad;
+    if (bytes > 0) {
+      std::memcpy(bound, data, bytes);
+    }
+    staged.push_back({data, bytes, std::move(block), bound});
+    return staged.back();
+  }
 
   void input(int idx, const mx::array& a) {
-    buffers[idx] = {const_cast<void*>(static_cast<const void*>(a.data<char>())), a.nbytes(),
-                    dtype_name(a.dtype()), EmulatedBuffer::Access::Read};
+    check_marked(idx, a, false);
+    buffers[idx] = {stage(a).bound, a.nbytes(), dtype_name(a.dtype()),
+                    EmulatedBuffer::Access::Read};
   }
   void output(int idx, mx::array& a) {
-    buffers[idx] = {a.data<char>(), a.nbytes(), dtype_name(a.dtype()),
-                    EmulatedBuffer::Access::Write};
+    check_marked(idx, a, false);
+    StagedArray& s = stage(a);
+    s.output = true;
+    buffers[idx] = {s.bound, a.nbytes(), dtype_name(a.dtype()), EmulatedBuffer::Access::Write};
   }
   void constant(int idx, uint32_t value) {
     constants[idx] = value;
     buffers[idx] = {&constants[idx], sizeof(uint32_t), dtype_name(mx::uint32),
                     EmulatedBuffer::Access::Constant};
+  }
+  void placeholder(int idx, BufferSlot::Kind kind, const mx::array& a) {
+    check_marked(idx, a, true);
+    buffers[idx] = {nullptr, 0, dtype_name(a.dtype()),
+                    kind == BufferSlot::Kind::Output ? EmulatedBuffer::Access::Write
+                                                     : EmulatedBuffer::Access::Read};
+  }
+
+  void check_marked(int idx, const mx::array& a, bool marked_empty) const {
+    if ((a.size() == 0) != marked_empty) {
+      throw std::logic_error(
+          "mlx_knorm: the launch plan of " + kernel + " marks [[buffer(" +
+          std::to_string(idx) + ")]] " + (marked_empty ? "empty" : "non-empty") +
+          " but binds an array of " + std::to_string(a.size()) +
+          " elements there");
+    }
+  }
+
+  void copy_back() const {
+    for (const StagedArray& s : staged) {
+      if (s.output && s.bytes > 0) {
+        std::memcpy(s.data, s.bound, s.bytes);
+      }
+    }
   }
 };
 
@@ -42,9 +131,10 @@ void run_emulated_plan(
     const LaunchPlan& plan,
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  EmulatorBinder binder(plan.buffers.size());
+  EmulatorBinder binder(plan.kernel, plan.buffers.size());
   bind_slots(plan, inputs, outputs, binder);
   run_emulated_kernel(plan.kernel, plan.groups, plan.group_size, binder.buffers);
+  binder.copy_back();
 }
 
 } // namespace mlx_knorm

@@ -10,7 +10,7 @@ void protected_topk_gather_emulated(
     std::vector<mx::array>& outputs,
     const SelectionConfig& config) {
   run_emulated_plan(
-      protected_topk_gather_plan(inputs, config), inputs.to_vector(), outputs);
+      protected_topk_gather_plan(inputs, outputs, config), inputs.to_vector(), outputs);
 }
 
 } // namespace mlx_knorm

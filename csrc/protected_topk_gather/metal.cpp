@@ -17,6 +17,7 @@ namespace mlx_knorm {
 
 LaunchPlan protected_topk_gather_plan(
     const GatherInputs& inputs,
+    const std::vector<mx::array>& outputs,
     const SelectionConfig& config) {
   // check_inputs keeps n_prior + S within uint32, as the kernel's row
   // indices need.
@@ -33,7 +34,7 @@ LaunchPlan protected_topk_gather_plan(
   const int64_t mid_end = sel.evicts ? sel.mid_end : sel.n_total;
   const int64_t mid_keep = sel.evicts ? sel.mid_keep : 0;
   auto u32 = [](int64_t v) { return BufferSlot::constant(static_cast<uint32_t>(v)); };
-  plan.buffers = array_slots(6, 4);
+  plan.buffers = array_slots(inputs.to_vector(), outputs);
   plan.buffers.insert(plan.buffers.end(), {
       u32(inputs.n_prior()),
       u32(inputs.n_new()),
@@ -43,7 +44,9 @@ LaunchPlan protected_topk_gather_plan(
       u32(sink_end),
       u32(mid_end),
       u32(mid_keep),
-      u32(config.keep == Keep::High ? 1 : 0)});
+      u32(config.keep == Keep::High ? 1 : 0),
+      u32(row_unit({&inputs.prior_keys, &inputs.new_keys, &outputs[0]}, inputs.key_dim())),
+      u32(row_unit({&inputs.prior_values, &inputs.new_values, &outputs[1]}, inputs.value_dim()))});
   return plan;
 }
 
@@ -57,7 +60,7 @@ void ProtectedTopKGather::eval_gpu(
   for (auto& out : outputs) {
     out.set_data(mx::allocator::malloc(out.nbytes()));
   }
-  dispatch_on_gpu(protected_topk_gather_plan(in, config_), inputs, outputs, stream());
+  dispatch_on_gpu(protected_topk_gather_plan(in, outputs, config_), inputs, outputs, stream());
 }
 #else
 void ProtectedTopKGather::eval_gpu(

@@ -13,6 +13,7 @@ for the whole process; ``use_backend`` overrides it for one thread or context.
 from __future__ import annotations
 
 import contextvars
+import functools
 import os
 
 import mlx.core as mx
@@ -80,12 +81,16 @@ def _require_extension(name: str) -> None:
         )
 
 
-def _kernel_devices() -> dict[str, bool]:
+@functools.cache
+def _gpu_kernels() -> bool:
+    """Metal kernels built and a Metal device present: fixed for the process,
+    and asked on every call, so answered once."""
     ext = _native.ext
-    return {
-        "cpu": ext is not None,
-        "gpu": ext is not None and bool(ext.has_metal_kernels) and mx.metal.is_available(),
-    }
+    return ext is not None and bool(ext.has_metal_kernels) and mx.metal.is_available()
+
+
+def _kernel_devices() -> dict[str, bool]:
+    return {"cpu": _native.ext is not None, "gpu": _gpu_kernels()}
 
 
 def _device_of(stream) -> mx.Device:
@@ -132,7 +137,7 @@ def resolve(stream, key_dim: int | None = None) -> str:
         _require_extension(name)
         return name
     on_gpu = device.type == mx.DeviceType.gpu
-    has_kernel = _kernel_devices()["gpu" if on_gpu else "cpu"]
+    has_kernel = _gpu_kernels() if on_gpu else _native.ext is not None
     if name == "kernel":
         _require_extension(name)
         if not has_kernel:
@@ -140,6 +145,17 @@ def resolve(stream, key_dim: int | None = None) -> str:
         return "kernel"
     fits = not (on_gpu and key_dim is not None and key_dim > _native.ext.metal_key_norms_max_dim)
     return "kernel" if has_kernel and fits else "fallback"
+
+
+def _metal_kernel_library() -> dict | None:
+    """Where the Metal kernels come from, in builds that have them: the
+    prebuilt ``mlx_knorm.metallib`` or the ``.metal`` sources compiled at
+    first use (``"jit"``)."""
+    ext = _native.ext
+    if ext is None or not ext.has_metal_kernels:
+        return None
+    kind, path = ext.metal_kernel_library()
+    return {"kind": kind, "path": str(path)}
 
 
 def backend_info() -> dict:
@@ -156,4 +172,5 @@ def backend_info() -> dict:
             **_kernel_devices(),
             "metal-emulator": ext is not None and bool(ext.has_metal_emulator),
         },
+        "metal_kernel_library": _metal_kernel_library(),
     }

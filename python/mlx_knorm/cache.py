@@ -4,16 +4,31 @@
 most ``budget`` rows per head: the ``n_sink`` first tokens, the ``recent``
 latest tokens, and, of the rest, the rows with the lowest key norm
 (``keep="low"``, the paper's finding) or the highest (``keep="high"``).
-It mirrors ``veloxquant_mlx.cache.knorm_cache.L2NormKVCache`` and follows
-the protocol of ``mlx_lm.models.cache.KVCache`` (mlx-lm 0.32).
+It keeps the same rows as ``veloxquant_mlx.cache.knorm_cache.L2NormKVCache``
+and follows the protocol of ``mlx_lm.models.cache.KVCache`` (mlx-lm 0.32).
 
-Eviction is deferred: a step attends to every kept prior row plus every new
-row; only the state stored for the next step is cut down to the budget. So
-while no more than ``budget`` tokens have arrived the cache returns exactly
-what ``KVCache`` returns, and logits are bit-identical.
+Rows live in the slots of preallocated buffers (docs/spec.md §4, §8), like
+``KVCache``'s, and each step is one ``evict_and_fill``: it applies the
+eviction the previous step's new rows caused, compacts the kept rows and
+writes the new ones behind them, in place once the step before has been
+evaluated. ``update_and_fetch`` returns views of the occupied slots. Eviction
+is deferred: a step attends to every kept row plus every new row; only the
+rows stored for the next step are cut to the budget. So while no more than
+``budget`` tokens have arrived the cache returns what ``KVCache`` returns,
+and logits are bit-identical.
+
+``layout="slots"`` (the default) lets a decode step move one row per head:
+the spare row fills the evicted row's slot, so rows are not in temporal
+order, which attention does not need (each key carries its RoPE rotation
+and a query sees every kept row). ``layout="temporal"`` keeps temporal order
+(logits bit-identical to the reference's cache) at the price of moving the
+rows after the first evicted one.
 
 ``offset`` is the true absolute position (RoPE stays right after eviction);
-``size()`` is the number of rows held.
+``size()`` is the number of rows kept. ``keys`` and ``values`` are the
+buffers, as ``KVCache``'s are (mlx-lm's pipeline-parallel models chain a
+dependency onto ``cache.keys``); ``state`` and ``positions`` present the
+kept rows in temporal order whatever the storage order, computed when asked.
 
 Limits: mlx-lm models build one attention mask from one layer's cache and
 share it across layers. Every ``L2NormKVCache`` of a model holds the same
@@ -21,8 +36,9 @@ row count, so they agree; a model that asks for an array mask
 (``return_array=True``, e.g. gemma2, deepseek_v3) would apply it to a
 ``skip_layers`` layer, whose row count differs once eviction starts, so
 ``make_knorm_cache`` refuses ``skip_layers`` for such models. There is no
-``merge``, so mlx-lm's ``BatchGenerator`` (and ``mlx_lm.server`` batching) does not batch these caches; batches built by the caller
-(``[B, S]`` inputs) are supported.
+``merge``, so mlx-lm's ``BatchGenerator`` (and ``mlx_lm.server`` batching)
+does not batch these caches; batches built by the caller (``[B, S]``
+inputs) are supported.
 
 Importing this module registers ``L2NormKVCache`` in
 ``mlx_lm.models.cache``, because ``mlx_lm.models.cache.load_prompt_cache``
@@ -38,14 +54,17 @@ import mlx.nn as nn
 from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
-from .ops.key_norms import key_norms_unchecked
-from .ops.protected_topk_gather import protected_topk_gather_unchecked
-from .validation import check_config, check_int
+from .cache_state import check_state
+from .ops.evict_and_fill import check_layout, evict_and_fill_unchecked
+from .validation import INT32_MAX, check_config, check_int
 
 DEFAULT_BUDGET = 512
 DEFAULT_N_SINK = 4
 DEFAULT_RECENT = 0
 DEFAULT_KEEP = "low"
+DEFAULT_LAYOUT = "slots"
+# Slots added at a time while the cache fills, as KVCache grows.
+GROWTH_STEP = 256
 
 
 def _storage_dtype(keys: mx.array, values: mx.array) -> mx.Dtype:
@@ -61,16 +80,20 @@ class L2NormKVCache(_BaseCache):
     Construct with the reference's config object (fields ``knorm_budget``,
     ``knorm_n_sink``, ``knorm_recent``, ``knorm_keep``; missing fields take
     the defaults 512, 4, 0, "low") and/or keyword arguments ``budget``,
-    ``n_sink``, ``recent``, ``keep``, which take precedence over the config.
-    Invalid settings raise ``ValueError``/``TypeError`` naming the argument.
+    ``n_sink``, ``recent``, ``keep``, which take precedence over the config,
+    and ``layout`` (``"slots"``, the default, or ``"temporal"``). Invalid
+    settings raise ``ValueError``/``TypeError`` naming the argument.
 
-    Stored state: ``keys``/``values`` ``[B, H, kept, D]`` in the storage
-    dtype (bfloat16 for bfloat16 inputs, else float16), ``norms``
-    ``[B, H, kept]`` float32 (each key's norm, taken once at insertion), and
-    ``offset``, the number of positions seen. Not trimmable, not mergeable
-    into mlx-lm's batch caches and not converted by ``kv_bits`` quantization:
-    it defines no ``trim``, ``merge`` or ``to_quantized``, so mlx-lm leaves
-    it alone on those paths.
+    Storage, as ``KVCache``'s with its spare slots: ``keys``
+    ``[B, H, capacity, D_k]`` and ``values [B, H, capacity, D_v]`` in the
+    storage dtype (bfloat16 for bfloat16 inputs, else float16), ``norms``
+    (each key's float32 norm, taken once from the stored key) and
+    ``slot_positions`` (int32 absolute positions) ``[B, H, capacity]``;
+    slots ``[0, filled)`` are occupied, in storage order. ``state`` and
+    ``positions`` give the kept rows in temporal order. Not trimmable, not mergeable into mlx-lm's
+    batch caches and not converted by ``kv_bits`` quantization: it defines
+    no ``trim``, ``merge`` or ``to_quantized``, so mlx-lm leaves it alone on
+    those paths.
     """
 
     def __init__(
@@ -81,6 +104,7 @@ class L2NormKVCache(_BaseCache):
         n_sink: int | None = None,
         recent: int | None = None,
         keep: str | None = None,
+        layout: str = DEFAULT_LAYOUT,
     ) -> None:
         def pick(value, field, default):
             return value if value is not None else getattr(config, field, default)
@@ -91,70 +115,134 @@ class L2NormKVCache(_BaseCache):
             pick(recent, "knorm_recent", DEFAULT_RECENT),
             pick(keep, "knorm_keep", DEFAULT_KEEP),
         )
+        self.layout = check_layout(layout)
+        self._clear()
+
+    def _clear(self) -> None:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.norms: mx.array | None = None
+        self.slot_positions: mx.array | None = None
+        self.filled = 0
         self.offset = 0
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Absorb ``[B, H, S, D]`` keys/values; return kept prior rows ++ new rows.
+    def _buffers(self) -> list:
+        return [self.keys, self.values, self.norms, self.slot_positions]
 
-        The returned arrays are what this step attends to (nothing of it is
-        evicted yet); the stored state becomes the protected top-``budget``
-        of those rows, selected for all B*H heads in one batched call.
+    def _set_buffers(self, buffers) -> None:
+        self.keys, self.values, self.norms, self.slot_positions = buffers
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Absorb ``[B, H, S, D]`` keys/values; return the kept rows and the new rows.
+
+        The returned arrays are views of the occupied slots: what this step
+        attends to (nothing of it is evicted yet). The eviction that the new
+        rows cause is applied by the next step.
         """
         batch, heads, steps, key_dim = keys.shape
-        value_dim = values.shape[-1]
-        rows = batch * heads
+        previous = self._buffers()
         if self.keys is None:
             dtype = _storage_dtype(keys, values)
-            keys, values = keys.astype(dtype), values.astype(dtype)
-            attended_keys, attended_values = keys, values
-            prior_keys = mx.zeros((rows, 0, key_dim), dtype)
-            prior_values = mx.zeros((rows, 0, value_dim), dtype)
-            prior_norms = mx.zeros((rows, 0), mx.float32)
+            buffers = [
+                mx.zeros((batch, heads, 0, key_dim), dtype),
+                mx.zeros((batch, heads, 0, values.shape[-1]), dtype),
+                mx.zeros((batch, heads, 0), mx.float32),
+                mx.zeros((batch, heads, 0), mx.int32),
+            ]
         else:
-            keys, values = keys.astype(self.keys.dtype), values.astype(self.values.dtype)
-            attended_keys = mx.concatenate([self.keys, keys], axis=2)
-            attended_values = mx.concatenate([self.values, values], axis=2)
-            prior_keys = self.keys.reshape(rows, -1, key_dim)
-            prior_values = self.values.reshape(rows, -1, value_dim)
-            prior_norms = self.norms.reshape(rows, -1)
-
-        new_keys = keys.reshape(rows, steps, key_dim)
-        new_values = values.reshape(rows, steps, value_dim)
-        # The ops directly, unchecked: the cache builds these shapes itself and
-        # validated its configuration once; the native op still guards its
-        # buffers. Norms are taken from the stored (cast) keys, as the
-        # reference does.
-        kept_keys, kept_values, kept_norms, _ = protected_topk_gather_unchecked(
-            prior_keys,
-            prior_values,
-            prior_norms,
-            new_keys,
-            new_values,
-            key_norms_unchecked(new_keys),
-            self.budget,
-            self.n_sink,
-            self.recent,
-            self.keep,
-        )
-        kept = kept_keys.shape[1]
-        self.keys = kept_keys.reshape(batch, heads, kept, key_dim)
-        self.values = kept_values.reshape(batch, heads, kept, value_dim)
-        self.norms = kept_norms.reshape(batch, heads, kept)
+            self._check_block(keys, values)
+            buffers = previous
+        if self.offset + steps > INT32_MAX:
+            raise ValueError(
+                f"mlx_knorm: L2NormKVCache positions are int32: offset {self.offset} + "
+                f"{steps} new tokens must be < 2**31"
+            )
+        kept = min(self.filled, self.budget)
+        capacity = self._capacity(kept + steps, buffers[0].shape[2])
+        # The op writes in place only if it holds the buffers' last reference.
+        self._set_buffers([None] * 4)
+        try:
+            out = evict_and_fill_unchecked(
+                *buffers,
+                keys.astype(buffers[0].dtype),
+                values.astype(buffers[1].dtype),
+                filled=self.filled, offset=self.offset, capacity=capacity,
+                budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
+                layout=self.layout,
+            )
+        except BaseException:
+            self._set_buffers(previous)
+            raise
+        del buffers, previous
+        self._set_buffers(out)
+        self.filled = kept + steps
         self.offset += steps
-        return attended_keys, attended_values
+        return self._occupied(self.keys), self._occupied(self.values)
+
+    def _check_block(self, keys: mx.array, values: mx.array) -> None:
+        batch, heads, _, key_dim = self.keys.shape
+        value_dim = self.values.shape[-1]
+        if keys.shape[:2] != (batch, heads) or keys.shape[-1] != key_dim or values.shape != (
+            *keys.shape[:3], value_dim
+        ):
+            raise ValueError(
+                f"mlx_knorm: L2NormKVCache holds [B, H, rows, D] = [{batch}, {heads}, rows, "
+                f"{key_dim}] keys and [..., {value_dim}] values; got keys {list(keys.shape)} "
+                f"and values {list(values.shape)}"
+            )
+
+    def _capacity(self, needed: int, current: int) -> int:
+        """Slots for the next buffers: the current ones when they fit and are
+        not larger than a decode step at the budget needs (then the step can
+        run in place), else ``needed`` rounded up to ``GROWTH_STEP``, capped
+        there."""
+        most = max(needed, self.budget + 1)
+        if needed <= current <= most:
+            return current
+        return min(-(-needed // GROWTH_STEP) * GROWTH_STEP, most)
+
+    def _occupied(self, buffer: mx.array) -> mx.array:
+        """Slots ``[0, filled)`` of a ``[B, H, capacity, D]`` buffer (a view)."""
+        return buffer if buffer.shape[2] == self.filled else buffer[..., : self.filled, :]
+
+    def _kept_rows(self) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
+        """The kept rows once the pending eviction is applied, in temporal
+        order: keys, values, norms, positions ``[B, H, kept, ...]``.
+        Computed out of place; the buffers are not touched."""
+        if self.keys is None:
+            return None
+        kept = self.size()
+        buffers = self._buffers()
+        rows = [b[:, :, :kept] for b in buffers]
+        if kept < self.filled:
+            no_rows = [mx.zeros((*b.shape[:2], 0, b.shape[3]), b.dtype) for b in buffers[:2]]
+            rows = evict_and_fill_unchecked(
+                *buffers, *no_rows, filled=self.filled, offset=self.offset, capacity=kept,
+                budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
+                layout="temporal",
+            )
+        if self.layout == "slots":
+            order = mx.argsort(rows[3], axis=2)
+            rows = [mx.take_along_axis(r, order if r.ndim == 3 else order[..., None], axis=2) for r in rows]
+        return tuple(rows)
+
+    @property
+    def positions(self) -> mx.array | None:
+        """int32 absolute token positions ``[B, H, kept]`` of the kept rows,
+        increasing (None when empty)."""
+        kept = self._kept_rows()
+        return None if kept is None else kept[3]
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: int | None = None
     ):
-        """The mask for ``N`` new queries against kept prior rows ++ new rows.
+        """The mask for ``N`` new queries against the kept rows ++ new rows.
 
-        Every kept prior row precedes every query, so the right mask is
-        KVCache's causal mask with the stored row count as its offset: all
-        prior rows visible, causal among the new rows. Before any eviction
-        that count equals ``offset`` and the mask is exactly KVCache's.
+        Every kept row precedes every query, so the right mask is KVCache's
+        causal mask with the kept row count as its offset: all kept rows
+        visible, causal among the new rows (which the step writes behind the
+        kept rows, in order). Before any eviction that count equals
+        ``offset`` and the mask is exactly KVCache's.
         """
         stored = self.size()
         if window_size is not None and stored < self.offset:
@@ -178,51 +266,50 @@ class L2NormKVCache(_BaseCache):
         return self.keys is None
 
     def size(self) -> int:
-        """Rows held per head (at most ``budget``), as RotatingKVCache reports its window."""
-        return 0 if self.keys is None else self.keys.shape[2]
+        """Rows kept per head (at most ``budget``), as RotatingKVCache reports its window."""
+        return min(self.filled, self.budget)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: kept keys, values and their float32 norms."""
-        if self.keys is None:
-            return 0
-        return self.keys.nbytes + self.values.nbytes + self.norms.nbytes
+        """Bytes of the buffers: keys, values, norms and positions, every slot."""
+        return 0 if self.keys is None else sum(b.nbytes for b in self._buffers())
 
     @property
     def state(self):
         """Everything needed to rebuild the cache, configuration included,
         because mlx-lm 0.32's ``load_prompt_cache`` calls ``from_state(state)``
-        with no separate meta state."""
-        return (
-            self.keys,
-            self.values,
-            self.norms,
-            self.offset,
-            self.budget,
-            self.n_sink,
-            self.recent,
-            self.keep,
-        )
+        with no separate meta state: ``(keys, values, norms, positions,
+        offset, budget, n_sink, recent, keep, layout)``, the kept rows in
+        temporal order (``state[:2]`` is what the reference's cache stores)."""
+        kept = self._kept_rows() or (None, None, None, None)
+        return (*kept, self.offset, self.budget, self.n_sink, self.recent, self.keep, self.layout)
 
     @state.setter
     def state(self, v) -> None:
-        keys, values, norms, offset, budget, n_sink, recent, keep = v
-        self.budget, self.n_sink, self.recent, self.keep = check_config(budget, n_sink, recent, keep)
-        self.keys, self.values, self.norms = keys, values, norms
-        self.offset = check_int(offset, "offset")
+        """Load a saved state after checking every field against the others
+        and the configuration (cache_state.check_state); nothing changes if
+        a check fails."""
+        checked = check_state(v)
+        self.budget, self.n_sink, self.recent, self.keep = checked.config
+        self.layout = checked.layout
+        self._clear()
+        self.offset = checked.offset
+        if checked.rows is not None:
+            self._set_buffers(checked.rows)
+            self.filled = checked.rows[0].shape[2]
 
     @property
-    def meta_state(self) -> tuple[str, str, str, str]:
+    def meta_state(self) -> tuple[str, ...]:
         """The configuration as strings, for tools using the older two-part
         (``state`` + ``meta_state``) mlx-lm protocol."""
-        return str(self.budget), str(self.n_sink), str(self.recent), self.keep
+        return str(self.budget), str(self.n_sink), str(self.recent), self.keep, self.layout
 
     @meta_state.setter
     def meta_state(self, v) -> None:
-        budget, n_sink, recent, keep = v
-        self.budget, self.n_sink, self.recent, self.keep = check_config(
-            int(budget), int(n_sink), int(recent), keep
-        )
+        budget, n_sink, recent, keep, layout = v
+        config = check_config(int(budget), int(n_sink), int(recent), keep)
+        self.layout = check_layout(layout)
+        self.budget, self.n_sink, self.recent, self.keep = config
 
     def _fp16_bytes(self, tokens: int) -> int:
         # The reference's accounting: K + V at 2 bytes per element, all B*H
@@ -256,7 +343,7 @@ class L2NormKVCache(_BaseCache):
 
     @property
     def tokens_kept(self) -> int:
-        """Rows held per head (every head holds the same count)."""
+        """Rows kept per head (every head keeps the same count)."""
         return self.size()
 
 
@@ -298,6 +385,7 @@ def make_knorm_cache(
     recent: int = DEFAULT_RECENT,
     keep: str = DEFAULT_KEEP,
     skip_layers: Iterable[int] = (),
+    layout: str = DEFAULT_LAYOUT,
 ) -> list:
     """A prompt cache for ``model`` with an ``L2NormKVCache`` per attention layer.
 
@@ -307,7 +395,8 @@ def make_knorm_cache(
     a plain ``KVCache``: the paper leaves layers 0 and 1 uncompressed
     (``skip_layers=(0, 1)``), since their key norms do not predict attention.
     Layers whose model cache is something else (sliding-window
-    ``RotatingKVCache``, recurrent state) keep that cache.
+    ``RotatingKVCache``, recurrent state) keep that cache. ``layout`` is
+    each ``L2NormKVCache``'s storage order (``"slots"`` or ``"temporal"``).
 
     ``skip_layers`` needs a model that gives each layer a mask fitting its own
     row count. A model that builds one array mask from one layer's cache and
@@ -330,6 +419,7 @@ def make_knorm_cache(
     (which refuse ``skip_layers``).
     """
     budget, n_sink, recent, keep = check_config(budget, n_sink, recent, keep)
+    layout = check_layout(layout)
     caches = _model_cache(model)
     skipped = set()
     for layer in skip_layers:
@@ -353,7 +443,9 @@ def make_knorm_cache(
                 "Use skip_layers=() with this model."
             )
     return [
-        L2NormKVCache(budget=budget, n_sink=n_sink, recent=recent, keep=keep) if replace else cache
+        L2NormKVCache(budget=budget, n_sink=n_sink, recent=recent, keep=keep, layout=layout)
+        if replace
+        else cache
         for replace, cache in zip(compress, caches)
     ]
 

@@ -18,6 +18,8 @@ FLOAT_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.fl
 KEEP_CHOICES = ("low", "high")
 # Rows of one head are indexed by uint32 (docs/spec.md §5).
 MAX_ROWS = 2**32 - 1
+# Positions are int32, and so are MLX's shapes (docs/spec.md §5).
+INT32_MAX = 2**31 - 1
 
 
 def dtype_name(dtype: mx.Dtype) -> str:
@@ -86,6 +88,6 @@ def check_config(budget, n_sink, recent, keep) -> tuple[int, int, int, str]:
             f"mlx_knorm: n_sink ({n_sink}) + recent ({recent}) must be < budget ({budget}): "
             "no evictable positions remain"
         )
-    if budget > 2**31 - 1:
+    if budget > INT32_MAX:
         raise ValueError(f"mlx_knorm: budget must be < 2**31, got {budget}")
     return budget, n_sink, recent, keep

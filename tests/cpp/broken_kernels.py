@@ -45,9 +45,9 @@ BROKEN_KERNELS = (
     BrokenKernel(
         "missing_device_barrier",
         (("evict_and_fill.metal",
-          "          held[k] = in[ulong(src[p]) * dim + e % dim];\n"
+          "          held[k] = in[ulong(src[p]) * width + e % width];\n"
           "        }\n      }\n    }\n    threadgroup_barrier(mem_flags::mem_device);\n",
-          "          held[k] = in[ulong(src[p]) * dim + e % dim];\n"
+          "          held[k] = in[ulong(src[p]) * width + e % width];\n"
           "        }\n      }\n    }\n"),),
         "run",
         {"thread": (TSAN_RACE, "knorm_move_rows")},
@@ -57,7 +57,7 @@ BROKEN_KERNELS = (
         "wrong_buffer_index",
         (("key_norms.metal", "constant uint& rows KNORM_BUFFER(3)", "constant uint& rows KNORM_BUFFER(4)"),),
         "run",
-        {"thread": ("knorm_key_norms_float16 takes constant uint32& at [[buffer(4)]], which the launch does not bind",)},
+        {"thread": ("knorm_key_norms_float16_4 takes constant uint32& at [[buffer(4)]], which the launch does not bind",)},
     ),
     # The decode step's barrier after each SIMD group's worst row is
     # written, without mem_threadgroup: the other groups' rows are stale.

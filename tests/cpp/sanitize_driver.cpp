@@ -9,15 +9,17 @@
 // checks the emulator's half/bfloat conversions against MLX's.
 //
 // usage: knorm_sanitize_driver [cases] [seed]
-// (cases = 0 runs the fixed cases alone: the conversions, one case of each
-// kernel, and the in-place temporal compaction; enough for every broken
-// kernel of tests/cpp/broken_kernels.py to fail)
+// (cases = 0 runs the fixed cases alone: the conversions, the refusal of a
+// plan that binds an empty array, one case of each kernel, and the in-place
+// temporal compaction; enough for every broken kernel of
+// tests/cpp/broken_kernels.py to fail)
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -28,6 +30,7 @@
 
 #include "evict_and_fill/evict_and_fill.h"
 #include "key_norms/key_norms.h"
+#include "metal_emulator/run_plan.h"
 #include "protected_topk_gather/protected_topk_gather.h"
 
 // Included after every other header, and its qualifier macros undefined at
@@ -139,6 +142,25 @@ void key_norms_case(std::mt19937_64& rng, int c) {
   const int dim = dims[rng() % 11];
   const int rows = static_cast<int>(rng() % (dim >= 256 ? 3 : 10));
   check_key_norms(rows, dim, kTypes[rng() % 3], rng, std::to_string(c));
+}
+
+// Keys with D = 0 have no elements, so no Metal buffer: their slot must be
+// marked empty, and the emulator must refuse the plan once the mark is
+// taken away (the check that holds every plan to it has teeth).
+void check_empty_array_slots() {
+  auto keys = make({3, 0}, mx::float16);
+  auto norms = make({3}, mx::float32);
+  LaunchPlan plan = key_norms_plan(keys->array, norms->array);
+  if (!plan.buffers.at(0).empty || plan.buffers.at(1).empty) {
+    fail("key_norms_plan marks the wrong slots of D = 0 keys empty");
+  }
+  plan.buffers.at(0).empty = false;
+  std::vector<mx::array> outputs{norms->array};
+  try {
+    run_emulated_plan(plan, {keys->array}, outputs);
+    fail("the emulator bound an empty array that its plan did not mark");
+  } catch (const std::logic_error&) {
+  }
 }
 
 // The shape of one protected_topk_gather case; its data is drawn at random.
@@ -431,6 +453,7 @@ int main(int argc, char** argv) {
   std::mt19937_64 rng(seed);
   try {
     check_conversions(rng);
+    check_empty_array_slots();
     fixed_cases(rng);
     for (int c = 0; c < cases; ++c) {
       key_norms_case(rng, c);

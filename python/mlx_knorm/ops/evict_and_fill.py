@@ -4,10 +4,13 @@ Metal emulator or the fallback, and the fallback."""
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 
 from ..backend import resolve
 from ..validation import (
+    INT32_MAX,
     check_array,
     check_config,
     check_float32,
@@ -22,8 +25,6 @@ from .key_norms import fallback as key_norms_fallback
 from .protected_topk_gather import score_order_key
 
 LAYOUTS = ("slots", "temporal")
-# Positions are int32, and so are MLX's shapes (docs/spec.md §5).
-_INT32_MAX = 2**31 - 1
 
 
 def evict_and_fill(
@@ -57,7 +58,9 @@ def evict_and_fill(
     norms and positions follow. Returns ``(keys, values, norms, positions)``
     with ``capacity`` slots, of which ``[0, kept + S)`` are defined,
     ``kept = min(filled, budget)``. In place when the buffers are donated and
-    ``capacity == C`` (docs/spec.md §7).
+    ``capacity == C`` (docs/spec.md §7). The heads may take several leading
+    axes (``[B, H, C, D_k]``, as a model's cache holds them), the same in
+    every array.
     """
     config = check_step(
         keys, values, norms, positions, new_keys, new_values,
@@ -88,19 +91,25 @@ def check_step(
     filled = check_int(filled, "filled")
     offset = check_int(offset, "offset")
     capacity = check_int(capacity, "capacity")
+    check_array(keys, "keys")
+    if keys.ndim < 3:
+        raise ValueError(
+            f"mlx_knorm: keys must be [..., C, D_k] with at least one head axis, "
+            f"got shape {list(keys.shape)}"
+        )
+    heads = keys.ndim - 2
     named = [
-        ("keys", keys, 3),
-        ("values", values, 3),
-        ("norms", norms, 2),
-        ("positions", positions, 2),
-        ("new_keys", new_keys, 3),
-        ("new_values", new_values, 3),
+        ("values", values, heads + 2),
+        ("norms", norms, heads + 1),
+        ("positions", positions, heads + 1),
+        ("new_keys", new_keys, heads + 2),
+        ("new_values", new_values, heads + 2),
     ]
     for name, x, ndim in named:
         check_array(x, name)
         check_rank(x, ndim, name)
-        if ndim == 3:
-            check_floating(x, name)
+    for name, x in (("keys", keys), ("values", values), ("new_keys", new_keys), ("new_values", new_values)):
+        check_floating(x, name)
     check_float32(norms, "norms")
     if positions.dtype != mx.int32:
         raise TypeError(f"mlx_knorm: positions must be int32, got {dtype_name(positions.dtype)}")
@@ -117,31 +126,31 @@ def check_step(
         ("keys", keys, "values", values),
         ("new_keys", new_keys, "new_values", new_values),
     ):
-        if k.shape[:2] != v.shape[:2]:
+        if k.shape[: heads + 1] != v.shape[: heads + 1]:
             raise shape_mismatch("keys/values mismatch in N or rows", keys_name, k, values_name, v)
-    if keys.shape[0] != new_keys.shape[0] or keys.shape[2] != new_keys.shape[2]:
+    if keys.shape[:heads] != new_keys.shape[:heads] or keys.shape[-1] != new_keys.shape[-1]:
         raise shape_mismatch("buffers vs new rows mismatch in N or D", "keys", keys, "new_keys", new_keys)
-    if values.shape[2] != new_values.shape[2]:
+    if values.shape[-1] != new_values.shape[-1]:
         raise shape_mismatch(
             "buffers vs new rows mismatch in N or D", "values", values, "new_values", new_values
         )
     for name, x in (("norms", norms), ("positions", positions)):
-        if tuple(x.shape) != tuple(keys.shape[:2]):
+        if tuple(x.shape) != tuple(keys.shape[:-1]):
             raise shape_mismatch(f"{name} must be [N, C]", name, x, "keys", keys)
-    slots = keys.shape[1]
-    steps = new_keys.shape[1]
+    slots = keys.shape[-2]
+    steps = new_keys.shape[-2]
     if filled < 0:
         raise ValueError(f"mlx_knorm: filled must be >= 0, got {filled}")
     if filled > slots:
         raise ValueError(f"mlx_knorm: filled ({filled}) must be <= C, the buffers' slots ({slots})")
     if offset < 0:
         raise ValueError(f"mlx_knorm: offset must be >= 0, got {offset}")
-    if offset + steps > _INT32_MAX:
+    if offset + steps > INT32_MAX:
         raise ValueError(f"mlx_knorm: offset + S ({offset + steps}) must be < 2**31: positions are int32")
     needed = min(filled, budget) + steps
     if capacity < needed:
         raise ValueError(f"mlx_knorm: capacity ({capacity}) must be >= kept + S ({needed})")
-    if capacity > _INT32_MAX:
+    if capacity > INT32_MAX:
         raise ValueError(f"mlx_knorm: capacity must be < 2**31, got {capacity}")
     return dict(
         filled=filled, offset=offset, capacity=capacity, budget=budget,
@@ -223,7 +232,21 @@ def fallback(
     filled, offset, capacity, budget, n_sink, recent, keep, layout,
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """The pure-MLX step, bit-identical to the kernels on slots
-    ``[0, kept + S)``; later slots are zeros here."""
+    ``[0, kept + S)``; later slots are zeros here. Runs on one head axis."""
+    heads = keys.shape[:-2]
+    n_heads = math.prod(heads)
+    arrays = keys, values, norms, positions, new_keys, new_values
+    out = _fallback_one_head_axis(
+        *(x.reshape(n_heads, *x.shape[len(heads) :]) for x in arrays),
+        filled, offset, capacity, budget, n_sink, recent, keep, layout,
+    )
+    return tuple(x.reshape(*heads, *x.shape[1:]) for x in out)
+
+
+def _fallback_one_head_axis(
+    keys, values, norms, positions, new_keys, new_values,
+    filled, offset, capacity, budget, n_sink, recent, keep, layout,
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     kept = min(filled, budget)
     steps = new_keys.shape[1]
     norms = shape_pinned(norms)

@@ -10,7 +10,7 @@ from ..validation import check_floating
 from .common import on_stream, run_native, shape_pinned
 
 _SMALLEST_NORMAL = 2.0**-126
-_CANONICAL_NAN = mx.array(0x7FC00000, mx.uint32).view(mx.float32)
+_CANONICAL_NAN_BITS = 0x7FC00000
 
 
 def key_norms(keys: mx.array, *, stream=None) -> mx.array:
@@ -55,4 +55,8 @@ def fallback(keys: mx.array) -> mx.array:
         half = squares.shape[-1] // 2
         squares = squares[..., :half] + squares[..., half:]
     norms = mx.sqrt(squares[..., 0])
-    return mx.where(mx.isnan(norms), _CANONICAL_NAN, norms)
+    # Built on the call's stream: an array built lazily at import belongs to
+    # the stream that was default then (in a forked child, one whose thread
+    # is gone).
+    canonical_nan = mx.array(_CANONICAL_NAN_BITS, mx.uint32).view(mx.float32)
+    return mx.where(mx.isnan(norms), canonical_nan, norms)

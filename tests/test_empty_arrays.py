@@ -1,0 +1,106 @@
+"""Calls where some arrays have no elements: empty priors, S = 0, D = 0.
+
+MLX gives an array without elements no Metal buffer, so the launch plans
+mark such arrays and eval_gpu binds a placeholder in their place
+(common/launch_plan.h); the emulator refuses a plan that binds one as a
+buffer (metal_emulator/run_plan.cpp), so on the ``metal-emulator`` backend
+these cases check the plans, and with ``kernel`` on the GPU (the macOS
+workflow, under Metal API validation) the real dispatch. Every native backend
+must agree with the fallback bit for bit.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_knorm
+from conftest import assert_bitwise_equal, emulator_built
+from generators import fill, fill_norms
+
+NATIVE_BACKENDS = ["kernel"] + (["metal-emulator"] if emulator_built() else [])
+
+
+def on_backends(backend, op, *args, **kwargs):
+    """``op`` on ``backend`` and on the fallback, evaluated."""
+    results = []
+    for name in (backend, "fallback"):
+        with mlx_knorm.use_backend(name):
+            out = op(*args, **kwargs)
+            mx.eval(out)
+            results.append(out if isinstance(out, (tuple, list)) else [out])
+    return results
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
+@pytest.mark.parametrize("shape", [(2, 3, 0), (4, 0), (0, 8), (2, 0, 5)])
+def test_key_norms(backend, shape):
+    keys = fill(np.random.default_rng(0), shape, "special", "bfloat16")
+    (native,), (fallback,) = on_backends(backend, mlx_knorm.key_norms, keys)
+    assert_bitwise_equal(native, fallback, f"keys {shape}")
+
+
+GATHER_CASES = {
+    # name: (n_prior, n_new, key_dim, value_dim, budget)
+    "empty prior": (0, 7, 3, 5, 4),
+    "empty prior, all kept": (0, 3, 3, 5, 8),
+    "S = 0": (9, 0, 3, 5, 4),
+    "S = 0, all kept": (3, 0, 3, 5, 8),
+    "no rows": (0, 0, 3, 5, 4),
+    "D_k = 0": (9, 4, 0, 5, 6),
+    "D_v = 0": (9, 4, 3, 0, 6),
+    "D_k = D_v = 0, empty prior": (0, 9, 0, 0, 6),
+}
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
+@pytest.mark.parametrize("case", GATHER_CASES)
+def test_protected_topk_gather(backend, case):
+    n_prior, n_new, key_dim, value_dim, budget = GATHER_CASES[case]
+    rng = np.random.default_rng(n_prior * 7 + n_new)
+    args = (
+        fill(rng, (2, n_prior, key_dim), "special", "float16"),
+        fill(rng, (2, n_prior, value_dim), "normal", "float32"),
+        fill_norms(rng, (2, n_prior), "ties"),
+        fill(rng, (2, n_new, key_dim), "special", "float16"),
+        fill(rng, (2, n_new, value_dim), "normal", "float32"),
+        fill_norms(rng, (2, n_new), "ties"),
+    )
+    native, fallback = on_backends(backend, mlx_knorm.protected_topk_gather, *args, budget, 1, 1, "low")
+    for name, a, b in zip(("keys", "values", "norms", "indices"), native, fallback):
+        assert_bitwise_equal(a, b, f"{case}: {name}")
+
+
+STEP_CASES = {
+    # name: (slots, filled, n_new, key_dim, value_dim, budget)
+    "S = 0": (10, 10, 0, 4, 3, 6),
+    "S = 0, nothing leaves": (10, 5, 0, 4, 3, 6),
+    "empty cache": (6, 0, 4, 4, 3, 6),
+    "no slots": (0, 0, 0, 4, 3, 6),
+    "D_k = 0": (10, 10, 2, 0, 3, 6),
+    "D_v = 0": (10, 10, 2, 4, 0, 6),
+    "D_k = D_v = 0, S = 0": (10, 10, 0, 0, 0, 6),
+}
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
+@pytest.mark.parametrize("case", STEP_CASES)
+def test_evict_and_fill(backend, case):
+    slots, filled, n_new, key_dim, value_dim, budget = STEP_CASES[case]
+    rng = np.random.default_rng(slots * 5 + n_new)
+    args = (
+        fill(rng, (2, slots, key_dim), "special", "float16"),
+        fill(rng, (2, slots, value_dim), "normal", "bfloat16"),
+        fill_norms(rng, (2, slots), "ties"),
+        mx.array(np.stack([rng.permutation(slots) for _ in range(2)]).astype(np.int32).reshape(2, slots)),
+        fill(rng, (2, n_new, key_dim), "special", "float16"),
+        fill(rng, (2, n_new, value_dim), "normal", "bfloat16"),
+    )
+    kept = min(filled, budget)
+    config = dict(filled=filled, offset=slots, capacity=kept + n_new, budget=budget,
+                  n_sink=1, recent=1, keep="low")
+    for layout in ("slots", "temporal"):
+        native, fallback = on_backends(backend, mlx_knorm.evict_and_fill, *args, **config, layout=layout)
+        for name, a, b in zip(("keys", "values", "norms", "positions"), native, fallback):
+            assert_bitwise_equal(a, b, f"{case}, {layout}: {name}")
