@@ -418,7 +418,10 @@ inline void knorm_fill_holes(
       mover_tail += at.total;
       mover_next += kEvictGroupSize;
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // The queues are complete, and the scans' reads of the rows' norms and
+    // positions (where the ranks are not cached) are done before the moves
+    // below overwrite holes (in place).
+    threadgroup_barrier(mem_flags::mem_threadgroup | mem_flags::mem_device);
     const uint pairs = min(hole_tail - hole_head, mover_tail - mover_head);
     if (pairs == 0 && !scan_holes && !scan_movers) {
       break;
@@ -436,35 +439,35 @@ inline void knorm_fill_holes(
 
 template <typename K, typename V>
 [[kernel]] void knorm_evict_and_fill(
-    device const K* keys [[buffer(0)]],
-    device const V* values [[buffer(1)]],
-    device const float* norms [[buffer(2)]],
-    device const int* positions [[buffer(3)]],
-    device const K* new_keys [[buffer(4)]],
-    device const V* new_values [[buffer(5)]],
-    device K* out_keys [[buffer(6)]],
-    device V* out_values [[buffer(7)]],
-    device float* out_norms [[buffer(8)]],
-    device int* out_positions [[buffer(9)]],
-    constant uint& slots [[buffer(10)]],
-    constant uint& out_slots [[buffer(11)]],
-    constant uint& n_new [[buffer(12)]],
-    constant uint& key_dim [[buffer(13)]],
-    constant uint& value_dim [[buffer(14)]],
-    constant uint& filled [[buffer(15)]],
-    constant uint& kept [[buffer(16)]],
-    constant uint& offset [[buffer(17)]],
-    constant uint& n_sink [[buffer(18)]],
-    constant uint& protect_from [[buffer(19)]],
-    constant uint& keep_high [[buffer(20)]],
-    constant uint& temporal [[buffer(21)]],
-    constant uint& in_place [[buffer(22)]],
-    constant uint& key_unit [[buffer(23)]],
-    constant uint& value_unit [[buffer(24)]],
-    uint head [[threadgroup_position_in_grid]],
-    uint tid [[thread_position_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]],
-    uint simd_group [[simdgroup_index_in_threadgroup]]) {
+    device const K* keys KNORM_BUFFER(0),
+    device const V* values KNORM_BUFFER(1),
+    device const float* norms KNORM_BUFFER(2),
+    device const int* positions KNORM_BUFFER(3),
+    device const K* new_keys KNORM_BUFFER(4),
+    device const V* new_values KNORM_BUFFER(5),
+    device K* out_keys KNORM_BUFFER(6),
+    device V* out_values KNORM_BUFFER(7),
+    device float* out_norms KNORM_BUFFER(8),
+    device int* out_positions KNORM_BUFFER(9),
+    constant uint& slots KNORM_BUFFER(10),
+    constant uint& out_slots KNORM_BUFFER(11),
+    constant uint& n_new KNORM_BUFFER(12),
+    constant uint& key_dim KNORM_BUFFER(13),
+    constant uint& value_dim KNORM_BUFFER(14),
+    constant uint& filled KNORM_BUFFER(15),
+    constant uint& kept KNORM_BUFFER(16),
+    constant uint& offset KNORM_BUFFER(17),
+    constant uint& n_sink KNORM_BUFFER(18),
+    constant uint& protect_from KNORM_BUFFER(19),
+    constant uint& keep_high KNORM_BUFFER(20),
+    constant uint& temporal KNORM_BUFFER(21),
+    constant uint& in_place KNORM_BUFFER(22),
+    constant uint& key_unit KNORM_BUFFER(23),
+    constant uint& value_unit KNORM_BUFFER(24),
+    uint head KNORM_ATTRIBUTE(threadgroup_position_in_grid),
+    uint tid KNORM_ATTRIBUTE(thread_position_in_threadgroup),
+    uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
+    uint simd_group KNORM_ATTRIBUTE(simdgroup_index_in_threadgroup)) {
   KNORM_THREADGROUP_ARRAY(atomic_uint, histogram, kRadixBins);
   KNORM_THREADGROUP_ARRAY(uint, simd_totals, kEvictSimdGroups);
   KNORM_THREADGROUP_ARRAY(uint, picked, 3);

@@ -14,15 +14,13 @@
 
 template <typename T, uint kPerLane>
 [[kernel]] void knorm_key_norms(
-    device const T* keys [[buffer(0)]],
-    device float* norms [[buffer(1)]],
-    constant uint& dim [[buffer(2)]],
-    constant uint& rows [[buffer(3)]],
-    uint group [[threadgroup_position_in_grid]],
-    uint tid [[thread_position_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]],
-    uint simd_group [[simdgroup_index_in_threadgroup]]) {
-  (void)tid;  // every kernel takes the same four thread attributes
+    device const T* keys KNORM_BUFFER(0),
+    device float* norms KNORM_BUFFER(1),
+    constant uint& dim KNORM_BUFFER(2),
+    constant uint& rows KNORM_BUFFER(3),
+    uint group KNORM_ATTRIBUTE(threadgroup_position_in_grid),
+    uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
+    uint simd_group KNORM_ATTRIBUTE(simdgroup_index_in_threadgroup)) {
   const uint row = group * kKeyNormsRowsPerGroup + simd_group;
   // The whole SIMD group leaves together, so the shuffles below always run
   // with all 32 lanes.

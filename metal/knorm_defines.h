@@ -24,12 +24,18 @@ using namespace metal;
 // threadgroup qualifies both declarations and pointers; only the declaration
 // form needs a macro for the emulator's C++ build.
 #define KNORM_THREADGROUP_ARRAY(type, name, count) threadgroup type name[count]
+// Kernel-signature attributes, as macros so that the emulator's C++ build
+// reads them too: KNORM_BUFFER(i) is [[buffer(i)]], KNORM_ATTRIBUTE(name) a
+// thread attribute such as [[thread_position_in_threadgroup]].
+#define KNORM_BUFFER(index) [[buffer(index)]]
+#define KNORM_ATTRIBUTE(name) [[name]]
 // Instantiates a kernel template under the host name its launch plan uses.
 #define KNORM_KERNEL_INSTANCE(name, ...) \
   template [[host_name(name)]] [[kernel]] decltype(__VA_ARGS__) __VA_ARGS__;
 #elif defined(KNORM_METAL_EMULATOR)
 // metal_emulator.h defines the Metal language surface, the address-space
-// qualifiers, and its own KNORM_THREADGROUP_ARRAY and KNORM_KERNEL_INSTANCE.
+// qualifiers, and its own KNORM_BUFFER, KNORM_ATTRIBUTE,
+// KNORM_THREADGROUP_ARRAY and KNORM_KERNEL_INSTANCE.
 using namespace metal;
 #define KNORM_CONSTANT static constant constexpr
 #else

@@ -4,7 +4,9 @@ the string with no include path and hands it to Metal as ASCII."""
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,3 +64,31 @@ def test_build_installs_every_kernel_source_and_the_header():
     cmake = (ROOT / "CMakeLists.txt").read_text()
     for path in [*METAL_DIR.glob("*.metal"), *METAL_DIR.glob("*.h")]:
         assert "${PROJECT_SOURCE_DIR}/metal/" + path.name in cmake, path.name
+
+
+def load_broken_kernels():
+    spec = importlib.util.spec_from_file_location("broken_kernels", ROOT / "tests" / "cpp" / "broken_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+BROKEN_KERNELS = load_broken_kernels()
+
+
+@pytest.mark.parametrize("kernel", BROKEN_KERNELS.BROKEN_KERNELS, ids=lambda k: k.name)
+def test_broken_kernel_edits_apply_to_the_sources(kernel):
+    """.ci/sanitize's broken kernels are edits of metal/ that must each
+    still apply exactly once, and change what they edit."""
+    broken = BROKEN_KERNELS.broken_sources(kernel)
+    for name, source in broken.items():
+        assert source != (METAL_DIR / name).read_text()
+
+
+def test_broken_kernel_edit_must_match_once(tmp_path):
+    kernel = BROKEN_KERNELS.BROKEN_KERNELS[0]
+    for name, _, _ in kernel.edits:
+        (tmp_path / name).write_text("")
+    with pytest.raises(ValueError, match="occurs 0 times"):
+        BROKEN_KERNELS.broken_sources(kernel, tmp_path)

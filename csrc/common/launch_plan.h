@@ -83,7 +83,8 @@ struct LaunchPlan {
 
 // Binds slot i of the plan as [[buffer(i)]] through `bind`, which has
 // input(i, const array&), output(i, array&), constant(i, uint32_t) and
-// placeholder(i, const array&) for an array slot marked empty.
+// placeholder(i, BufferSlot::Kind, const array&) for an array slot marked
+// empty.
 template <typename Binder>
 void bind_slots(
     const LaunchPlan& plan,
@@ -96,14 +97,14 @@ void bind_slots(
     switch (slot.kind) {
       case BufferSlot::Kind::Input:
         if (slot.empty) {
-          bind.placeholder(idx, inputs.at(slot.array));
+          bind.placeholder(idx, slot.kind, inputs.at(slot.array));
         } else {
           bind.input(idx, inputs.at(slot.array));
         }
         break;
       case BufferSlot::Kind::Output:
         if (slot.empty) {
-          bind.placeholder(idx, outputs.at(slot.array));
+          bind.placeholder(idx, slot.kind, outputs.at(slot.array));
         } else {
           bind.output(idx, outputs.at(slot.array));
         }

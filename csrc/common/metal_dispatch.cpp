@@ -72,7 +72,7 @@ struct EncoderBinder {
   }
   // An empty array has no MTL::Buffer: four zero bytes stand in, as MLX's
   // own kernels bind placeholders where there is nothing to bind.
-  void placeholder(int idx, const mx::array&) {
+  void placeholder(int idx, BufferSlot::Kind, const mx::array&) {
     encoder.set_bytes(uint32_t{0}, idx);
   }
 };

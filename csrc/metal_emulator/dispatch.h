@@ -2,11 +2,24 @@
 // qualifier macros so that code using MLX headers can call it.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 namespace mlx_knorm {
+
+// What a launch binds at one [[buffer(i)]], as eval_gpu's encoder would: the
+// emulator checks it against the kernel's parameter there.
+struct EmulatedBuffer {
+  // An input array, an output array, or bytes the host sets (set_bytes).
+  enum class Access { Read, Write, Constant };
+
+  void* data;
+  size_t bytes;
+  std::string dtype;  // MLX's name of the element type (common/dtype.h)
+  Access access;
+};
 
 // Runs the kernel registered under host name `kernel` over `groups`
 // threadgroups of `group_size` threads; buffers[i] is [[buffer(i)]].
@@ -14,6 +27,6 @@ void run_emulated_kernel(
     const std::string& kernel,
     uint32_t groups,
     uint32_t group_size,
-    const std::vector<void*>& buffers);
+    const std::vector<EmulatedBuffer>& buffers);
 
 } // namespace mlx_knorm

@@ -3,22 +3,16 @@
 // constant, kernel, threadgroup) would rewrite other headers.
 #include "metal_emulator/metal_emulator.h"
 
-// Metal attributes such as [[buffer(0)]] mean nothing to a C++ compiler.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wattributes"
 namespace mlx_knorm_metal {
 #include "metal/evict_and_fill.metal"
 #include "metal/key_norms.metal"
 #include "metal/protected_topk_gather.metal"
 } // namespace mlx_knorm_metal
-#pragma GCC diagnostic pop
 
 #undef kernel
 #undef device
 #undef constant
 #undef threadgroup
-
-#include "metal_emulator/dispatch.h"
 
 namespace mlx_knorm {
 
@@ -26,7 +20,7 @@ void run_emulated_kernel(
     const std::string& kernel,
     uint32_t groups,
     uint32_t group_size,
-    const std::vector<void*>& buffers) {
+    const std::vector<EmulatedBuffer>& buffers) {
   metal_emu::dispatch(kernel, groups, group_size, buffers);
 }
 

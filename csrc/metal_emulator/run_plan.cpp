@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/dtype.h"
 #include "metal_emulator/dispatch.h"
 
 namespace mlx_knorm {
@@ -40,15 +41,17 @@ struct StagedArray {
 };
 
 // Binds plan slots to the emulator's buffer table: [[buffer(i)]] is
-// buffers[i], the staged copy of an array or a constant. An output that is
-// its input's buffer (in place) shares the input's copy; outputs are copied
-// back after the dispatch. Holds plans to the rule eval_gpu depends on
+// buffers[i]: the staged copy of an array or a constant, with what the
+// emulator checks against the kernel's signature. An output that is its
+// input's buffer (in place) shares the input's copy; outputs are copied back
+// after the dispatch. Holds plans to the rule eval_gpu depends on
 // (common/launch_plan.h): an array slot is marked empty exactly when its
 // array has no elements, since Metal would see no buffer there. A
-// placeholder is a null pointer here, so a kernel that touches one faults.
+// placeholder is bound with a null pointer, so a kernel that touches one
+// faults.
 struct EmulatorBinder {
   const std::string& kernel;
-  std::vector<void*> buffers;
+  std::vector<EmulatedBuffer> buffers;
   // Constants need stable addresses for the duration of the dispatch.
   std::vector<uint32_t> constants;
   std::vector<StagedArray> staged;
@@ -82,21 +85,25 @@ struct EmulatorBinder {
 
   void input(int idx, const mx::array& a) {
     check_marked(idx, a, false);
-    buffers[idx] = stage(a).bound;
+    buffers[idx] = {stage(a).bound, a.nbytes(), dtype_name(a.dtype()),
+                    EmulatedBuffer::Access::Read};
   }
   void output(int idx, mx::array& a) {
     check_marked(idx, a, false);
     StagedArray& s = stage(a);
     s.output = true;
-    buffers[idx] = s.bound;
+    buffers[idx] = {s.bound, a.nbytes(), dtype_name(a.dtype()), EmulatedBuffer::Access::Write};
   }
   void constant(int idx, uint32_t value) {
     constants[idx] = value;
-    buffers[idx] = &constants[idx];
+    buffers[idx] = {&constants[idx], sizeof(uint32_t), dtype_name(mx::uint32),
+                    EmulatedBuffer::Access::Constant};
   }
-  void placeholder(int idx, const mx::array& a) {
+  void placeholder(int idx, BufferSlot::Kind kind, const mx::array& a) {
     check_marked(idx, a, true);
-    buffers[idx] = nullptr;
+    buffers[idx] = {nullptr, 0, dtype_name(a.dtype()),
+                    kind == BufferSlot::Kind::Output ? EmulatedBuffer::Access::Write
+                                                     : EmulatedBuffer::Access::Read};
   }
 
   void check_marked(int idx, const mx::array& a, bool marked_empty) const {

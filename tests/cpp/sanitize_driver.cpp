@@ -1,17 +1,18 @@
 // Standalone check of the emulated Metal kernels (csrc/metal_emulator/),
-// built under a sanitizer by .ci/sanitize: random cases (random bit patterns, ties, NaN, infinities,
-// rows spanning several threadgroup chunks, outputs updated in place) run
-// through the emulator and the CPU kernels, and every output must agree bit
-// for bit. Under
-// ThreadSanitizer a missing barrier in a kernel is a reported race; under
+// built under a sanitizer by .ci/sanitize: random cases (random bit
+// patterns, ties, NaN, infinities, rows spanning several threadgroup chunks,
+// outputs updated in place) run through the emulator and the CPU kernels,
+// and every output must agree bit for bit. Under ThreadSanitizer a barrier
+// missing or too weak in a kernel is a reported race; under
 // AddressSanitizer an access past a buffer is a reported overflow (each
 // buffer is a heap block of its own that ends where the array ends). Also
 // checks the emulator's half/bfloat conversions against MLX's.
 //
 // usage: knorm_sanitize_driver [cases] [seed]
 // (cases = 0 runs the fixed cases alone: the conversions, the refusal of a
-// plan that binds an empty array, and the in-place temporal compaction that
-// .ci/sanitize's broken kernel must fail)
+// plan that binds an empty array, one case of each kernel, and the in-place
+// temporal compaction; enough for every broken kernel of
+// tests/cpp/broken_kernels.py to fail)
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -124,11 +125,7 @@ bool same_bits(const Buffer& a, const Buffer& b, bool nan_equal) {
 
 const mx::Dtype kTypes[] = {mx::float16, mx::bfloat16, mx::float32};
 
-void key_norms_case(std::mt19937_64& rng, int c) {
-  const int dims[] = {0, 1, 3, 31, 33, 80, 96, 112, 128, 256, 512};
-  const int dim = dims[rng() % 11];
-  const int rows = static_cast<int>(rng() % (dim >= 256 ? 3 : 10));
-  const mx::Dtype t = kTypes[rng() % 3];
+void check_key_norms(int rows, int dim, mx::Dtype t, std::mt19937_64& rng, const std::string& label) {
   auto keys = make({rows, dim}, t);
   fill_bits(*keys, rng);
   auto native = make({rows}, mx::float32);
@@ -136,8 +133,15 @@ void key_norms_case(std::mt19937_64& rng, int c) {
   key_norms_cpu(keys->array, native->array);
   key_norms_emulated(keys->array, emulated->array);
   if (!same_bits(*native, *emulated, true)) {
-    fail("key norms case " + std::to_string(c) + " D=" + std::to_string(dim));
+    fail("key norms case " + label + " D=" + std::to_string(dim));
   }
+}
+
+void key_norms_case(std::mt19937_64& rng, int c) {
+  const int dims[] = {0, 1, 3, 31, 33, 80, 96, 112, 128, 256, 512};
+  const int dim = dims[rng() % 11];
+  const int rows = static_cast<int>(rng() % (dim >= 256 ? 3 : 10));
+  check_key_norms(rows, dim, kTypes[rng() % 3], rng, std::to_string(c));
 }
 
 // Keys with D = 0 have no elements, so no Metal buffer: their slot must be
@@ -159,7 +163,20 @@ void check_empty_array_slots() {
   }
 }
 
-void gather_case(std::mt19937_64& rng, int c) {
+// The shape of one protected_topk_gather case; its data is drawn at random.
+struct GatherCase {
+  SelectionConfig config;
+  int n_rows;
+  int n_prior;
+  int n_new;
+  int dim;
+  int value_dim;
+  mx::Dtype key_type;
+  mx::Dtype value_type;
+  int norms_mode;  // fill_norms: ties, specials or gaussians
+};
+
+GatherCase random_gather_case(std::mt19937_64& rng) {
   const int n_rows = 1 + static_cast<int>(rng() % 2);
   const int n_prior = rng() % 2 ? static_cast<int>(rng() % 12)
                                 : 250 + static_cast<int>(rng() % 400);
@@ -176,24 +193,29 @@ void gather_case(std::mt19937_64& rng, int c) {
   config.keep = rng() % 2 ? Keep::Low : Keep::High;
   const mx::Dtype kt = kTypes[rng() % 3];
   const mx::Dtype vt = kTypes[rng() % 3];
-  const int mode = static_cast<int>(rng() % 3);
+  return {config, n_rows, n_prior, n_new, dim, value_dim, kt, vt, static_cast<int>(rng() % 3)};
+}
+
+void check_gather(const GatherCase& gc, std::mt19937_64& rng, const std::string& label) {
+  const SelectionConfig& config = gc.config;
+  const int n_rows = gc.n_rows;
   std::vector<std::unique_ptr<Buffer>> in;
-  in.push_back(make({n_rows, n_prior, dim}, kt));
-  in.push_back(make({n_rows, n_prior, value_dim}, vt));
-  in.push_back(make({n_rows, n_prior}, mx::float32));
-  in.push_back(make({n_rows, n_new, dim}, kt));
-  in.push_back(make({n_rows, n_new, value_dim}, vt));
-  in.push_back(make({n_rows, n_new}, mx::float32));
+  in.push_back(make({n_rows, gc.n_prior, gc.dim}, gc.key_type));
+  in.push_back(make({n_rows, gc.n_prior, gc.value_dim}, gc.value_type));
+  in.push_back(make({n_rows, gc.n_prior}, mx::float32));
+  in.push_back(make({n_rows, gc.n_new, gc.dim}, gc.key_type));
+  in.push_back(make({n_rows, gc.n_new, gc.value_dim}, gc.value_type));
+  in.push_back(make({n_rows, gc.n_new}, mx::float32));
   for (int i : {0, 1, 3, 4}) {
     fill_bits(*in[i], rng);
   }
-  fill_norms(*in[2], rng, mode);
-  fill_norms(*in[5], rng, mode);
-  const int kept = std::min(n_total, config.budget);
+  fill_norms(*in[2], rng, gc.norms_mode);
+  fill_norms(*in[5], rng, gc.norms_mode);
+  const int kept = std::min(gc.n_prior + gc.n_new, config.budget);
   auto outputs = [&] {
     std::vector<std::unique_ptr<Buffer>> out;
-    out.push_back(make({n_rows, kept, dim}, kt));
-    out.push_back(make({n_rows, kept, value_dim}, vt));
+    out.push_back(make({n_rows, kept, gc.dim}, gc.key_type));
+    out.push_back(make({n_rows, kept, gc.value_dim}, gc.value_type));
     out.push_back(make({n_rows, kept}, mx::float32));
     out.push_back(make({n_rows, kept}, mx::uint32));
     return out;
@@ -215,9 +237,9 @@ void gather_case(std::mt19937_64& rng, int c) {
   const char* names[] = {"keys", "values", "norms", "indices"};
   for (int i = 0; i < 4; ++i) {
     if (!same_bits(*native[i], *emulated[i], false)) {
-      fail("gather case " + std::to_string(c) + " output " + names[i] +
-           " n_prior=" + std::to_string(n_prior) + " S=" +
-           std::to_string(n_new) + " budget=" + std::to_string(config.budget));
+      fail("gather case " + label + " output " + names[i] +
+           " n_prior=" + std::to_string(gc.n_prior) + " S=" +
+           std::to_string(gc.n_new) + " budget=" + std::to_string(config.budget));
     }
   }
 }
@@ -281,6 +303,17 @@ std::vector<StepCase> in_place_temporal_cases() {
                      mx::float16, mx::float32, 0xFu, true});
   }
   return cases;
+}
+
+// Two heads of 600 prior and 7 new rows, 300 kept: a threshold among ties
+// and a compaction over three 256-row chunks.
+GatherCase fixed_gather_case() {
+  SelectionConfig config;
+  config.budget = 300;
+  config.n_sink = 4;
+  config.recent = 16;
+  config.keep = Keep::Low;
+  return {config, 2, 600, 7, 8, 33, mx::bfloat16, mx::float16, 0};
 }
 
 std::unique_ptr<Buffer> copy_of(const Buffer& b) {
@@ -402,21 +435,34 @@ void check_conversions(std::mt19937_64& rng) {
   }
 }
 
+// The fixed cases: every kernel once, the evict-and-fill kernel over the
+// in-place temporal compaction.
+void fixed_cases(std::mt19937_64& rng) {
+  check_key_norms(9, 80, mx::float16, rng, "fixed");
+  check_gather(fixed_gather_case(), rng, "fixed");
+  for (const StepCase& sc : in_place_temporal_cases()) {
+    check_step(sc, rng, "in place, temporal");
+  }
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
   const int cases = argc > 1 ? std::atoi(argv[1]) : 40;
   const uint64_t seed = argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 1;
   std::mt19937_64 rng(seed);
-  check_conversions(rng);
-  check_empty_array_slots();
-  for (const StepCase& sc : in_place_temporal_cases()) {
-    check_step(sc, rng, "in place, temporal");
-  }
-  for (int c = 0; c < cases; ++c) {
-    key_norms_case(rng, c);
-    gather_case(rng, c);
-    check_step(random_step_case(rng), rng, std::to_string(c));
+  try {
+    check_conversions(rng);
+    check_empty_array_slots();
+    fixed_cases(rng);
+    for (int c = 0; c < cases; ++c) {
+      key_norms_case(rng, c);
+      check_gather(random_gather_case(rng), rng, std::to_string(c));
+      check_step(random_step_case(rng), rng, std::to_string(c));
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "FAILED: %s\n", e.what());
+    return 1;
   }
   std::printf("%d cases, %d mismatches\n", cases, failures);
   return failures == 0 ? 0 : 1;
