@@ -44,7 +44,7 @@ BROKEN_KERNELS = (
     # the in-place temporal compaction writes rows that others still read.
     BrokenKernel(
         "missing_device_barrier",
-        (("evict_and_fill.metal",
+        (("knorm_kernels.h",
           "          held[k] = in[ulong(src[p]) * width + e % width];\n"
           "        }\n      }\n    }\n    threadgroup_barrier(mem_flags::mem_device);\n",
           "          held[k] = in[ulong(src[p]) * width + e % width];\n"
