@@ -85,9 +85,9 @@ BROKEN_KERNELS = (
     BrokenKernel(
         "weak_device_barrier",
         (("protected_topk_gather.metal",
-          "  // The copies read indices written by other threads of the group.\n"
+          "  // moves in place overwrite norms the compaction read.\n"
           "  threadgroup_barrier(mem_flags::mem_device);\n",
-          "  // The copies read indices written by other threads of the group.\n"
+          "  // moves in place overwrite norms the compaction read.\n"
           "  threadgroup_barrier(mem_flags::mem_threadgroup);\n"),),
         "run",
         {"thread": (TSAN_RACE, "knorm_copy_rows")},
