@@ -25,8 +25,6 @@ constant constexpr uint kEvictSimdGroups = kEvictGroupSize / kSimdWidth;
 // Entries of each queue of the slot layout's pairing: a chunk is scanned
 // only while fewer than kEvictGroupSize wait, so a queue never holds more.
 constant constexpr uint kEvictQueue = 2 * kEvictGroupSize;
-// Bytes each thread holds in one wave of an in-place compaction.
-constant constexpr uint kWaveBytes = 64;
 // Slots of a head whose ranks are kept in threadgroup memory when several
 // rows leave (the radix select reads them in eight passes, the compaction
 // again): 24 KiB, with the kernel's other threadgroup arrays within the
@@ -222,94 +220,15 @@ inline void knorm_move_row(KnormStepBuffers<K, V> b, uint src, uint dst, uint la
   }
 }
 
-// Rows src[p] -> dst[p] of one buffer, p < n, rows of `width` units U, by
-// the whole threadgroup; dst and src increase with p and dst[p] <= src[p].
-// Into a separate output, unit by unit. In place (`overlapping`), rows
-// already where they belong are skipped and the others move in waves over
-// their units in order: every thread reads its units of the wave, a
-// barrier, then writes them. A later wave's sources lie at or past its own
-// destinations, hence past every earlier wave's, so no unit is overwritten
-// before it is read.
-template <typename U>
-inline void knorm_move_rows(
-    device const U* in,
-    device U* out,
-    bool overlapping,
-    threadgroup const uint* src,
-    threadgroup const uint* dst,
-    uint n,
-    uint width,
-    uint tid) {
-  const ulong total = ulong(n) * width;
-  if (!overlapping) {
-    for (ulong e = tid; e < total; e += kEvictGroupSize) {
-      const uint p = uint(e / width);
-      const uint d = uint(e % width);
-      out[ulong(dst[p]) * width + d] = in[ulong(src[p]) * width + d];
-    }
-    return;
-  }
-  constexpr uint kWaveUnits = kWaveBytes / sizeof(U);
-  for (ulong base = 0; base < total; base += kEvictGroupSize * kWaveUnits) {
-    U held[kWaveUnits];
-    for (uint k = 0; k < kWaveUnits; ++k) {
-      const ulong e = base + ulong(k) * kEvictGroupSize + tid;
-      if (e < total) {
-        const uint p = uint(e / width);
-        if (src[p] != dst[p]) {
-          held[k] = in[ulong(src[p]) * width + e % width];
-        }
-      }
-    }
-    threadgroup_barrier(mem_flags::mem_device);
-    for (uint k = 0; k < kWaveUnits; ++k) {
-      const ulong e = base + ulong(k) * kEvictGroupSize + tid;
-      if (e < total) {
-        const uint p = uint(e / width);
-        if (src[p] != dst[p]) {
-          out[ulong(dst[p]) * width + e % width] = held[k];
-        }
-      }
-    }
-    threadgroup_barrier(mem_flags::mem_device);
-  }
-}
-
-// knorm_move_rows for K or V rows of `dim` elements, in `unit`-byte units
-// (knorm_copy_bits).
-template <typename T>
-inline void knorm_move_kv_rows(
-    device const T* in,
-    device T* out,
-    bool overlapping,
-    threadgroup const uint* src,
-    threadgroup const uint* dst,
-    uint n,
-    uint dim,
-    uint unit,
-    uint tid) {
-  if (unit == kRowUnitWide) {
-    knorm_move_rows(reinterpret_cast<device const uint4*>(in), reinterpret_cast<device uint4*>(out),
-                    overlapping, src, dst, n, dim / uint(kRowUnitWide / sizeof(T)), tid);
-  } else if (unit == kRowUnitNarrow) {
-    knorm_move_rows(reinterpret_cast<device const uint2*>(in), reinterpret_cast<device uint2*>(out),
-                    overlapping, src, dst, n, dim / uint(kRowUnitNarrow / sizeof(T)), tid);
-  } else {
-    typedef typename KnormBits<sizeof(T)>::type Bits;
-    knorm_move_rows(reinterpret_cast<device const Bits*>(in), reinterpret_cast<device Bits*>(out),
-                    overlapping, src, dst, n, dim, tid);
-  }
-}
-
 // The temporal layout: kept slots, in slot order, to [0, kept), one chunk
-// of kEvictGroupSize slots at a time. src and dst hold a chunk's moves.
+// of kEvictGroupSize slots at a time. src holds a chunk's kept slots, which
+// go to kept_before onwards.
 template <typename K, typename V>
 inline void knorm_compact_temporal(
     KnormStep step,
     KnormEviction ev,
     KnormStepBuffers<K, V> b,
     threadgroup uint* src,
-    threadgroup uint* dst,
     threadgroup uint* simd_totals,
     uint tid,
     uint lane,
@@ -332,29 +251,30 @@ inline void knorm_compact_temporal(
         knorm_block_scan<kEvictGroupSize>(keep ? 1u : 0u, simd_totals, lane, simd_group);
     if (keep) {
       src[at.exclusive] = s;
-      dst[at.exclusive] = kept_before + at.exclusive;
     }
-    // Its barriers also make the lists visible to the whole group.
+    // Its barriers also make the list visible to the whole group.
     const bool moves = keep && kept_before + at.exclusive != s;
     const bool any_moves = knorm_block_scan<kEvictGroupSize>(
         moves ? 1u : 0u, simd_totals, lane, simd_group).total != 0;
     const uint n = at.total;
     if ((b.in_place & 1u) == 0 || any_moves) {
-      knorm_move_kv_rows(b.keys, b.out_keys, (b.in_place & 1u) != 0, src, dst, n, b.key_dim,
-                         b.key_unit, tid);
+      knorm_move_kv_rows<kEvictGroupSize>(b.keys, b.out_keys, (b.in_place & 1u) != 0, src,
+                                          kept_before, n, b.key_dim, b.key_unit, tid);
     }
     if ((b.in_place & 2u) == 0 || any_moves) {
-      knorm_move_kv_rows(b.values, b.out_values, (b.in_place & 2u) != 0, src, dst, n,
-                         b.value_dim, b.value_unit, tid);
+      knorm_move_kv_rows<kEvictGroupSize>(b.values, b.out_values, (b.in_place & 2u) != 0, src,
+                                          kept_before, n, b.value_dim, b.value_unit, tid);
     }
     if ((b.in_place & 4u) == 0 || any_moves) {
-      knorm_move_rows(b.norms, b.out_norms, (b.in_place & 4u) != 0, src, dst, n, 1u, tid);
+      knorm_move_rows<kEvictGroupSize>(b.norms, b.out_norms, (b.in_place & 4u) != 0, src,
+                                       kept_before, n, 1u, tid);
     }
     if ((b.in_place & 8u) == 0 || any_moves) {
-      knorm_move_rows(b.positions, b.out_positions, (b.in_place & 8u) != 0, src, dst, n, 1u, tid);
+      knorm_move_rows<kEvictGroupSize>(b.positions, b.out_positions, (b.in_place & 8u) != 0, src,
+                                       kept_before, n, 1u, tid);
     }
     kept_before += n;
-    // The lists are read before the next chunk writes them.
+    // The list is read before the next chunk writes it.
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 }
@@ -472,7 +392,7 @@ template <typename K, typename V>
   KNORM_THREADGROUP_ARRAY(uint, simd_totals, kEvictSimdGroups);
   KNORM_THREADGROUP_ARRAY(uint, picked, 3);
   KNORM_THREADGROUP_ARRAY(uint, worst, 3 * kEvictSimdGroups);
-  // Holes and movers (slot layout) or a chunk's sources and destinations
+  // Holes and movers (slot layout), or a chunk's kept slots in first_list
   // (temporal layout).
   KNORM_THREADGROUP_ARRAY(uint, first_list, kEvictQueue);
   KNORM_THREADGROUP_ARRAY(uint, second_list, kEvictQueue);
@@ -512,7 +432,7 @@ template <typename K, typename V>
 
   // Step 2.
   if (temporal != 0) {
-    knorm_compact_temporal(step, ev, b, first_list, second_list, simd_totals, tid, lane, simd_group);
+    knorm_compact_temporal(step, ev, b, first_list, simd_totals, tid, lane, simd_group);
   } else {
     // Outputs not updated in place start as a copy of the rows below kept.
     if ((in_place & 1u) == 0) {

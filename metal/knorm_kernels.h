@@ -1,9 +1,9 @@
 // Device code the kernels in this folder share: the order key of a score,
 // the threadgroup prefix sum, the radix select, the norm of one key row
-// (docs/spec.md section 2) and the moves of K/V rows. Compiles as Metal
-// Shading Language and, through csrc/metal_emulator/metal_emulator.h, as
-// C++; the JIT loader inlines it like knorm_defines.h
-// (csrc/common/kernel_source.cpp).
+// (docs/spec.md section 2) and the moves of K/V rows, in place too.
+// Compiles as Metal Shading Language and, through
+// csrc/metal_emulator/metal_emulator.h, as C++; the JIT loader inlines it
+// like knorm_defines.h (csrc/common/kernel_source.cpp).
 #ifndef MLX_KNORM_METAL_KNORM_KERNELS_H
 #define MLX_KNORM_METAL_KNORM_KERNELS_H
 
@@ -209,6 +209,92 @@ inline void knorm_copy_bits(
     knorm_copy_units(
         reinterpret_cast<device const Bits*>(src), reinterpret_cast<device Bits*>(dst),
         count, first, stride);
+  }
+}
+
+// Bytes each thread holds in one wave of an in-place compaction
+// (knorm_move_rows).
+constant constexpr uint kWaveBytes = 64;
+
+// Rows src[p] -> dst_begin + p of one buffer, p < n, rows of `width` units
+// U, by the whole threadgroup of kGroupSize threads; src increases with p
+// and src[p] >= dst_begin + p. Into a separate output, unit by unit. In
+// place (`overlapping`), rows already where they belong are skipped and the
+// others move in waves over their units in order: every thread reads its
+// units of the wave, a barrier, then writes them. A later wave's sources
+// lie at or past its own destinations, hence past every earlier wave's, so
+// no unit is overwritten before it is read.
+template <uint kGroupSize, typename U>
+inline void knorm_move_rows(
+    device const U* in,
+    device U* out,
+    bool overlapping,
+    threadgroup const uint* src,
+    uint dst_begin,
+    uint n,
+    uint width,
+    uint tid) {
+  const ulong total = ulong(n) * width;
+  if (!overlapping) {
+    for (ulong e = tid; e < total; e += kGroupSize) {
+      const uint p = uint(e / width);
+      const uint d = uint(e % width);
+      out[ulong(dst_begin + p) * width + d] = in[ulong(src[p]) * width + d];
+    }
+    return;
+  }
+  constexpr uint kWaveUnits = kWaveBytes / sizeof(U);
+  for (ulong base = 0; base < total; base += kGroupSize * kWaveUnits) {
+    U held[kWaveUnits];
+    for (uint k = 0; k < kWaveUnits; ++k) {
+      const ulong e = base + ulong(k) * kGroupSize + tid;
+      if (e < total) {
+        const uint p = uint(e / width);
+        if (src[p] != dst_begin + p) {
+          held[k] = in[ulong(src[p]) * width + e % width];
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_device);
+    for (uint k = 0; k < kWaveUnits; ++k) {
+      const ulong e = base + ulong(k) * kGroupSize + tid;
+      if (e < total) {
+        const uint p = uint(e / width);
+        if (src[p] != dst_begin + p) {
+          out[ulong(dst_begin + p) * width + e % width] = held[k];
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_device);
+  }
+}
+
+// knorm_move_rows for K or V rows of `dim` elements, in `unit`-byte units
+// (knorm_copy_bits).
+template <uint kGroupSize, typename T>
+inline void knorm_move_kv_rows(
+    device const T* in,
+    device T* out,
+    bool overlapping,
+    threadgroup const uint* src,
+    uint dst_begin,
+    uint n,
+    uint dim,
+    uint unit,
+    uint tid) {
+  if (unit == kRowUnitWide) {
+    knorm_move_rows<kGroupSize>(
+        reinterpret_cast<device const uint4*>(in), reinterpret_cast<device uint4*>(out),
+        overlapping, src, dst_begin, n, dim / uint(kRowUnitWide / sizeof(T)), tid);
+  } else if (unit == kRowUnitNarrow) {
+    knorm_move_rows<kGroupSize>(
+        reinterpret_cast<device const uint2*>(in), reinterpret_cast<device uint2*>(out),
+        overlapping, src, dst_begin, n, dim / uint(kRowUnitNarrow / sizeof(T)), tid);
+  } else {
+    typedef typename KnormBits<sizeof(T)>::type Bits;
+    knorm_move_rows<kGroupSize>(
+        reinterpret_cast<device const Bits*>(in), reinterpret_cast<device Bits*>(out),
+        overlapping, src, dst_begin, n, dim, tid);
   }
 }
 

@@ -5,7 +5,10 @@
 //   knorm_compact       the kept rows' indices and norms, in temporal order;
 //   knorm_copy_rows     their key and value rows.
 // Rows are read straight from prior or new: the concatenation is never
-// built. A head that evicts reads its norms five times (four radix passes
+// built. An output bound to its prior's buffer (a bit of in_place; then
+// n_prior == kept) is compacted in place: its kept prior rows move down in
+// the waves of knorm_move_rows (knorm_compact_in_place), rows already where
+// they belong are not written, and the new rows follow. A head that evicts reads its norms five times (four radix passes
 // and the compaction): from threadgroup memory when they fit there. All
 // offsets into K/V buffers are 64-bit.
 //
@@ -56,13 +59,15 @@ struct KnormGatherKeys {
 
 // Stable compaction in temporal order, kGatherGroupSize rows at a time: two
 // threadgroup prefix sums give each row its rank among the middle rows at
-// the threshold key and its output position. Kept rows write their index
-// and norm.
+// the threshold key and its output position. Kept rows write their index,
+// and their norm unless the norms are compacted in place (other threads
+// may still read the norm a write would replace).
 inline void knorm_compact(
     KnormHead head,
     KnormCut<uint> cut,
     device uint* row_indices,
     device float* row_norms,
+    bool norms_in_place,
     threadgroup uint* simd_totals,
     uint tid,
     uint lane,
@@ -86,15 +91,17 @@ inline void knorm_compact(
         knorm_block_scan<kGatherGroupSize>(keep ? 1u : 0u, simd_totals, lane, simd_group);
     if (keep) {
       row_indices[kept_before + pos.exclusive] = j;
-      row_norms[kept_before + pos.exclusive] = norm;
+      if (!norms_in_place) {
+        row_norms[kept_before + pos.exclusive] = norm;
+      }
     }
     equal_before += eq.total;
     kept_before += pos.total;
   }
 }
 
-// Copies the kept rows of keys or values (which may differ in width): one
-// SIMD group per output row, lanes on consecutive units of `unit` bytes
+// Copies the kept rows [first, kept) of keys or values (which may differ in
+// width): one SIMD group per output row, lanes on consecutive units of `unit` bytes
 // (knorm_copy_bits) so that loads and stores coalesce; the bits move as they
 // are.
 template <typename T>
@@ -104,20 +111,84 @@ inline void knorm_copy_rows(
     device const T* prior,
     device const T* fresh,
     device T* out,
+    uint first,
     uint dim,
     uint unit,
     uint lane,
     uint simd_group) {
   device const T* prior_rows = prior + ulong(head.index) * head.n_prior * dim;
   device const T* new_rows = fresh + ulong(head.index) * head.n_new * dim;
-  device T* dst = out + (ulong(head.index) * head.kept + simd_group) * dim;
+  device T* dst = out + (ulong(head.index) * head.kept + first + simd_group) * dim;
   const ulong dst_step = ulong(kGatherSimdGroups) * dim;
-  for (uint p = simd_group; p < head.kept; p += kGatherSimdGroups, dst += dst_step) {
+  for (uint p = first + simd_group; p < head.kept; p += kGatherSimdGroups, dst += dst_step) {
     const uint j = row_indices[p];
     device const T* src = j < head.n_prior ? prior_rows + ulong(j) * dim
                                            : new_rows + ulong(j - head.n_prior) * dim;
     knorm_copy_bits(src, dst, dim, unit, lane, kSimdWidth);
   }
+}
+
+// One head's outputs, with the bits of in_place: keys 1, values 2, norms 4
+// (output i is prior input i's buffer).
+template <typename K, typename V>
+struct KnormGatherOutputs {
+  device K* keys;
+  device V* values;
+  device float* norms;
+  uint key_dim;
+  uint value_dim;
+  uint key_unit;  // bytes of the units K and V rows move in (knorm_copy_bits)
+  uint value_unit;
+  uint in_place;
+};
+
+// The kept prior rows of the outputs in place, kGatherGroupSize output rows
+// at a time. They are the first outputs (rows keep temporal order), with
+// sources increasing and at or past them, as knorm_move_rows needs; a
+// chunk whose last such row is where it belongs moves nothing, as then no
+// row before it moves either. src holds a chunk's sources. Returns how many
+// prior rows are kept.
+template <typename K, typename V>
+inline uint knorm_compact_in_place(
+    KnormHead head,
+    device const uint* row_indices,
+    KnormGatherOutputs<K, V> out,
+    threadgroup uint* src,
+    threadgroup uint* simd_totals,
+    uint tid,
+    uint lane,
+    uint simd_group) {
+  uint prior_kept = 0;
+  for (uint base = 0; base < head.kept; base += kGatherGroupSize) {
+    const uint p = base + tid;
+    const uint j = p < head.kept ? row_indices[p] : head.n_prior;
+    if (j < head.n_prior) {
+      src[tid] = j;
+    }
+    // Its barriers also make the list visible to the whole group.
+    const uint n = knorm_block_scan<kGatherGroupSize>(
+        j < head.n_prior ? 1u : 0u, simd_totals, lane, simd_group).total;
+    if (n == 0) {
+      break;
+    }
+    if (src[n - 1] != base + n - 1) {
+      if ((out.in_place & 1u) != 0) {
+        knorm_move_kv_rows<kGatherGroupSize>(out.keys, out.keys, true, src, base, n,
+                                             out.key_dim, out.key_unit, tid);
+      }
+      if ((out.in_place & 2u) != 0) {
+        knorm_move_kv_rows<kGatherGroupSize>(out.values, out.values, true, src, base, n,
+                                             out.value_dim, out.value_unit, tid);
+      }
+      if ((out.in_place & 4u) != 0) {
+        knorm_move_rows<kGatherGroupSize>(out.norms, out.norms, true, src, base, n, 1u, tid);
+      }
+    }
+    prior_kept += n;
+    // The list is read before the next chunk writes it.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  return prior_kept;
 }
 
 template <typename K, typename V>
@@ -141,8 +212,9 @@ template <typename K, typename V>
     constant uint& mid_end KNORM_BUFFER(16),
     constant uint& mid_keep KNORM_BUFFER(17),
     constant uint& keep_high KNORM_BUFFER(18),
-    constant uint& key_unit KNORM_BUFFER(19),
-    constant uint& value_unit KNORM_BUFFER(20),
+    constant uint& in_place KNORM_BUFFER(19),
+    constant uint& key_unit KNORM_BUFFER(20),
+    constant uint& value_unit KNORM_BUFFER(21),
     uint row KNORM_ATTRIBUTE(threadgroup_position_in_grid),
     uint tid KNORM_ATTRIBUTE(thread_position_in_threadgroup),
     uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
@@ -151,6 +223,8 @@ template <typename K, typename V>
   KNORM_THREADGROUP_ARRAY(uint, simd_totals, kGatherSimdGroups);
   KNORM_THREADGROUP_ARRAY(uint, picked, 3);
   KNORM_THREADGROUP_ARRAY(float, cached_norms, kGatherCachedNorms);
+  // A chunk's sources in an in-place compaction.
+  KNORM_THREADGROUP_ARRAY(uint, sources, kGatherGroupSize);
 
   const uint n_total = n_prior + n_new;
   KnormHead head = {
@@ -173,14 +247,34 @@ template <typename K, typename V>
         lane, simd_group);
   }
   device uint* row_indices = out_indices + ulong(row) * kept;
-  knorm_compact(head, cut, row_indices, out_norms + ulong(row) * kept,
+  device float* row_norms = out_norms + ulong(row) * kept;
+  const bool norms_in_place = (in_place & 4u) != 0;
+  knorm_compact(head, cut, row_indices, row_norms, norms_in_place,
                 simd_totals, tid, lane, simd_group);
-  // The copies read indices written by other threads of the group.
+  // The copies read indices written by other threads of the group, and the
+  // moves in place overwrite norms the compaction read.
   threadgroup_barrier(mem_flags::mem_device);
-  knorm_copy_rows(head, row_indices, prior_keys, new_keys, out_keys, key_dim,
-                  key_unit, lane, simd_group);
+  uint prior_kept = 0;
+  if (in_place != 0) {
+    const KnormGatherOutputs<K, V> out = {
+        out_keys + ulong(row) * kept * key_dim, out_values + ulong(row) * kept * value_dim,
+        row_norms, key_dim, value_dim, key_unit, value_unit, in_place};
+    // Each wave of knorm_move_rows ends with a barrier on device memory: the
+    // prior rows are read before the new rows below replace them.
+    prior_kept = knorm_compact_in_place(head, row_indices, out, sources, simd_totals, tid,
+                                        lane, simd_group);
+  }
+  // The rows an output in place still lacks are the new ones.
+  knorm_copy_rows(head, row_indices, prior_keys, new_keys, out_keys,
+                  (in_place & 1u) != 0 ? prior_kept : 0u, key_dim, key_unit, lane, simd_group);
   knorm_copy_rows(head, row_indices, prior_values, new_values, out_values,
-                  value_dim, value_unit, lane, simd_group);
+                  (in_place & 2u) != 0 ? prior_kept : 0u, value_dim, value_unit, lane,
+                  simd_group);
+  if (norms_in_place) {
+    for (uint p = prior_kept + tid; p < kept; p += kGatherGroupSize) {
+      row_norms[p] = head.new_norms[row_indices[p] - n_prior];
+    }
+  }
 }
 
 #define KNORM_GATHER_INSTANCE(kname, ktype, vname, vtype)                  \

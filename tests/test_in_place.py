@@ -1,5 +1,5 @@
-"""Decode steps on a donated state: the CPU kernel reuses the prior's
-buffers when nothing else holds them, and only then."""
+"""Decode steps on a donated state: the kernels reuse the prior's buffers
+when nothing else holds them, and only then."""
 
 from __future__ import annotations
 
@@ -12,6 +12,25 @@ from conftest import assert_bitwise_equal, emulator_built
 from generators import fill
 
 pytestmark = pytest.mark.usefixtures("cpu_default_device")
+
+
+# The kernels update donated buffers in place: the CPU kernel and the Metal
+# kernel, which the emulator runs on the CPU with the same donation.
+BACKENDS = ["kernel"] + (["metal-emulator"] if emulator_built() else [])
+
+
+def data_address(a: mx.array) -> int:
+    """Where ``a``'s data lives, read through the buffer protocol without a
+    copy; the numpy view is dropped at once, so ``a`` stays donatable."""
+    return np.asarray(a).__array_interface__["data"][0]
+
+
+def copies(arrays):
+    return [mx.array(np.array(a)) for a in arrays]
+
+
+# protected_topk_gather (docs/spec.md §7): keys, values and norms in place,
+# each when its prior is donated and keeps its shape.
 
 
 def full_state(n_rows=8, budget=64, dim=32, seed=0):
@@ -34,22 +53,30 @@ def decode(state, new, backend, hold):
     return state
 
 
-def test_donated_steps_match_the_fallback():
+def steps_for(backend):
+    """Decode steps per test: the emulator runs every GPU thread as a thread."""
+    return 40 if backend == "kernel" else 6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_donated_steps_match_the_fallback(backend):
     state, new = full_state()
+    new = new[: steps_for(backend)]
     mx.eval(state, new)
-    copies = [tuple(mx.array(np.array(x)) for x in state) for _ in range(2)]
-    in_place = decode(copies[0], new, "kernel", hold=False)
-    reference = decode(copies[1], new, "fallback", hold=False)
+    in_place = decode(copies(state), new, backend, hold=False)
+    reference = decode(copies(state), new, "fallback", hold=False)
     for a, b in zip(in_place, reference):
         assert_bitwise_equal(a, b, "in place vs fallback")
 
 
-def test_a_prior_the_caller_holds_is_never_written():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_prior_the_caller_holds_is_never_written(backend):
     state, new = full_state()
     mx.eval(state, new)
     snapshot = [np.array(x) for x in state]
-    for token in new:
-        mx.eval(mlx_knorm.knorm_update_batched(*state, token, token, 64, 2, 3, "low"))
+    with mlx_knorm.use_backend(backend):
+        for token in new[: steps_for(backend)]:
+            mx.eval(mlx_knorm.knorm_update_batched(*state, token, token, 64, 2, 3, "low"))
     for before, after in zip(snapshot, state):
         assert np.array_equal(before, np.array(after), equal_nan=True)
 
@@ -66,7 +93,86 @@ def test_donation_saves_the_state_copy():
     assert peak(hold=True) - peak(hold=False) >= state_bytes
 
 
-def test_no_donation_when_the_prior_feeds_another_op_in_the_same_graph():
+def gather_state(n_heads, budget, n_new, evicted, seed=0):
+    """A full prior of ``budget`` rows and ``n_new`` new ones. With
+    ``evicted`` (one new row), keep="low" evicts exactly row ``evicted`` of
+    prior ++ new: the only norm above 1 (``budget`` is the new row); without
+    it, norms full of ties."""
+    rng = np.random.default_rng(seed)
+    arrays = [
+        fill(rng, (n_heads, budget, 16), "normal", "float16"),
+        fill(rng, (n_heads, budget, 33), "normal", "float32"),
+        None,
+        fill(rng, (n_heads, n_new, 16), "normal", "float16"),
+        fill(rng, (n_heads, n_new, 33), "normal", "float32"),
+        None,
+    ]
+    if evicted is None:
+        norms = rng.integers(0, 4, size=(n_heads, budget + n_new)).astype(np.float32)
+    else:
+        norms = rng.uniform(0.0, 1.0, size=(n_heads, budget + n_new)).astype(np.float32)
+        norms[:, evicted] = 10.0
+    arrays[2] = mx.array(np.ascontiguousarray(norms[:, :budget]))
+    arrays[5] = mx.array(np.ascontiguousarray(norms[:, budget:]))
+    mx.eval(arrays)
+    return arrays
+
+
+def gather_dropping(backend, arrays: list, budget):
+    """One gather whose inputs are referenced by ``arrays`` alone, which is
+    emptied before evaluation: the op's inputs are then donated."""
+    with mlx_knorm.use_backend(backend):
+        out = mlx_knorm.protected_topk_gather(*arrays, budget, 2, 0, "low")
+    arrays.clear()
+    mx.eval(out)
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "budget, n_new, evicted",
+    [(32, 1, 32), (32, 1, 2), (32, 1, 20), (600, 1, 600), (600, 1, 3), (600, 1, 300), (600, 9, None)],
+)
+def test_gather_on_a_donated_prior_runs_in_place(backend, budget, n_new, evicted):
+    """A decode step from a full state evicting the new row (nothing moves),
+    an early row (nearly every row moves) or one in between, within one
+    256-row chunk of the Metal kernel and over three; then a step evicting
+    several rows among ties. Keys, values and norms are the prior's
+    buffers."""
+    arrays = gather_state(4 if budget < 256 else 2, budget, n_new, evicted)
+    expected = gather_dropping("fallback", copies(arrays), budget)
+    addresses = [data_address(a) for a in arrays[:3]]
+    out = gather_dropping(backend, arrays, budget)
+    assert [data_address(o) for o in out[:3]] == addresses
+    if evicted is not None:
+        assert not np.any(np.array(out[3]) == evicted)
+    for name, a, e in zip(("keys", "values", "norms", "indices"), out, expected):
+        assert_bitwise_equal(a, e, name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gather_never_writes_a_held_prior(backend):
+    """A view of the prior keys and the prior values are held elsewhere:
+    those two outputs are fresh buffers and what is held is unchanged; the
+    norms, donated, are compacted in place."""
+    arrays = gather_state(4, 32, 1, 3)
+    expected = gather_dropping("fallback", copies(arrays), 32)
+    keys_view = arrays[0][:, 3:9]
+    values = arrays[1]
+    held = [np.array(keys_view), np.array(values)]
+    addresses = [data_address(a) for a in arrays[:3]]
+    out = gather_dropping(backend, arrays, 32)
+    for name, a, e in zip(("keys", "values", "norms", "indices"), out, expected):
+        assert_bitwise_equal(a, e, name)
+    got = [data_address(o) for o in out[:3]]
+    assert got[0] != addresses[0] and got[1] != addresses[1]
+    assert got[2] == addresses[2]
+    for before, after in zip(held, (keys_view, values)):
+        assert np.array_equal(before, np.array(after))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_donation_when_the_prior_feeds_another_op_in_the_same_graph(backend):
     """Two steps from one intermediate prior, which nothing outside the graph
     holds: neither may take its buffers while the other still reads them
     (under mx.compile, equal nodes are merged, so both read one buffer)."""
@@ -84,8 +190,9 @@ def test_no_donation_when_the_prior_feeds_another_op_in_the_same_graph():
     token = mx.zeros_like(new[0])  # norm 0: "low" evicts a prior row, which moves rows
     with mlx_knorm.use_backend("fallback"):
         expected = two_steps(*state, token)
-    eager = two_steps(*state, token)
-    compiled = mx.compile(two_steps)(*state, token)
+    with mlx_knorm.use_backend(backend):
+        eager = two_steps(*state, token)
+        compiled = mx.compile(two_steps)(*state, token)
     for a, b, c in zip(eager, compiled, expected):
         assert_bitwise_equal(a, c, "eager")
         assert_bitwise_equal(b, c, "compiled")
@@ -95,16 +202,6 @@ def test_no_donation_when_the_prior_feeds_another_op_in_the_same_graph():
 
 # evict_and_fill (docs/spec.md §7): in place per buffer, when that buffer is
 # donated and the capacity is unchanged.
-
-# The Metal kernel updates donated buffers in place too; the emulator runs
-# it on the CPU with the same donation.
-STEP_BACKENDS = ["kernel"] + (["metal-emulator"] if emulator_built() else [])
-
-
-def data_address(a: mx.array) -> int:
-    """Where ``a``'s data lives, read through the buffer protocol without a
-    copy; the numpy view is dropped at once, so ``a`` stays donatable."""
-    return np.asarray(a).__array_interface__["data"][0]
 
 
 def step_state(n_heads=4, slots=32, dim=16, layout="slots", seed=0):
@@ -131,10 +228,6 @@ def step_config(slots, budget, layout, capacity=None):
                 budget=budget, n_sink=2, recent=3, keep="low", layout=layout)
 
 
-def copies(arrays):
-    return [mx.array(np.array(a)) for a in arrays]
-
-
 def step_dropping(backend, arrays: list, config):
     """One step whose inputs are referenced by ``arrays`` alone, which is
     emptied before evaluation: the op's inputs are then donated."""
@@ -150,7 +243,7 @@ def assert_step_equal(actual, expected, defined):
         assert_bitwise_equal(a[:, :defined], e[:, :defined], name)
 
 
-@pytest.mark.parametrize("backend", STEP_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", ["slots", "temporal"])
 @pytest.mark.parametrize(
     "slots, filled, budget",
@@ -169,7 +262,7 @@ def test_step_on_donated_buffers_runs_in_place(backend, layout, slots, filled, b
     assert_step_equal(out, expected, min(filled, budget) + 1)
 
 
-@pytest.mark.parametrize("backend", STEP_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", ["slots", "temporal"])
 def test_held_buffers_are_never_written(backend, layout):
     """A view of the keys and the values array are held elsewhere: those two
@@ -191,7 +284,7 @@ def test_held_buffers_are_never_written(backend, layout):
         assert np.array_equal(before, np.array(after))
 
 
-@pytest.mark.parametrize("backend", STEP_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", ["slots", "temporal"])
 def test_decode_loop_in_place_matches_the_fallback(backend, layout):
     """The cache's loop: buffers of budget + 1 slots, one eviction and one
@@ -217,7 +310,7 @@ def test_decode_loop_in_place_matches_the_fallback(backend, layout):
     assert_step_equal(results[backend], results["fallback"], budget + 1)
 
 
-@pytest.mark.parametrize("backend", STEP_BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_no_step_donation_when_the_buffers_feed_another_op(backend):
     """Two steps from one intermediate state that nothing outside the graph
     holds: neither may take its buffers while the other still reads them."""

@@ -33,8 +33,16 @@ LaunchPlan protected_topk_gather_plan(
   const int64_t sink_end = sel.evicts ? sel.n_sink : sel.n_total;
   const int64_t mid_end = sel.evicts ? sel.mid_end : sel.n_total;
   const int64_t mid_keep = sel.evicts ? sel.mid_keep : 0;
+  // Bit i: output i took over prior input i's buffer (take_over_or_allocate).
+  const std::vector<mx::array> arrays = inputs.to_vector();
+  uint32_t in_place = 0;
+  for (int i = 0; i < 3; ++i) {
+    if (outputs[i].data<char>() == arrays[i].data<char>()) {
+      in_place |= 1u << i;
+    }
+  }
   auto u32 = [](int64_t v) { return BufferSlot::constant(static_cast<uint32_t>(v)); };
-  plan.buffers = array_slots(inputs.to_vector(), outputs);
+  plan.buffers = array_slots(arrays, outputs);
   plan.buffers.insert(plan.buffers.end(), {
       u32(inputs.n_prior()),
       u32(inputs.n_new()),
@@ -45,6 +53,7 @@ LaunchPlan protected_topk_gather_plan(
       u32(mid_end),
       u32(mid_keep),
       u32(config.keep == Keep::High ? 1 : 0),
+      u32(in_place),
       u32(row_unit({&inputs.prior_keys, &inputs.new_keys, &outputs[0]}, inputs.key_dim())),
       u32(row_unit({&inputs.prior_values, &inputs.new_values, &outputs[1]}, inputs.value_dim()))});
   return plan;
@@ -57,9 +66,7 @@ void ProtectedTopKGather::eval_gpu(
   const auto in = GatherInputs::from(inputs);
   check_inputs(in);
   check_row_contiguous(inputs, name());
-  for (auto& out : outputs) {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-  }
+  allocate_outputs(inputs, outputs);
   dispatch_on_gpu(protected_topk_gather_plan(in, outputs, config_), inputs, outputs, stream());
 }
 #else

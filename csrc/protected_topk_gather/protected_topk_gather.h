@@ -87,11 +87,18 @@ class ProtectedTopKGather : public mx::Primitive {
   void check_inputs(const GatherInputs& inputs);
 
  private:
+  // Gives each output a buffer, its prior's where donation allows: one rule
+  // for eval_cpu (the CPU kernel and the emulator) and eval_gpu.
+  static void allocate_outputs(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs);
+
   SelectionConfig config_;
   Executor executor_;
 };
 
-// The kernels, on row-contiguous inputs and allocated outputs: the CPU
+// The kernels, on row-contiguous inputs and allocated outputs (keys, values
+// and norms possibly the prior's buffers, docs/spec.md §7): the CPU
 // kernel (cpu.cpp) and the Metal kernel through the emulator (emulated.cpp,
 // in builds with the emulator).
 void protected_topk_gather_cpu(

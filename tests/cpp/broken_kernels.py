@@ -44,7 +44,7 @@ BROKEN_KERNELS = (
     # the in-place temporal compaction writes rows that others still read.
     BrokenKernel(
         "missing_device_barrier",
-        (("evict_and_fill.metal",
+        (("knorm_kernels.h",
           "          held[k] = in[ulong(src[p]) * width + e % width];\n"
           "        }\n      }\n    }\n    threadgroup_barrier(mem_flags::mem_device);\n",
           "          held[k] = in[ulong(src[p]) * width + e % width];\n"
@@ -85,9 +85,9 @@ BROKEN_KERNELS = (
     BrokenKernel(
         "weak_device_barrier",
         (("protected_topk_gather.metal",
-          "  // The copies read indices written by other threads of the group.\n"
+          "  // moves in place overwrite norms the compaction read.\n"
           "  threadgroup_barrier(mem_flags::mem_device);\n",
-          "  // The copies read indices written by other threads of the group.\n"
+          "  // moves in place overwrite norms the compaction read.\n"
           "  threadgroup_barrier(mem_flags::mem_threadgroup);\n"),),
         "run",
         {"thread": (TSAN_RACE, "knorm_copy_rows")},

@@ -163,6 +163,14 @@ void check_empty_array_slots() {
   }
 }
 
+std::unique_ptr<Buffer> copy_of(const Buffer& b) {
+  auto out = make(b.array.shape(), b.array.dtype());
+  if (b.size > 0) {
+    std::memcpy(out->bytes(), b.bytes(), b.size);
+  }
+  return out;
+}
+
 // The shape of one protected_topk_gather case; its data is drawn at random.
 struct GatherCase {
   SelectionConfig config;
@@ -174,6 +182,7 @@ struct GatherCase {
   mx::Dtype key_type;
   mx::Dtype value_type;
   int norms_mode;  // fill_norms: ties, specials or gaussians
+  bool in_place;   // keys, values and norms are the prior's buffers (budget = n_prior)
 };
 
 GatherCase random_gather_case(std::mt19937_64& rng) {
@@ -186,14 +195,17 @@ GatherCase random_gather_case(std::mt19937_64& rng) {
   // Keys and values may differ in width.
   const int value_dim = rng() % 2 ? dim : dims[rng() % 6];
   const int n_total = n_prior + n_new;
+  // A step from a full state, as donation updates it in place.
+  const bool in_place = n_prior > 0 && rng() % 3 == 0;
   SelectionConfig config;
-  config.budget = 1 + static_cast<int>(rng() % (n_total + 3));
+  config.budget = in_place ? n_prior : 1 + static_cast<int>(rng() % (n_total + 3));
   config.n_sink = static_cast<int>(rng() % config.budget);
   config.recent = static_cast<int>(rng() % (config.budget - config.n_sink));
   config.keep = rng() % 2 ? Keep::Low : Keep::High;
   const mx::Dtype kt = kTypes[rng() % 3];
   const mx::Dtype vt = kTypes[rng() % 3];
-  return {config, n_rows, n_prior, n_new, dim, value_dim, kt, vt, static_cast<int>(rng() % 3)};
+  return {config, n_rows, n_prior, n_new, dim, value_dim, kt, vt, static_cast<int>(rng() % 3),
+          in_place};
 }
 
 void check_gather(const GatherCase& gc, std::mt19937_64& rng, const std::string& label) {
@@ -212,11 +224,19 @@ void check_gather(const GatherCase& gc, std::mt19937_64& rng, const std::string&
   fill_norms(*in[2], rng, gc.norms_mode);
   fill_norms(*in[5], rng, gc.norms_mode);
   const int kept = std::min(gc.n_prior + gc.n_new, config.budget);
+  // In place, each kernel's keys, values and norms start as its own copy
+  // of the prior, which is also its input.
   auto outputs = [&] {
     std::vector<std::unique_ptr<Buffer>> out;
-    out.push_back(make({n_rows, kept, gc.dim}, gc.key_type));
-    out.push_back(make({n_rows, kept, gc.value_dim}, gc.value_type));
-    out.push_back(make({n_rows, kept}, mx::float32));
+    if (gc.in_place) {
+      for (int i = 0; i < 3; ++i) {
+        out.push_back(copy_of(*in[i]));
+      }
+    } else {
+      out.push_back(make({n_rows, kept, gc.dim}, gc.key_type));
+      out.push_back(make({n_rows, kept, gc.value_dim}, gc.value_type));
+      out.push_back(make({n_rows, kept}, mx::float32));
+    }
     out.push_back(make({n_rows, kept}, mx::uint32));
     return out;
   };
@@ -229,17 +249,24 @@ void check_gather(const GatherCase& gc, std::mt19937_64& rng, const std::string&
     }
     return a;
   };
+  auto inputs_for = [&](const std::vector<mx::array>& out) {
+    std::vector<mx::array> a = arrays(in);
+    if (gc.in_place) {
+      std::copy(out.begin(), out.begin() + 3, a.begin());
+    }
+    return GatherInputs::from(a);
+  };
   std::vector<mx::array> native_out = arrays(native);
   std::vector<mx::array> emulated_out = arrays(emulated);
-  const GatherInputs inputs = GatherInputs::from(arrays(in));
-  protected_topk_gather_cpu(inputs, native_out, config);
-  protected_topk_gather_emulated(inputs, emulated_out, config);
+  protected_topk_gather_cpu(inputs_for(native_out), native_out, config);
+  protected_topk_gather_emulated(inputs_for(emulated_out), emulated_out, config);
   const char* names[] = {"keys", "values", "norms", "indices"};
   for (int i = 0; i < 4; ++i) {
     if (!same_bits(*native[i], *emulated[i], false)) {
       fail("gather case " + label + " output " + names[i] +
            " n_prior=" + std::to_string(gc.n_prior) + " S=" +
-           std::to_string(gc.n_new) + " budget=" + std::to_string(config.budget));
+           std::to_string(gc.n_new) + " budget=" + std::to_string(config.budget) +
+           (gc.in_place ? " in place" : ""));
     }
   }
 }
@@ -313,15 +340,26 @@ GatherCase fixed_gather_case() {
   config.n_sink = 4;
   config.recent = 16;
   config.keep = Keep::Low;
-  return {config, 2, 600, 7, 8, 33, mx::bfloat16, mx::float16, 0};
+  return {config, 2, 600, 7, 8, 33, mx::bfloat16, mx::float16, 0, false};
 }
 
-std::unique_ptr<Buffer> copy_of(const Buffer& b) {
-  auto out = make(b.array.shape(), b.array.dtype());
-  if (b.size > 0) {
-    std::memcpy(out->bytes(), b.bytes(), b.size);
+// Steps from a full state of 600 rows in place, over three 256-row chunks:
+// a decode step (the rows after the evicted one shift down by one) and one
+// evicting 7 rows among ties. The moves write rows other threads still
+// read; only the waves' barriers keep that apart.
+std::vector<GatherCase> in_place_gather_cases() {
+  std::vector<GatherCase> cases;
+  for (int n_new : {1, 7}) {
+    SelectionConfig config;
+    config.budget = 600;
+    config.n_sink = 4;
+    config.recent = 0;
+    config.keep = Keep::Low;
+    // Gaussian norms (one row leaves, anywhere) or ties.
+    cases.push_back({config, 2, 600, n_new, 80, 33, mx::float16, mx::float32,
+                     n_new == 1 ? 2 : 0, true});
   }
-  return out;
+  return cases;
 }
 
 // One evict_and_fill step from the same inputs through the CPU kernel and
@@ -435,11 +473,14 @@ void check_conversions(std::mt19937_64& rng) {
   }
 }
 
-// The fixed cases: every kernel once, the evict-and-fill kernel over the
-// in-place temporal compaction.
+// The fixed cases: every kernel once, the gather and the evict-and-fill
+// kernel over their in-place compactions.
 void fixed_cases(std::mt19937_64& rng) {
   check_key_norms(9, 80, mx::float16, rng, "fixed");
   check_gather(fixed_gather_case(), rng, "fixed");
+  for (const GatherCase& gc : in_place_gather_cases()) {
+    check_gather(gc, rng, "in place");
+  }
   for (const StepCase& sc : in_place_temporal_cases()) {
     check_step(sc, rng, "in place, temporal");
   }
