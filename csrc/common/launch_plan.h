@@ -35,6 +35,21 @@ struct BufferSlot {
   }
 };
 
+// Bit i set: output i shares input i's buffer, for i < count (it took over
+// a donated input; the kernel then moves only the rows that change).
+inline uint32_t in_place_mask(
+    const std::vector<mlx::core::array>& inputs,
+    const std::vector<mlx::core::array>& outputs,
+    int count) {
+  uint32_t mask = 0;
+  for (int i = 0; i < count; ++i) {
+    if (outputs[i].data<char>() == inputs[i].data<char>()) {
+      mask |= 1u << i;
+    }
+  }
+  return mask;
+}
+
 // The slots of a kernel that takes the primitive's inputs, then its outputs,
 // as its first buffers; constants follow.
 inline std::vector<BufferSlot> array_slots(

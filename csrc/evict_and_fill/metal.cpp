@@ -22,12 +22,6 @@ LaunchPlan evict_and_fill_plan(
   // check_inputs keeps every slot count, offset + S and the capacity below
   // 2^31, so each fits the kernel's uint constants.
   const std::vector<mx::array> arrays = inputs.to_vector();
-  uint32_t in_place = 0;
-  for (int i = 0; i < 4; ++i) {
-    if (outputs[i].data<char>() == arrays[i].data<char>()) {
-      in_place |= 1u << i;
-    }
-  }
   const int64_t kept = config.kept();
   LaunchPlan plan;
   plan.source = "evict_and_fill";
@@ -51,7 +45,7 @@ LaunchPlan evict_and_fill_plan(
       u32(config.rank().protect_from),
       u32(config.selection.keep == Keep::High ? 1 : 0),
       u32(config.layout == Layout::Temporal ? 1 : 0),
-      u32(in_place),
+      u32(in_place_mask(arrays, outputs, 4)),
       u32(row_unit({&inputs.keys, &inputs.new_keys, &outputs[0]}, inputs.key_dim())),
       u32(row_unit({&inputs.values, &inputs.new_values, &outputs[1]}, inputs.value_dim()))});
   return plan;

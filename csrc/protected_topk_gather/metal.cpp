@@ -33,14 +33,8 @@ LaunchPlan protected_topk_gather_plan(
   const int64_t sink_end = sel.evicts ? sel.n_sink : sel.n_total;
   const int64_t mid_end = sel.evicts ? sel.mid_end : sel.n_total;
   const int64_t mid_keep = sel.evicts ? sel.mid_keep : 0;
-  // Bit i: output i took over prior input i's buffer (take_over_or_allocate).
+  // Outputs 0-2 may take over the prior keys, values and norms.
   const std::vector<mx::array> arrays = inputs.to_vector();
-  uint32_t in_place = 0;
-  for (int i = 0; i < 3; ++i) {
-    if (outputs[i].data<char>() == arrays[i].data<char>()) {
-      in_place |= 1u << i;
-    }
-  }
   auto u32 = [](int64_t v) { return BufferSlot::constant(static_cast<uint32_t>(v)); };
   plan.buffers = array_slots(arrays, outputs);
   plan.buffers.insert(plan.buffers.end(), {
@@ -53,7 +47,7 @@ LaunchPlan protected_topk_gather_plan(
       u32(mid_end),
       u32(mid_keep),
       u32(config.keep == Keep::High ? 1 : 0),
-      u32(in_place),
+      u32(in_place_mask(arrays, outputs, 3)),
       u32(row_unit({&inputs.prior_keys, &inputs.new_keys, &outputs[0]}, inputs.key_dim())),
       u32(row_unit({&inputs.prior_values, &inputs.new_values, &outputs[1]}, inputs.value_dim()))});
   return plan;
