@@ -173,7 +173,6 @@ class L2NormKVCache(_BaseCache):
         except BaseException:
             self._set_buffers(previous)
             raise
-        del buffers, previous
         self._set_buffers(out)
         self.filled = kept + steps
         self.offset += steps
@@ -213,7 +212,6 @@ class L2NormKVCache(_BaseCache):
             return None
         kept = self.size()
         buffers = self._buffers()
-        rows = [b[:, :, :kept] for b in buffers]
         if kept < self.filled:
             no_rows = [mx.zeros((*b.shape[:2], 0, b.shape[3]), b.dtype) for b in buffers[:2]]
             rows = evict_and_fill_unchecked(
@@ -221,6 +219,8 @@ class L2NormKVCache(_BaseCache):
                 budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
                 layout="temporal",
             )
+        else:
+            rows = [b[:, :, :kept] for b in buffers]
         if self.layout == "slots":
             order = mx.argsort(rows[3], axis=2)
             rows = [mx.take_along_axis(r, order if r.ndim == 3 else order[..., None], axis=2) for r in rows]
