@@ -1,6 +1,6 @@
 // ProtectedTopKGather on the GPU: one eviction step of docs/spec.md
-// section 3 for every head in one dispatch, one threadgroup of
-// kGatherGroupSize threads per head:
+// section 3 for every head, one threadgroup of kGatherGroupSize threads per
+// head:
 //   knorm_radix_select  the threshold among the middle rows (knorm_kernels.h);
 //   knorm_compact       the kept rows' indices and norms, in temporal order;
 //   knorm_copy_rows     their key and value rows.
@@ -8,9 +8,16 @@
 // built. An output bound to its prior's buffer (a bit of in_place; then
 // n_prior == kept) is compacted in place: its kept prior rows move down in
 // the waves of knorm_move_rows (knorm_compact_in_place), rows already where
-// they belong are not written, and the new rows follow. A head that evicts reads its norms five times (four radix passes
-// and the compaction): from threadgroup memory when they fit there. All
-// offsets into K/V buffers are 64-bit.
+// they belong are not written, and the new rows follow. A head that evicts
+// reads its norms five times (four radix passes and the compaction): from
+// threadgroup memory when they fit there. All offsets into K/V buffers are
+// 64-bit.
+//
+// With few heads and many rows to copy, one threadgroup per head would leave
+// most of a GPU idle while the rows move, so the launch plan splits the step
+// in two dispatches: knorm_protected_topk_gather with copy_rows = 0 selects
+// (and compacts in place), then knorm_gather_rows copies the rows from the
+// indices, kGatherCopyRows output rows per threadgroup.
 //
 // Launched by csrc/protected_topk_gather/metal.cpp. Compiles as Metal
 // Shading Language and, through csrc/metal_emulator/metal_emulator.h, as C++.
@@ -100,30 +107,40 @@ inline void knorm_compact(
   }
 }
 
-// Copies the kept rows [first, kept) of keys or values (which may differ in
-// width): one SIMD group per output row, lanes on consecutive units of `unit` bytes
-// (knorm_copy_bits) so that loads and stores coalesce; the bits move as they
-// are.
+// Copies the output rows [begin, end) of one head's keys or values (which
+// may differ in width) from the rows their indices name: one SIMD group per
+// output row, lanes on consecutive units of `unit` bytes (knorm_copy_bits)
+// so that loads and stores coalesce; the bits move as they are. With
+// skip_prior (the output is its prior's buffer, compacted in place) rows
+// from the prior are already there and only new rows are written.
 template <typename T>
 inline void knorm_copy_rows(
-    KnormHead head,
+    uint head_index,
+    uint n_prior,
+    uint n_new,
+    uint kept,
     device const uint* row_indices,
     device const T* prior,
     device const T* fresh,
     device T* out,
-    uint first,
+    uint begin,
+    uint end,
+    bool skip_prior,
     uint dim,
     uint unit,
     uint lane,
     uint simd_group) {
-  device const T* prior_rows = prior + ulong(head.index) * head.n_prior * dim;
-  device const T* new_rows = fresh + ulong(head.index) * head.n_new * dim;
-  device T* dst = out + (ulong(head.index) * head.kept + first + simd_group) * dim;
+  device const T* prior_rows = prior + ulong(head_index) * n_prior * dim;
+  device const T* new_rows = fresh + ulong(head_index) * n_new * dim;
+  device T* dst = out + (ulong(head_index) * kept + begin + simd_group) * dim;
   const ulong dst_step = ulong(kGatherSimdGroups) * dim;
-  for (uint p = first + simd_group; p < head.kept; p += kGatherSimdGroups, dst += dst_step) {
+  for (uint p = begin + simd_group; p < end; p += kGatherSimdGroups, dst += dst_step) {
     const uint j = row_indices[p];
-    device const T* src = j < head.n_prior ? prior_rows + ulong(j) * dim
-                                           : new_rows + ulong(j - head.n_prior) * dim;
+    if (j < n_prior && skip_prior) {
+      continue;
+    }
+    device const T* src = j < n_prior ? prior_rows + ulong(j) * dim
+                                      : new_rows + ulong(j - n_prior) * dim;
     knorm_copy_bits(src, dst, dim, unit, lane, kSimdWidth);
   }
 }
@@ -215,6 +232,7 @@ template <typename K, typename V>
     constant uint& in_place KNORM_BUFFER(19),
     constant uint& key_unit KNORM_BUFFER(20),
     constant uint& value_unit KNORM_BUFFER(21),
+    constant uint& copy_rows KNORM_BUFFER(22),
     uint row KNORM_ATTRIBUTE(threadgroup_position_in_grid),
     uint tid KNORM_ATTRIBUTE(thread_position_in_threadgroup),
     uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
@@ -265,11 +283,14 @@ template <typename K, typename V>
                                         lane, simd_group);
   }
   // The rows an output in place still lacks are the new ones.
-  knorm_copy_rows(head, row_indices, prior_keys, new_keys, out_keys,
-                  (in_place & 1u) != 0 ? prior_kept : 0u, key_dim, key_unit, lane, simd_group);
-  knorm_copy_rows(head, row_indices, prior_values, new_values, out_values,
-                  (in_place & 2u) != 0 ? prior_kept : 0u, value_dim, value_unit, lane,
-                  simd_group);
+  if (copy_rows != 0) {
+    knorm_copy_rows(row, n_prior, n_new, kept, row_indices, prior_keys, new_keys, out_keys,
+                    (in_place & 1u) != 0 ? prior_kept : 0u, kept, false, key_dim, key_unit,
+                    lane, simd_group);
+    knorm_copy_rows(row, n_prior, n_new, kept, row_indices, prior_values, new_values,
+                    out_values, (in_place & 2u) != 0 ? prior_kept : 0u, kept, false,
+                    value_dim, value_unit, lane, simd_group);
+  }
   if (norms_in_place) {
     for (uint p = prior_kept + tid; p < kept; p += kGatherGroupSize) {
       row_norms[p] = head.new_norms[row_indices[p] - n_prior];
@@ -277,10 +298,53 @@ template <typename K, typename V>
   }
 }
 
+// The key and value rows of a gather whose selection ran before
+// (knorm_protected_topk_gather with copy_rows = 0 wrote the indices, and
+// compacted the outputs that are in place): threadgroup g copies output rows
+// [first_row + b * kGatherCopyRows, + kGatherCopyRows) of head
+// g / groups_per_head, b = g % groups_per_head. Rows below first_row are
+// kept prior rows of outputs in place, which are already compacted.
+template <typename K, typename V>
+[[kernel]] void knorm_gather_rows(
+    device const K* prior_keys KNORM_BUFFER(0),
+    device const V* prior_values KNORM_BUFFER(1),
+    device const K* new_keys KNORM_BUFFER(2),
+    device const V* new_values KNORM_BUFFER(3),
+    device const uint* indices KNORM_BUFFER(4),
+    device K* out_keys KNORM_BUFFER(5),
+    device V* out_values KNORM_BUFFER(6),
+    constant uint& n_prior KNORM_BUFFER(7),
+    constant uint& n_new KNORM_BUFFER(8),
+    constant uint& key_dim KNORM_BUFFER(9),
+    constant uint& value_dim KNORM_BUFFER(10),
+    constant uint& kept KNORM_BUFFER(11),
+    constant uint& in_place KNORM_BUFFER(12),
+    constant uint& key_unit KNORM_BUFFER(13),
+    constant uint& value_unit KNORM_BUFFER(14),
+    constant uint& first_row KNORM_BUFFER(15),
+    constant uint& groups_per_head KNORM_BUFFER(16),
+    uint group KNORM_ATTRIBUTE(threadgroup_position_in_grid),
+    uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
+    uint simd_group KNORM_ATTRIBUTE(simdgroup_index_in_threadgroup)) {
+  const uint head = group / groups_per_head;
+  const uint begin = first_row + (group % groups_per_head) * kGatherCopyRows;
+  // begin < kept; begin + kGatherCopyRows may not fit in a uint.
+  const uint end = kept - begin > kGatherCopyRows ? begin + kGatherCopyRows : kept;
+  device const uint* row_indices = indices + ulong(head) * kept;
+  knorm_copy_rows(head, n_prior, n_new, kept, row_indices, prior_keys, new_keys, out_keys,
+                  begin, end, (in_place & 1u) != 0, key_dim, key_unit, lane, simd_group);
+  knorm_copy_rows(head, n_prior, n_new, kept, row_indices, prior_values, new_values,
+                  out_values, begin, end, (in_place & 2u) != 0, value_dim, value_unit, lane,
+                  simd_group);
+}
+
 #define KNORM_GATHER_INSTANCE(kname, ktype, vname, vtype)                  \
   KNORM_KERNEL_INSTANCE(                                                   \
       "knorm_protected_topk_gather_" #kname "_" #vname,                    \
-      knorm_protected_topk_gather<ktype, vtype>)
+      knorm_protected_topk_gather<ktype, vtype>)                           \
+  KNORM_KERNEL_INSTANCE(                                                   \
+      "knorm_gather_rows_" #kname "_" #vname,                              \
+      knorm_gather_rows<ktype, vtype>)
 #define KNORM_GATHER_INSTANCES(kname, ktype)             \
   KNORM_GATHER_INSTANCE(kname, ktype, float16, half)     \
   KNORM_GATHER_INSTANCE(kname, ktype, bfloat16, bfloat)  \

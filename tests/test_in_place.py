@@ -131,14 +131,16 @@ def gather_dropping(backend, arrays: list, budget):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "budget, n_new, evicted",
-    [(32, 1, 32), (32, 1, 2), (32, 1, 20), (600, 1, 600), (600, 1, 3), (600, 1, 300), (600, 9, None)],
+    [(32, 1, 32), (32, 1, 2), (32, 1, 20), (600, 1, 600), (600, 1, 3), (600, 1, 300), (600, 9, None),
+     (600, 200, None)],
 )
 def test_gather_on_a_donated_prior_runs_in_place(backend, budget, n_new, evicted):
     """A decode step from a full state evicting the new row (nothing moves),
     an early row (nearly every row moves) or one in between, within one
-    256-row chunk of the Metal kernel and over three; then a step evicting
-    several rows among ties. Keys, values and norms are the prior's
-    buffers."""
+    256-row chunk of the Metal kernel and over three; then steps evicting
+    several rows among ties, 200 of them in a block whose new rows the Metal
+    kernel copies in a second dispatch. Keys, values and norms are the
+    prior's buffers."""
     arrays = gather_state(4 if budget < 256 else 2, budget, n_new, evicted)
     expected = gather_dropping("fallback", copies(arrays), budget)
     addresses = [data_address(a) for a in arrays[:3]]

@@ -3,7 +3,9 @@ execution model; the property-based cross-checks against the fallback live
 beside the kernel's own (test_key_norms.py, test_protected_topk_gather.py).
 
 The gather and evict-and-fill kernels work through rows in chunks of 256
-(their threadgroup size), the evict-and-fill kernel pairs holes with movers
+(their threadgroup size), the gather copies more than 128 kept rows a head
+in a second dispatch of 128-row blocks (metal/knorm_defines.h), the
+evict-and-fill kernel pairs holes with movers
 through queues of 512, and the norm kernel runs one 32-lane SIMD group per
 row, four rows per threadgroup: the cases below cross those boundaries.
 """
@@ -54,6 +56,9 @@ def gather_args(n_prior, n_new, budget, n_sink, recent, palette, keep="low", dim
         (700, 0, 300, 5, 17),   # threshold deep inside the middle
         (513, 0, 2, 1, 0),      # keeps a single middle row
         (255, 2, 256, 0, 0),    # the evicted row on a chunk boundary
+        (300, 0, 128, 1, 1),    # the most rows the selecting threadgroup copies
+        (200, 5, 129, 1, 1),    # rows copied by a second dispatch, the last block one row
+        (250, 20, 257, 3, 9),   # three blocks of the second dispatch
     ],
 )
 @pytest.mark.parametrize("palette", ["ties", "special", "zeros"])

@@ -18,17 +18,18 @@
 
 namespace mlx_knorm {
 
-// What is bound at [[buffer(i)]]: a primitive input, a primitive output, or
-// a uint constant. An array without elements has no Metal buffer (MLX's
+// What is bound at [[buffer(i)]]: a primitive input, a primitive output, a
+// primitive output that an earlier dispatch of the same evaluation wrote and
+// this one reads (EarlierOutput), or a uint constant. An array without elements has no Metal buffer (MLX's
 // allocator returns none for zero bytes), and a kernel argument left without
 // a binding fails Metal's API validation, so an empty array's slot is marked
 // and bound to a placeholder instead; the kernel reads no element of it.
 struct BufferSlot {
-  enum class Kind { Input, Output, Constant };
+  enum class Kind { Input, Output, EarlierOutput, Constant };
   Kind kind;
   int array;       // index into inputs or outputs
   uint32_t value;  // for Kind::Constant
-  bool empty;      // for Input and Output: the array has no elements
+  bool empty;      // for array slots: the array has no elements
 
   static BufferSlot constant(uint32_t v) {
     return {Kind::Constant, -1, v, false};
@@ -96,10 +97,15 @@ struct LaunchPlan {
   std::vector<BufferSlot> buffers;  // slot i is [[buffer(i)]]
 };
 
+// The dispatches of one evaluation, in order: each sees what the ones
+// before it wrote (MLX's encoder puts a memory barrier between dispatches
+// that share a buffer; the emulator runs them one after the other).
+using LaunchPlans = std::vector<LaunchPlan>;
+
 // Binds slot i of the plan as [[buffer(i)]] through `bind`, which has
-// input(i, const array&), output(i, array&), constant(i, uint32_t) and
-// placeholder(i, BufferSlot::Kind, const array&) for an array slot marked
-// empty.
+// input(i, const array&), output(i, array&), earlier_output(i, const
+// array&), constant(i, uint32_t) and placeholder(i, BufferSlot::Kind, const
+// array&) for an array slot marked empty.
 template <typename Binder>
 void bind_slots(
     const LaunchPlan& plan,
@@ -122,6 +128,13 @@ void bind_slots(
           bind.placeholder(idx, slot.kind, outputs.at(slot.array));
         } else {
           bind.output(idx, outputs.at(slot.array));
+        }
+        break;
+      case BufferSlot::Kind::EarlierOutput:
+        if (slot.empty) {
+          bind.placeholder(idx, slot.kind, outputs.at(slot.array));
+        } else {
+          bind.earlier_output(idx, outputs.at(slot.array));
         }
         break;
       case BufferSlot::Kind::Constant:

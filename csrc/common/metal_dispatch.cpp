@@ -67,6 +67,10 @@ struct EncoderBinder {
   void output(int idx, mx::array& a) {
     encoder.set_output_array(a, idx);
   }
+  // As an input, the encoder orders this dispatch after the one that wrote it.
+  void earlier_output(int idx, const mx::array& a) {
+    encoder.set_input_array(a, idx);
+  }
   void constant(int idx, uint32_t value) {
     encoder.set_bytes(value, idx);
   }
@@ -110,6 +114,16 @@ void dispatch_on_gpu(
   bind_slots(plan, inputs, outputs, binder);
   encoder.dispatch_threadgroups(
       MTL::Size(plan.groups, 1, 1), MTL::Size(plan.group_size, 1, 1));
+}
+
+void dispatch_on_gpu(
+    const LaunchPlans& plans,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs,
+    const mx::Stream& s) {
+  for (const LaunchPlan& plan : plans) {
+    dispatch_on_gpu(plan, inputs, outputs, s);
+  }
 }
 
 } // namespace mlx_knorm

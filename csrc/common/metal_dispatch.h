@@ -27,5 +27,10 @@ void dispatch_on_gpu(
     const std::vector<mlx::core::array>& inputs,
     std::vector<mlx::core::array>& outputs,
     const mlx::core::Stream& s);
+void dispatch_on_gpu(
+    const LaunchPlans& plans,
+    const std::vector<mlx::core::array>& inputs,
+    std::vector<mlx::core::array>& outputs,
+    const mlx::core::Stream& s);
 
 } // namespace mlx_knorm

@@ -94,6 +94,9 @@ struct EmulatorBinder {
     s.output = true;
     buffers[idx] = {s.bound, a.nbytes(), dtype_name(a.dtype()), EmulatedBuffer::Access::Write};
   }
+  void earlier_output(int idx, const mx::array& a) {
+    input(idx, a);
+  }
   void constant(int idx, uint32_t value) {
     constants[idx] = value;
     buffers[idx] = {&constants[idx], sizeof(uint32_t), dtype_name(mx::uint32),
@@ -135,6 +138,17 @@ void run_emulated_plan(
   bind_slots(plan, inputs, outputs, binder);
   run_emulated_kernel(plan.kernel, plan.groups, plan.group_size, binder.buffers);
   binder.copy_back();
+}
+
+// Each dispatch stages the arrays afresh, so it reads what the ones before it
+// wrote back.
+void run_emulated_plan(
+    const LaunchPlans& plans,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  for (const LaunchPlan& plan : plans) {
+    run_emulated_plan(plan, inputs, outputs);
+  }
 }
 
 } // namespace mlx_knorm

@@ -16,5 +16,9 @@ void run_emulated_plan(
     const LaunchPlan& plan,
     const std::vector<mlx::core::array>& inputs,
     std::vector<mlx::core::array>& outputs);
+void run_emulated_plan(
+    const LaunchPlans& plans,
+    const std::vector<mlx::core::array>& inputs,
+    std::vector<mlx::core::array>& outputs);
 
 } // namespace mlx_knorm

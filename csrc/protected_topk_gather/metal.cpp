@@ -4,7 +4,10 @@
 // Metal.
 #include "protected_topk_gather/protected_topk_gather.h"
 
+#include <algorithm>
+#include <limits>
 #include <stdexcept>
+#include <string>
 
 #include "common/dtype.h"
 #include "common/validation.h"
@@ -15,29 +18,49 @@
 
 namespace mlx_knorm {
 
-LaunchPlan protected_topk_gather_plan(
+LaunchPlans protected_topk_gather_plan(
     const GatherInputs& inputs,
     const std::vector<mx::array>& outputs,
     const SelectionConfig& config) {
   // check_inputs keeps n_prior + S within uint32, as the kernel's row
   // indices need.
   const RowSelection sel(static_cast<int64_t>(inputs.n_prior()) + inputs.n_new(), config);
-  LaunchPlan plan;
-  plan.source = "protected_topk_gather";
-  plan.kernel = "knorm_protected_topk_gather_" +
-      dtype_name(inputs.prior_keys.dtype()) + "_" +
-      dtype_name(inputs.prior_values.dtype());
-  plan.group_size = kGatherGroupSize;
-  plan.groups = sel.kept == 0 ? 0 : static_cast<uint32_t>(inputs.n_heads());
+  if (sel.kept == 0) {
+    return {};
+  }
+  const std::string types =
+      dtype_name(inputs.prior_keys.dtype()) + "_" + dtype_name(inputs.prior_values.dtype());
+  const std::vector<mx::array> arrays = inputs.to_vector();
+  // Outputs 0-2 may take over the prior keys, values and norms.
+  const uint32_t in_place = in_place_mask(arrays, outputs, 3);
+  const uint32_t key_unit =
+      row_unit({&inputs.prior_keys, &inputs.new_keys, &outputs[0]}, inputs.key_dim());
+  const uint32_t value_unit =
+      row_unit({&inputs.prior_values, &inputs.new_values, &outputs[1]}, inputs.value_dim());
+  // Outputs in place hold their kept prior rows after the selection's
+  // compaction, so of them only the new rows, at most min(S, kept) at the
+  // end, are copied.
+  const bool kv_in_place = (in_place & 3u) == 3u;
+  const int64_t first_row =
+      kv_in_place ? sel.kept - std::min<int64_t>(inputs.n_new(), sel.kept) : 0;
+  const int64_t rows_to_copy = sel.kept - first_row;
+  const int64_t groups_per_head = (rows_to_copy + kGatherCopyRows - 1) / kGatherCopyRows;
+  const bool split = inputs.n_heads() < static_cast<int>(kGatherSplitHeads) &&
+      rows_to_copy > kGatherCopyRows &&
+      inputs.n_heads() * groups_per_head <= std::numeric_limits<uint32_t>::max();
+  auto u32 = [](int64_t v) { return BufferSlot::constant(static_cast<uint32_t>(v)); };
+
+  LaunchPlan select;
+  select.source = "protected_topk_gather";
+  select.kernel = "knorm_protected_topk_gather_" + types;
+  select.group_size = kGatherGroupSize;
+  select.groups = static_cast<uint32_t>(inputs.n_heads());
   // Without eviction every row is protected and nothing is selected.
   const int64_t sink_end = sel.evicts ? sel.n_sink : sel.n_total;
   const int64_t mid_end = sel.evicts ? sel.mid_end : sel.n_total;
   const int64_t mid_keep = sel.evicts ? sel.mid_keep : 0;
-  // Outputs 0-2 may take over the prior keys, values and norms.
-  const std::vector<mx::array> arrays = inputs.to_vector();
-  auto u32 = [](int64_t v) { return BufferSlot::constant(static_cast<uint32_t>(v)); };
-  plan.buffers = array_slots(arrays, outputs);
-  plan.buffers.insert(plan.buffers.end(), {
+  select.buffers = array_slots(arrays, outputs);
+  select.buffers.insert(select.buffers.end(), {
       u32(inputs.n_prior()),
       u32(inputs.n_new()),
       u32(inputs.key_dim()),
@@ -47,10 +70,44 @@ LaunchPlan protected_topk_gather_plan(
       u32(mid_end),
       u32(mid_keep),
       u32(config.keep == Keep::High ? 1 : 0),
-      u32(in_place_mask(arrays, outputs, 3)),
-      u32(row_unit({&inputs.prior_keys, &inputs.new_keys, &outputs[0]}, inputs.key_dim())),
-      u32(row_unit({&inputs.prior_values, &inputs.new_values, &outputs[1]}, inputs.value_dim()))});
-  return plan;
+      u32(in_place),
+      u32(key_unit),
+      u32(value_unit),
+      u32(split ? 0 : 1)});
+  if (!split) {
+    return {select};
+  }
+
+  LaunchPlan copy;
+  copy.source = "protected_topk_gather";
+  copy.kernel = "knorm_gather_rows_" + types;
+  copy.group_size = kGatherGroupSize;
+  copy.groups = static_cast<uint32_t>(inputs.n_heads() * groups_per_head);
+  auto input = [&](int i) {
+    return BufferSlot{BufferSlot::Kind::Input, i, 0, arrays[i].size() == 0};
+  };
+  auto output = [&](BufferSlot::Kind kind, int i) {
+    return BufferSlot{kind, i, 0, outputs[i].size() == 0};
+  };
+  copy.buffers = {
+      input(0),  // prior keys
+      input(1),  // prior values
+      input(3),  // new keys
+      input(4),  // new values
+      output(BufferSlot::Kind::EarlierOutput, 3),  // indices
+      output(BufferSlot::Kind::Output, 0),
+      output(BufferSlot::Kind::Output, 1),
+      u32(inputs.n_prior()),
+      u32(inputs.n_new()),
+      u32(inputs.key_dim()),
+      u32(inputs.value_dim()),
+      u32(sel.kept),
+      u32(in_place),
+      u32(key_unit),
+      u32(value_unit),
+      u32(first_row),
+      u32(groups_per_head)};
+  return {select, copy};
 }
 
 #ifdef MLX_KNORM_METAL

@@ -110,9 +110,11 @@ void protected_topk_gather_emulated(
     std::vector<mx::array>& outputs,
     const SelectionConfig& config);
 
-// metal.cpp: the launch plan of the Metal kernel, for outputs allocated as
-// protected_topk_gather describes (their addresses choose how rows move).
-LaunchPlan protected_topk_gather_plan(
+// metal.cpp: the launch plans of the Metal kernels, for outputs allocated
+// as protected_topk_gather describes (their addresses choose how rows
+// move): the selection, and with few heads and many rows a second dispatch
+// that copies the rows.
+LaunchPlans protected_topk_gather_plan(
     const GatherInputs& inputs,
     const std::vector<mx::array>& outputs,
     const SelectionConfig& config);

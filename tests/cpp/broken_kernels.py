@@ -92,6 +92,26 @@ BROKEN_KERNELS = (
         "run",
         {"thread": (TSAN_RACE, "knorm_copy_rows")},
     ),
+    # The row copy of a split gather without its guard at a head's last row:
+    # the last block reads indices and writes rows past the head's.
+    BrokenKernel(
+        "unguarded_copy_tail",
+        (("protected_topk_gather.metal",
+          "  const uint end = kept - begin > kGatherCopyRows ? begin + kGatherCopyRows : kept;\n",
+          "  const uint end = begin + kGatherCopyRows;\n"),),
+        "run",
+        {"address": ("heap-buffer-overflow", "knorm_gather_rows")},
+    ),
+    # The row copy of a split gather writing the prior rows of an output in
+    # place again, from its own already compacted buffer.
+    BrokenKernel(
+        "copy_ignores_in_place",
+        (("protected_topk_gather.metal",
+          "                  begin, end, (in_place & 1u) != 0, key_dim,",
+          "                  begin, end, false, key_dim,"),),
+        "run",
+        {"thread": ("MISMATCH: gather case in place output keys n_prior=600 S=200",)},
+    ),
     # The decode step's reduction scratch declared in its helper rather than
     # in the kernel function.
     BrokenKernel(

@@ -332,32 +332,39 @@ std::vector<StepCase> in_place_temporal_cases() {
   return cases;
 }
 
-// Two heads of 600 prior and 7 new rows, 300 kept: a threshold among ties
-// and a compaction over three 256-row chunks.
-GatherCase fixed_gather_case() {
-  SelectionConfig config;
-  config.budget = 300;
-  config.n_sink = 4;
-  config.recent = 16;
-  config.keep = Keep::Low;
-  return {config, 2, 600, 7, 8, 33, mx::bfloat16, mx::float16, 0, false};
+// Two heads of 600 prior and 7 new rows among ties: 300 kept (a compaction
+// over three 256-row chunks, the rows copied by a second dispatch), and 100
+// kept (copied by the selecting threadgroup, metal/knorm_defines.h's
+// kGatherCopyRows).
+std::vector<GatherCase> fixed_gather_cases() {
+  std::vector<GatherCase> cases;
+  for (int budget : {300, 100}) {
+    SelectionConfig config;
+    config.budget = budget;
+    config.n_sink = 4;
+    config.recent = 16;
+    config.keep = Keep::Low;
+    cases.push_back({config, 2, 600, 7, 8, 33, mx::bfloat16, mx::float16, 0, false});
+  }
+  return cases;
 }
 
 // Steps from a full state of 600 rows in place, over three 256-row chunks:
-// a decode step (the rows after the evicted one shift down by one) and one
-// evicting 7 rows among ties. The moves write rows other threads still
-// read; only the waves' barriers keep that apart.
+// a decode step (the rows after the evicted one shift down by one), one
+// evicting 7 rows among ties, and one evicting 200 (whose new rows a second
+// dispatch copies). The moves write rows other threads still read; only the
+// waves' barriers keep that apart.
 std::vector<GatherCase> in_place_gather_cases() {
   std::vector<GatherCase> cases;
-  for (int n_new : {1, 7}) {
+  for (int n_new : {1, 7, 200}) {
     SelectionConfig config;
     config.budget = 600;
     config.n_sink = 4;
     config.recent = 0;
     config.keep = Keep::Low;
-    // Gaussian norms (one row leaves, anywhere) or ties.
+    // Gaussian norms (rows leave anywhere) or ties.
     cases.push_back({config, 2, 600, n_new, 80, 33, mx::float16, mx::float32,
-                     n_new == 1 ? 2 : 0, true});
+                     n_new == 7 ? 0 : 2, true});
   }
   return cases;
 }
@@ -477,7 +484,9 @@ void check_conversions(std::mt19937_64& rng) {
 // kernel over their in-place compactions.
 void fixed_cases(std::mt19937_64& rng) {
   check_key_norms(9, 80, mx::float16, rng, "fixed");
-  check_gather(fixed_gather_case(), rng, "fixed");
+  for (const GatherCase& gc : fixed_gather_cases()) {
+    check_gather(gc, rng, "fixed");
+  }
   for (const GatherCase& gc : in_place_gather_cases()) {
     check_gather(gc, rng, "in place");
   }
