@@ -10,6 +10,9 @@
 //               compaction, chunk by chunk;
 //   fill        the new rows with their norms (knorm_row_norm) and
 //               positions.
+// With few heads and many new rows, the launch plan leaves step 3 to a
+// second dispatch, knorm_fill_new_rows, which spreads the new rows of each
+// head over threadgroups of kSplitRows rows (fill_new = 0 here).
 // An output bound to its input's buffer (a bit of in_place) is updated in
 // place: only the rows that move are written. The temporal compaction then
 // moves rows in waves (every thread reads its share of a wave into
@@ -357,6 +360,45 @@ inline void knorm_fill_holes(
   }
 }
 
+// Step 3 for new rows [begin, end) of one head (new_keys, new_values and
+// the outputs start at its rows): one SIMD group per row, its bits, its
+// norm (knorm_row_norm) and its position; row j goes to slot kept + j.
+template <typename K, typename V>
+inline void knorm_fill_rows(
+    device const K* new_keys,
+    device const V* new_values,
+    device K* out_keys,
+    device V* out_values,
+    device float* out_norms,
+    device int* out_positions,
+    uint key_dim,
+    uint value_dim,
+    uint key_unit,
+    uint value_unit,
+    uint kept,
+    uint offset,
+    uint begin,
+    uint end,
+    uint lane,
+    uint simd_group) {
+  for (uint j = begin + simd_group; j < end; j += kEvictSimdGroups) {
+    device const K* key = new_keys + ulong(j) * key_dim;
+    device const V* value = new_values + ulong(j) * value_dim;
+    const uint dst = kept + j;
+    knorm_copy_bits(key, out_keys + ulong(dst) * key_dim, key_dim, key_unit, lane, kSimdWidth);
+    knorm_copy_bits(value, out_values + ulong(dst) * value_dim, value_dim, value_unit, lane,
+                    kSimdWidth);
+    // Sized for the widest key the kernel takes: the padding past P leaves
+    // the pinned sum as it is (knorm_row_norm), and a new row's norm is a
+    // small part of a step.
+    const float norm = knorm_row_norm<kKeyNormsMaxDim / kSimdWidth>(key, key_dim, lane);
+    if (lane == 0) {
+      out_norms[dst] = norm;
+      out_positions[dst] = int(offset + j);
+    }
+  }
+}
+
 template <typename K, typename V>
 [[kernel]] void knorm_evict_and_fill(
     device const K* keys KNORM_BUFFER(0),
@@ -384,6 +426,7 @@ template <typename K, typename V>
     constant uint& in_place KNORM_BUFFER(22),
     constant uint& key_unit KNORM_BUFFER(23),
     constant uint& value_unit KNORM_BUFFER(24),
+    constant uint& fill_new KNORM_BUFFER(25),
     uint head KNORM_ATTRIBUTE(threadgroup_position_in_grid),
     uint tid KNORM_ATTRIBUTE(thread_position_in_threadgroup),
     uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
@@ -465,30 +508,57 @@ template <typename K, typename V>
   // The new rows may overwrite the sources of moved rows (in place).
   threadgroup_barrier(mem_flags::mem_device);
 
-  // Step 3: one SIMD group per new row.
-  for (uint j = simd_group; j < n_new; j += kEvictSimdGroups) {
-    const ulong src = ulong(head) * n_new + j;
-    device const K* key = new_keys + src * key_dim;
-    device const V* value = new_values + src * value_dim;
-    const uint dst = kept + j;
-    knorm_copy_bits(key, b.out_keys + ulong(dst) * key_dim, key_dim, key_unit, lane, kSimdWidth);
-    knorm_copy_bits(value, b.out_values + ulong(dst) * value_dim, value_dim, value_unit, lane,
-                    kSimdWidth);
-    // Sized for the widest key the kernel takes: the padding past P leaves
-    // the pinned sum as it is (knorm_row_norm), and a new row's norm is a
-    // small part of a step.
-    const float norm = knorm_row_norm<kKeyNormsMaxDim / kSimdWidth>(key, key_dim, lane);
-    if (lane == 0) {
-      b.out_norms[dst] = norm;
-      b.out_positions[dst] = int(offset + j);
-    }
+  // Step 3, unless knorm_fill_new_rows does it.
+  if (fill_new != 0) {
+    const ulong new_row = ulong(head) * n_new;
+    knorm_fill_rows(new_keys + new_row * key_dim, new_values + new_row * value_dim, b.out_keys,
+                    b.out_values, b.out_norms, b.out_positions, key_dim, value_dim, key_unit,
+                    value_unit, kept, offset, 0u, n_new, lane, simd_group);
   }
+}
+
+// Step 3 of a step whose steps 1-2 ran before (knorm_evict_and_fill with
+// fill_new = 0): threadgroup g writes new rows [b * kSplitRows, +
+// kSplitRows) of head g / groups_per_head, b = g % groups_per_head.
+template <typename K, typename V>
+[[kernel]] void knorm_fill_new_rows(
+    device const K* new_keys KNORM_BUFFER(0),
+    device const V* new_values KNORM_BUFFER(1),
+    device K* out_keys KNORM_BUFFER(2),
+    device V* out_values KNORM_BUFFER(3),
+    device float* out_norms KNORM_BUFFER(4),
+    device int* out_positions KNORM_BUFFER(5),
+    constant uint& out_slots KNORM_BUFFER(6),
+    constant uint& n_new KNORM_BUFFER(7),
+    constant uint& key_dim KNORM_BUFFER(8),
+    constant uint& value_dim KNORM_BUFFER(9),
+    constant uint& kept KNORM_BUFFER(10),
+    constant uint& offset KNORM_BUFFER(11),
+    constant uint& key_unit KNORM_BUFFER(12),
+    constant uint& value_unit KNORM_BUFFER(13),
+    constant uint& groups_per_head KNORM_BUFFER(14),
+    uint group KNORM_ATTRIBUTE(threadgroup_position_in_grid),
+    uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
+    uint simd_group KNORM_ATTRIBUTE(simdgroup_index_in_threadgroup)) {
+  const uint head = group / groups_per_head;
+  const uint begin = (group % groups_per_head) * kSplitRows;
+  // begin < n_new; begin + kSplitRows may not fit in a uint.
+  const uint end = n_new - begin > kSplitRows ? begin + kSplitRows : n_new;
+  const ulong new_row = ulong(head) * n_new;
+  const ulong out_row = ulong(head) * out_slots;
+  knorm_fill_rows(new_keys + new_row * key_dim, new_values + new_row * value_dim,
+                  out_keys + out_row * key_dim, out_values + out_row * value_dim,
+                  out_norms + out_row, out_positions + out_row, key_dim, value_dim, key_unit,
+                  value_unit, kept, offset, begin, end, lane, simd_group);
 }
 
 #define KNORM_EVICT_INSTANCE(kname, ktype, vname, vtype)                   \
   KNORM_KERNEL_INSTANCE(                                                  \
       "knorm_evict_and_fill_" #kname "_" #vname,                           \
-      knorm_evict_and_fill<ktype, vtype>)
+      knorm_evict_and_fill<ktype, vtype>)                                  \
+  KNORM_KERNEL_INSTANCE(                                                  \
+      "knorm_fill_new_rows_" #kname "_" #vname,                            \
+      knorm_fill_new_rows<ktype, vtype>)
 #define KNORM_EVICT_INSTANCES(kname, ktype)             \
   KNORM_EVICT_INSTANCE(kname, ktype, float16, half)     \
   KNORM_EVICT_INSTANCE(kname, ktype, bfloat16, bfloat)  \

@@ -65,14 +65,16 @@ KNORM_CONSTANT uint32_t kRowUnitNarrow = 8;
 // Threads per threadgroup of the gather kernels (the selection: one
 // threadgroup per head).
 KNORM_CONSTANT uint32_t kGatherGroupSize = 256;
-// The gather selects in one dispatch and copies the K/V rows in a second
-// (knorm_gather_rows, kGatherCopyRows output rows per threadgroup) when
-// there are fewer than kGatherSplitHeads heads and a head has more than
-// kGatherCopyRows rows to copy: one threadgroup per head would leave most of
-// a GPU's cores idle while the rows move. Not tuned on hardware: 256 heads
-// give each core of the largest Apple GPUs (80 cores) three threadgroups.
-KNORM_CONSTANT uint32_t kGatherCopyRows = 128;
-KNORM_CONSTANT uint32_t kGatherSplitHeads = 256;
+
+// A step whose heads each have more than kSplitRows rows to copy, with fewer
+// than kSplitHeads heads, runs in two dispatches: the first selects (one
+// threadgroup per head), the second copies the rows, in blocks of kSplitRows
+// rows per threadgroup (launch_plan.h's split_blocks). One threadgroup per
+// head would leave most of a GPU's cores idle while the rows move. Not tuned
+// on hardware: 256 heads give each core of the largest Apple GPUs (80
+// cores) three threadgroups.
+KNORM_CONSTANT uint32_t kSplitRows = 128;
+KNORM_CONSTANT uint32_t kSplitHeads = 256;
 
 // Threads per threadgroup of the evict-and-fill kernel (one threadgroup per
 // head).

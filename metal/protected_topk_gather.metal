@@ -17,7 +17,7 @@
 // most of a GPU idle while the rows move, so the launch plan splits the step
 // in two dispatches: knorm_protected_topk_gather with copy_rows = 0 selects
 // (and compacts in place), then knorm_gather_rows copies the rows from the
-// indices, kGatherCopyRows output rows per threadgroup.
+// indices, kSplitRows output rows per threadgroup.
 //
 // Launched by csrc/protected_topk_gather/metal.cpp. Compiles as Metal
 // Shading Language and, through csrc/metal_emulator/metal_emulator.h, as C++.
@@ -301,7 +301,7 @@ template <typename K, typename V>
 // The key and value rows of a gather whose selection ran before
 // (knorm_protected_topk_gather with copy_rows = 0 wrote the indices, and
 // compacted the outputs that are in place): threadgroup g copies output rows
-// [first_row + b * kGatherCopyRows, + kGatherCopyRows) of head
+// [first_row + b * kSplitRows, + kSplitRows) of head
 // g / groups_per_head, b = g % groups_per_head. Rows below first_row are
 // kept prior rows of outputs in place, which are already compacted.
 template <typename K, typename V>
@@ -327,9 +327,9 @@ template <typename K, typename V>
     uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
     uint simd_group KNORM_ATTRIBUTE(simdgroup_index_in_threadgroup)) {
   const uint head = group / groups_per_head;
-  const uint begin = first_row + (group % groups_per_head) * kGatherCopyRows;
-  // begin < kept; begin + kGatherCopyRows may not fit in a uint.
-  const uint end = kept - begin > kGatherCopyRows ? begin + kGatherCopyRows : kept;
+  const uint begin = first_row + (group % groups_per_head) * kSplitRows;
+  // begin < kept; begin + kSplitRows may not fit in a uint.
+  const uint end = kept - begin > kSplitRows ? begin + kSplitRows : kept;
   device const uint* row_indices = indices + ulong(head) * kept;
   knorm_copy_rows(head, n_prior, n_new, kept, row_indices, prior_keys, new_keys, out_keys,
                   begin, end, (in_place & 1u) != 0, key_dim, key_unit, lane, simd_group);

@@ -3,8 +3,9 @@ execution model; the property-based cross-checks against the fallback live
 beside the kernel's own (test_key_norms.py, test_protected_topk_gather.py).
 
 The gather and evict-and-fill kernels work through rows in chunks of 256
-(their threadgroup size), the gather copies more than 128 kept rows a head
-in a second dispatch of 128-row blocks (metal/knorm_defines.h), the
+(their threadgroup size), both leave more than 128 rows a head to copy
+(the gather's kept rows, the step's new rows) to a second dispatch of
+128-row blocks (metal/knorm_defines.h), the
 evict-and-fill kernel pairs holes with movers
 through queues of 512, and the norm kernel runs one 32-lane SIMD group per
 row, four rows per threadgroup: the cases below cross those boundaries.
@@ -131,6 +132,9 @@ def step_native_and_emulated(args, config, donate):
         (700, 700, 300, 3),     # more holes than a queue takes at once
         (600, 600, 2, 0),       # keeps two rows
         (300, 40, 60, 20),      # nothing leaves; new rows over several SIMD groups
+        (300, 0, 400, 300),     # a prompt into an empty cache: the new rows alone, split
+        (500, 400, 300, 200),   # many leave, then new rows written by a second dispatch
+        (260, 131, 131, 129),   # nothing leaves; the second dispatch's last block one row
     ],
 )
 @pytest.mark.parametrize("positions", ["distinct", "equal"])

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -87,6 +88,16 @@ inline uint32_t row_unit(
     }
   }
   return static_cast<uint32_t>(element);
+}
+
+// Threadgroups per head of the second dispatch of a split step, each
+// copying kSplitRows of a head's `rows` (metal/knorm_defines.h); 0 when the
+// step runs in one dispatch.
+inline uint32_t split_blocks(int64_t n_heads, int64_t rows) {
+  const int64_t blocks = (rows + kSplitRows - 1) / kSplitRows;
+  const bool split = n_heads < kSplitHeads && rows > kSplitRows &&
+      n_heads * blocks <= std::numeric_limits<uint32_t>::max();
+  return split ? static_cast<uint32_t>(blocks) : 0;
 }
 
 struct LaunchPlan {

@@ -144,9 +144,11 @@ void evict_and_fill_emulated(
     std::vector<mx::array>& outputs,
     const StepConfig& config);
 
-// metal.cpp: the launch plan of the Metal kernel. Outputs that share their
-// input's buffer are updated in place.
-LaunchPlan evict_and_fill_plan(
+// metal.cpp: the launch plans of the Metal kernels: steps 1-3, or, with few
+// heads and many new rows, steps 1-2 and then the new rows over many
+// threadgroups. Outputs that share their input's buffer are updated in
+// place.
+LaunchPlans evict_and_fill_plan(
     const StepInputs& inputs,
     const std::vector<mx::array>& outputs,
     const StepConfig& config);

@@ -4,6 +4,8 @@
 #include "evict_and_fill/evict_and_fill.h"
 
 #include <stdexcept>
+#include <string>
+#include <utility>
 
 #include "common/dtype.h"
 #include "common/multi_output.h"
@@ -15,7 +17,7 @@
 
 namespace mlx_knorm {
 
-LaunchPlan evict_and_fill_plan(
+LaunchPlans evict_and_fill_plan(
     const StepInputs& inputs,
     const std::vector<mx::array>& outputs,
     const StepConfig& config) {
@@ -23,32 +25,80 @@ LaunchPlan evict_and_fill_plan(
   // 2^31, so each fits the kernel's uint constants.
   const std::vector<mx::array> arrays = inputs.to_vector();
   const int64_t kept = config.kept();
-  LaunchPlan plan;
-  plan.source = "evict_and_fill";
-  plan.kernel = "knorm_evict_and_fill_" + dtype_name(inputs.keys.dtype()) + "_" +
-      dtype_name(inputs.values.dtype());
-  plan.group_size = kEvictGroupSize;
-  plan.groups = kept + inputs.n_new() == 0 ? 0 : static_cast<uint32_t>(inputs.n_heads());
+  if (kept + inputs.n_new() == 0) {
+    return {};
+  }
+  const std::string types =
+      dtype_name(inputs.keys.dtype()) + "_" + dtype_name(inputs.values.dtype());
+  const uint32_t key_unit =
+      row_unit({&inputs.keys, &inputs.new_keys, &outputs[0]}, inputs.key_dim());
+  const uint32_t value_unit =
+      row_unit({&inputs.values, &inputs.new_values, &outputs[1]}, inputs.value_dim());
+  // The new rows go to slots kept + j whatever steps 1-2 do, so a second
+  // dispatch can write them over many threadgroups.
+  const uint32_t groups_per_head = split_blocks(inputs.n_heads(), inputs.n_new());
   auto u32 = [](int64_t v) { return BufferSlot::constant(static_cast<uint32_t>(v)); };
-  plan.buffers = array_slots(arrays, outputs);
-  plan.buffers.insert(plan.buffers.end(), {
-      u32(inputs.capacity()),
-      u32(config.out_capacity),
-      u32(inputs.n_new()),
-      u32(inputs.key_dim()),
-      u32(inputs.value_dim()),
-      u32(config.filled),
-      u32(kept),
-      u32(config.offset),
-      u32(config.selection.n_sink),
-      // An int32 (offset - recent may be negative), as its bits.
-      u32(config.rank().protect_from),
-      u32(config.selection.keep == Keep::High ? 1 : 0),
-      u32(config.layout == Layout::Temporal ? 1 : 0),
-      u32(in_place_mask(arrays, outputs, 4)),
-      u32(row_unit({&inputs.keys, &inputs.new_keys, &outputs[0]}, inputs.key_dim())),
-      u32(row_unit({&inputs.values, &inputs.new_values, &outputs[1]}, inputs.value_dim()))});
-  return plan;
+  LaunchPlans plans;
+
+  // Steps 1-2 have nothing to do without stored rows.
+  if (config.filled > 0 || groups_per_head == 0) {
+    LaunchPlan step;
+    step.source = "evict_and_fill";
+    step.kernel = "knorm_evict_and_fill_" + types;
+    step.group_size = kEvictGroupSize;
+    step.groups = static_cast<uint32_t>(inputs.n_heads());
+    step.buffers = array_slots(arrays, outputs);
+    step.buffers.insert(step.buffers.end(), {
+        u32(inputs.capacity()),
+        u32(config.out_capacity),
+        u32(inputs.n_new()),
+        u32(inputs.key_dim()),
+        u32(inputs.value_dim()),
+        u32(config.filled),
+        u32(kept),
+        u32(config.offset),
+        u32(config.selection.n_sink),
+        // An int32 (offset - recent may be negative), as its bits.
+        u32(config.rank().protect_from),
+        u32(config.selection.keep == Keep::High ? 1 : 0),
+        u32(config.layout == Layout::Temporal ? 1 : 0),
+        u32(in_place_mask(arrays, outputs, 4)),
+        u32(key_unit),
+        u32(value_unit),
+        u32(groups_per_head == 0 ? 1 : 0)});
+    plans.push_back(std::move(step));
+  }
+  if (groups_per_head != 0) {
+    LaunchPlan fill;
+    fill.source = "evict_and_fill";
+    fill.kernel = "knorm_fill_new_rows_" + types;
+    fill.group_size = kEvictGroupSize;
+    fill.groups = static_cast<uint32_t>(inputs.n_heads()) * groups_per_head;
+    auto input = [&](int i) {
+      return BufferSlot{BufferSlot::Kind::Input, i, 0, arrays[i].size() == 0};
+    };
+    auto output = [&](int i) {
+      return BufferSlot{BufferSlot::Kind::Output, i, 0, outputs[i].size() == 0};
+    };
+    fill.buffers = {
+        input(4),  // new keys
+        input(5),  // new values
+        output(0),
+        output(1),
+        output(2),
+        output(3),
+        u32(config.out_capacity),
+        u32(inputs.n_new()),
+        u32(inputs.key_dim()),
+        u32(inputs.value_dim()),
+        u32(kept),
+        u32(config.offset),
+        u32(key_unit),
+        u32(value_unit),
+        u32(groups_per_head)};
+    plans.push_back(std::move(fill));
+  }
+  return plans;
 }
 
 #ifdef MLX_KNORM_METAL

@@ -5,7 +5,6 @@
 #include "protected_topk_gather/protected_topk_gather.h"
 
 #include <algorithm>
-#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -43,11 +42,8 @@ LaunchPlans protected_topk_gather_plan(
   const bool kv_in_place = (in_place & 3u) == 3u;
   const int64_t first_row =
       kv_in_place ? sel.kept - std::min<int64_t>(inputs.n_new(), sel.kept) : 0;
-  const int64_t rows_to_copy = sel.kept - first_row;
-  const int64_t groups_per_head = (rows_to_copy + kGatherCopyRows - 1) / kGatherCopyRows;
-  const bool split = inputs.n_heads() < static_cast<int>(kGatherSplitHeads) &&
-      rows_to_copy > kGatherCopyRows &&
-      inputs.n_heads() * groups_per_head <= std::numeric_limits<uint32_t>::max();
+  const uint32_t groups_per_head = split_blocks(inputs.n_heads(), sel.kept - first_row);
+  const bool split = groups_per_head != 0;
   auto u32 = [](int64_t v) { return BufferSlot::constant(static_cast<uint32_t>(v)); };
 
   LaunchPlan select;
@@ -82,7 +78,7 @@ LaunchPlans protected_topk_gather_plan(
   copy.source = "protected_topk_gather";
   copy.kernel = "knorm_gather_rows_" + types;
   copy.group_size = kGatherGroupSize;
-  copy.groups = static_cast<uint32_t>(inputs.n_heads() * groups_per_head);
+  copy.groups = static_cast<uint32_t>(inputs.n_heads()) * groups_per_head;
   auto input = [&](int i) {
     return BufferSlot{BufferSlot::Kind::Input, i, 0, arrays[i].size() == 0};
   };

@@ -21,6 +21,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mlx/allocator.h"
@@ -297,7 +298,8 @@ StepCase random_step_case(std::mt19937_64& rng) {
   const int budget = config.selection.budget;
   const int excess[] = {0, 1, 1, 2, 40, 300};
   config.filled = std::max(0, budget + excess[rng() % 6] - static_cast<int>(rng() % 3));
-  const int n_new = static_cast<int>(rng() % 34);
+  // Now and then a block of new rows that a second dispatch writes.
+  const int n_new = static_cast<int>(rng() % 4 == 0 ? 129 + rng() % 300 : rng() % 34);
   const int kept = static_cast<int>(config.kept());
   const int slots = std::max<int>(config.filled, kept + n_new) + static_cast<int>(rng() % 3);
   const bool in_place = rng() % 2 == 0;
@@ -314,19 +316,21 @@ StepCase random_step_case(std::mt19937_64& rng) {
 }
 
 // Every output in place, temporal layout, rows spanning three 256-slot
-// chunks: a decode step (rows after the evicted one shift down by one) and
-// a step evicting 300 rows. The in-place compaction moves rows onto rows
-// other threads still read; only the waves' barriers keep that apart.
+// chunks: a decode step (rows after the evicted one shift down by one), a
+// step evicting 300 rows, and one evicting 300 rows with a block of 200 new
+// ones (written by a second dispatch). The in-place compaction moves rows
+// onto rows other threads still read; only the waves' barriers keep that
+// apart.
 std::vector<StepCase> in_place_temporal_cases() {
   std::vector<StepCase> cases;
-  for (int excess : {1, 300}) {
+  for (const auto [excess, n_new] : {std::pair{1, 1}, std::pair{300, 1}, std::pair{300, 200}}) {
     StepConfig config;
     config.selection = {600, 4, 16, Keep::Low};
     config.layout = Layout::Temporal;
     config.filled = 600 + excess;
     config.offset = config.filled;
-    config.out_capacity = config.filled + 1;
-    cases.push_back({config, 2, static_cast<int>(config.out_capacity), 1, 80, 33,
+    config.out_capacity = std::max(config.filled, 600 + n_new) + 1;
+    cases.push_back({config, 2, static_cast<int>(config.out_capacity), n_new, 80, 33,
                      mx::float16, mx::float32, 0xFu, true});
   }
   return cases;
@@ -335,7 +339,7 @@ std::vector<StepCase> in_place_temporal_cases() {
 // Two heads of 600 prior and 7 new rows among ties: 300 kept (a compaction
 // over three 256-row chunks, the rows copied by a second dispatch), and 100
 // kept (copied by the selecting threadgroup, metal/knorm_defines.h's
-// kGatherCopyRows).
+// kSplitRows).
 std::vector<GatherCase> fixed_gather_cases() {
   std::vector<GatherCase> cases;
   for (int budget : {300, 100}) {
