@@ -35,6 +35,10 @@ struct BufferSlot {
   static BufferSlot constant(uint32_t v) {
     return {Kind::Constant, -1, v, false};
   }
+  // Array `i` of `arrays` (the primitive's inputs or outputs, as `kind` says).
+  static BufferSlot of(Kind kind, const std::vector<mlx::core::array>& arrays, int i) {
+    return {kind, i, 0, arrays.at(i).size() == 0};
+  }
 };
 
 // Bit i set: output i shares input i's buffer, for i < count (it took over
@@ -59,10 +63,10 @@ inline std::vector<BufferSlot> array_slots(
     const std::vector<mlx::core::array>& outputs) {
   std::vector<BufferSlot> slots;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    slots.push_back({BufferSlot::Kind::Input, static_cast<int>(i), 0, inputs[i].size() == 0});
+    slots.push_back(BufferSlot::of(BufferSlot::Kind::Input, inputs, static_cast<int>(i)));
   }
   for (size_t i = 0; i < outputs.size(); ++i) {
-    slots.push_back({BufferSlot::Kind::Output, static_cast<int>(i), 0, outputs[i].size() == 0});
+    slots.push_back(BufferSlot::of(BufferSlot::Kind::Output, outputs, static_cast<int>(i)));
   }
   return slots;
 }

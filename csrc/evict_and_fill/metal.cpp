@@ -74,19 +74,14 @@ LaunchPlans evict_and_fill_plan(
     fill.kernel = "knorm_fill_new_rows_" + types;
     fill.group_size = kEvictGroupSize;
     fill.groups = static_cast<uint32_t>(inputs.n_heads()) * groups_per_head;
-    auto input = [&](int i) {
-      return BufferSlot{BufferSlot::Kind::Input, i, 0, arrays[i].size() == 0};
-    };
-    auto output = [&](int i) {
-      return BufferSlot{BufferSlot::Kind::Output, i, 0, outputs[i].size() == 0};
-    };
+    using Kind = BufferSlot::Kind;
     fill.buffers = {
-        input(4),  // new keys
-        input(5),  // new values
-        output(0),
-        output(1),
-        output(2),
-        output(3),
+        BufferSlot::of(Kind::Input, arrays, 4),  // new keys
+        BufferSlot::of(Kind::Input, arrays, 5),  // new values
+        BufferSlot::of(Kind::Output, outputs, 0),
+        BufferSlot::of(Kind::Output, outputs, 1),
+        BufferSlot::of(Kind::Output, outputs, 2),
+        BufferSlot::of(Kind::Output, outputs, 3),
         u32(config.out_capacity),
         u32(inputs.n_new()),
         u32(inputs.key_dim()),

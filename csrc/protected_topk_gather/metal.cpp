@@ -79,20 +79,15 @@ LaunchPlans protected_topk_gather_plan(
   copy.kernel = "knorm_gather_rows_" + types;
   copy.group_size = kGatherGroupSize;
   copy.groups = static_cast<uint32_t>(inputs.n_heads()) * groups_per_head;
-  auto input = [&](int i) {
-    return BufferSlot{BufferSlot::Kind::Input, i, 0, arrays[i].size() == 0};
-  };
-  auto output = [&](BufferSlot::Kind kind, int i) {
-    return BufferSlot{kind, i, 0, outputs[i].size() == 0};
-  };
+  using Kind = BufferSlot::Kind;
   copy.buffers = {
-      input(0),  // prior keys
-      input(1),  // prior values
-      input(3),  // new keys
-      input(4),  // new values
-      output(BufferSlot::Kind::EarlierOutput, 3),  // indices
-      output(BufferSlot::Kind::Output, 0),
-      output(BufferSlot::Kind::Output, 1),
+      BufferSlot::of(Kind::Input, arrays, 0),  // prior keys
+      BufferSlot::of(Kind::Input, arrays, 1),  // prior values
+      BufferSlot::of(Kind::Input, arrays, 3),  // new keys
+      BufferSlot::of(Kind::Input, arrays, 4),  // new values
+      BufferSlot::of(Kind::EarlierOutput, outputs, 3),  // indices
+      BufferSlot::of(Kind::Output, outputs, 0),
+      BufferSlot::of(Kind::Output, outputs, 1),
       u32(inputs.n_prior()),
       u32(inputs.n_new()),
       u32(inputs.key_dim()),

@@ -329,7 +329,7 @@ std::vector<StepCase> in_place_temporal_cases() {
     config.layout = Layout::Temporal;
     config.filled = 600 + excess;
     config.offset = config.filled;
-    config.out_capacity = std::max(config.filled, 600 + n_new) + 1;
+    config.out_capacity = std::max<int64_t>(config.filled, 600 + n_new) + 1;
     cases.push_back({config, 2, static_cast<int>(config.out_capacity), n_new, 80, 33,
                      mx::float16, mx::float32, 0xFu, true});
   }
