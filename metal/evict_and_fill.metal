@@ -1,6 +1,5 @@
 // EvictAndFill on the GPU: one cache step of docs/spec.md section 4 for
-// every head in one dispatch, one threadgroup of kEvictGroupSize threads per
-// head:
+// every head, one threadgroup of kEvictGroupSize threads per head:
 //   selection   nothing leaves (filled <= budget); one row leaves (a decode
 //               step): SIMD-group and threadgroup reductions of the 64-bit
 //               rank; several leave: the radix select of knorm_kernels.h,
@@ -10,9 +9,11 @@
 //               compaction, chunk by chunk;
 //   fill        the new rows with their norms (knorm_row_norm) and
 //               positions.
-// With few heads and many new rows, the launch plan leaves step 3 to a
+// With few heads and many new rows, the launch plan leaves the fill to a
 // second dispatch, knorm_fill_new_rows, which spreads the new rows of each
-// head over threadgroups of kSplitRows rows (fill_new = 0 here).
+// head over threadgroups of kSplitRows rows (fill_new = 0 here), and drops
+// this one where it would do nothing: no stored rows, or none leaving with
+// every output in place.
 // An output bound to its input's buffer (a bit of in_place) is updated in
 // place: only the rows that move are written. The temporal compaction then
 // moves rows in waves (every thread reads its share of a wave into

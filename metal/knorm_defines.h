@@ -66,11 +66,12 @@ KNORM_CONSTANT uint32_t kRowUnitNarrow = 8;
 // threadgroup per head).
 KNORM_CONSTANT uint32_t kGatherGroupSize = 256;
 
-// A step whose heads each have more than kSplitRows rows to copy, with fewer
-// than kSplitHeads heads, runs in two dispatches: the first selects (one
-// threadgroup per head), the second copies the rows, in blocks of kSplitRows
-// rows per threadgroup (launch_plan.h's split_blocks). One threadgroup per
-// head would leave most of a GPU's cores idle while the rows move. Not tuned
+// An op whose heads each have more than kSplitRows rows to copy, with fewer
+// than kSplitHeads heads, leaves the copy to a dispatch of its own, in
+// blocks of kSplitRows rows per threadgroup (launch_plan.h's split_blocks),
+// after the one that selects and compacts (one threadgroup per head). One
+// threadgroup per head would leave most of a GPU's cores idle while the rows
+// move. Not tuned
 // on hardware: 256 heads give each core of the largest Apple GPUs (80
 // cores) three threadgroups.
 KNORM_CONSTANT uint32_t kSplitRows = 128;

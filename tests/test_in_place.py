@@ -118,11 +118,11 @@ def gather_state(n_heads, budget, n_new, evicted, seed=0):
     return arrays
 
 
-def gather_dropping(backend, arrays: list, budget):
+def gather_dropping(backend, arrays: list, budget, stream=None):
     """One gather whose inputs are referenced by ``arrays`` alone, which is
     emptied before evaluation: the op's inputs are then donated."""
     with mlx_knorm.use_backend(backend):
-        out = mlx_knorm.protected_topk_gather(*arrays, budget, 2, 0, "low")
+        out = mlx_knorm.protected_topk_gather(*arrays, budget, 2, 0, "low", stream=stream)
     arrays.clear()
     mx.eval(out)
     return out
@@ -153,24 +153,42 @@ def test_gather_on_a_donated_prior_runs_in_place(backend, budget, n_new, evicted
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_gather_never_writes_a_held_prior(backend):
-    """A view of the prior keys and the prior values are held elsewhere:
-    those two outputs are fresh buffers and what is held is unchanged; the
-    norms, donated, are compacted in place."""
-    arrays = gather_state(4, 32, 1, 3)
-    expected = gather_dropping("fallback", copies(arrays), 32)
-    keys_view = arrays[0][:, 3:9]
+@pytest.mark.parametrize("budget, n_new, held_keys", [(32, 1, True), (600, 200, True), (600, 200, False)])
+def test_gather_never_writes_a_held_prior(backend, budget, n_new, held_keys):
+    """The prior values and (with held_keys) a view of the prior keys are
+    held elsewhere: those outputs are fresh buffers and what is held is
+    unchanged; the rest, donated, is compacted in place. With 200 new rows
+    the Metal kernel copies rows in a second dispatch, from the prior for
+    fresh outputs, only the new ones for those in place."""
+    arrays = gather_state(4 if budget < 256 else 2, budget, n_new, 3 if n_new == 1 else None)
+    expected = gather_dropping("fallback", copies(arrays), budget)
+    keys_view = arrays[0][:, 3:9] if held_keys else None
     values = arrays[1]
-    held = [np.array(keys_view), np.array(values)]
+    held = [np.array(values)] + ([np.array(keys_view)] if held_keys else [])
     addresses = [data_address(a) for a in arrays[:3]]
-    out = gather_dropping(backend, arrays, 32)
+    out = gather_dropping(backend, arrays, budget)
     for name, a, e in zip(("keys", "values", "norms", "indices"), out, expected):
         assert_bitwise_equal(a, e, name)
     got = [data_address(o) for o in out[:3]]
-    assert got[0] != addresses[0] and got[1] != addresses[1]
+    assert (got[0] != addresses[0]) == held_keys
+    assert got[1] != addresses[1]
     assert got[2] == addresses[2]
-    for before, after in zip(held, (keys_view, values)):
+    for before, after in zip(held, [values] + ([keys_view] if held_keys else [])):
         assert np.array_equal(before, np.array(after))
+
+
+@pytest.mark.skipif(not mx.metal.is_available(), reason="needs a Metal GPU")
+def test_gather_on_a_donated_prior_on_the_gpu():
+    """The step whose new rows the Metal kernel copies in a second dispatch,
+    on the GPU with the prior donated: both dispatches bind one buffer as
+    input and output, and MLX's encoder must order them."""
+    arrays = gather_state(2, 600, 200, None)
+    expected = gather_dropping("fallback", copies(arrays), 600)
+    addresses = [data_address(a) for a in arrays[:3]]
+    out = gather_dropping("kernel", arrays, 600, stream=mx.gpu)
+    assert [data_address(o) for o in out[:3]] == addresses
+    for name, a, e in zip(("keys", "values", "norms", "indices"), out, expected):
+        assert_bitwise_equal(a, e, name)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

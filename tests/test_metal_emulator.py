@@ -60,6 +60,7 @@ def gather_args(n_prior, n_new, budget, n_sink, recent, palette, keep="low", dim
         (300, 0, 128, 1, 1),    # the most rows the selecting threadgroup copies
         (200, 5, 129, 1, 1),    # rows copied by a second dispatch, the last block one row
         (250, 20, 257, 3, 9),   # three blocks of the second dispatch
+        (0, 300, 200, 1, 1),    # no prior (a placeholder in both dispatches)
     ],
 )
 @pytest.mark.parametrize("palette", ["ties", "special", "zeros"])
@@ -149,6 +150,38 @@ def test_step_edges(slots, filled, budget, n_new, positions, layout, donate):
     defined = min(filled, budget) + n_new
     for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
         assert_bitwise_equal(b[:, :defined], a[:, :defined], name)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_second_dispatch_over_three_heads(donate):
+    """Both ops with rows a second dispatch copies on three heads: its
+    head and block arithmetic past the second head."""
+    rng = np.random.default_rng(3)
+    gather = [
+        fill(rng, (3, 150, 16), "normal", "bfloat16"),
+        fill(rng, (3, 150, 8), "normal", "float16"),
+        fill_norms(rng, (3, 150), "normal"),
+        fill(rng, (3, 250, 16), "normal", "bfloat16"),
+        fill(rng, (3, 250, 8), "normal", "float16"),
+        fill_norms(rng, (3, 250), "normal"),
+        300, 2, 4, "low",
+    ]
+    for name, a, b in zip(("keys", "values", "norms", "indices"),
+                          *native_and_emulated("protected_topk_gather", *gather)):
+        assert_bitwise_equal(b, a, name)
+    step = [
+        fill(rng, (3, 600, 16), "normal", "float32"),
+        fill(rng, (3, 600, 8), "normal", "float16"),
+        fill_norms(rng, (3, 600), "normal"),
+        mx.array(np.stack([rng.permutation(600) for _ in range(3)]).astype(np.int32)),
+        fill(rng, (3, 200, 16), "normal", "float32"),
+        fill(rng, (3, 200, 8), "normal", "float16"),
+    ]
+    config = dict(filled=400, offset=600, capacity=600, budget=300, n_sink=2, recent=4,
+                  keep="low", layout="slots")
+    native, emulated = step_native_and_emulated(step, config, donate)
+    for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
+        assert_bitwise_equal(b[:, :500], a[:, :500], name)
 
 
 @pytest.mark.parametrize("key_dim", [0, 1, 33, 512])

@@ -113,8 +113,9 @@ struct LaunchPlan {
 };
 
 // The dispatches of one evaluation, in order: each sees what the ones
-// before it wrote (MLX's encoder puts a memory barrier between dispatches
-// that share a buffer; the emulator runs them one after the other).
+// before it wrote (MLX's encoder puts a memory barrier before a dispatch
+// that binds a buffer an earlier one wrote, or writes one it read; the
+// emulator runs them one after the other).
 using LaunchPlans = std::vector<LaunchPlan>;
 
 // Binds slot i of the plan as [[buffer(i)]] through `bind`, which has

@@ -145,9 +145,9 @@ void evict_and_fill_emulated(
     const StepConfig& config);
 
 // metal.cpp: the launch plans of the Metal kernels: steps 1-3, or, with few
-// heads and many new rows, steps 1-2 and then the new rows over many
-// threadgroups. Outputs that share their input's buffer are updated in
-// place.
+// heads and many new rows, steps 1-2 (unless they have nothing to do) and
+// then the new rows over many threadgroups. Outputs that share their
+// input's buffer are updated in place.
 LaunchPlans evict_and_fill_plan(
     const StepInputs& inputs,
     const std::vector<mx::array>& outputs,

@@ -25,9 +25,6 @@ LaunchPlans evict_and_fill_plan(
   // 2^31, so each fits the kernel's uint constants.
   const std::vector<mx::array> arrays = inputs.to_vector();
   const int64_t kept = config.kept();
-  if (kept + inputs.n_new() == 0) {
-    return {};
-  }
   const std::string types =
       dtype_name(inputs.keys.dtype()) + "_" + dtype_name(inputs.values.dtype());
   const uint32_t key_unit =
@@ -40,13 +37,18 @@ LaunchPlans evict_and_fill_plan(
   auto u32 = [](int64_t v) { return BufferSlot::constant(static_cast<uint32_t>(v)); };
   LaunchPlans plans;
 
-  // Steps 1-2 have nothing to do without stored rows.
-  if (config.filled > 0 || groups_per_head == 0) {
+  // Steps 1-2 have nothing to do without stored rows, nor when none leaves
+  // and every output is its input's buffer (a prompt in chunks).
+  const uint32_t in_place = in_place_mask(arrays, outputs, 4);
+  const bool steps_1_2 = config.filled > 0 && (kept < config.filled || in_place != 0xFu);
+  if (steps_1_2 || groups_per_head == 0) {
     LaunchPlan step;
     step.source = "evict_and_fill";
     step.kernel = "knorm_evict_and_fill_" + types;
     step.group_size = kEvictGroupSize;
-    step.groups = static_cast<uint32_t>(inputs.n_heads());
+    // Nothing stored or new, nothing to do; the plan is still bound (and
+    // checked by the emulator).
+    step.groups = kept + inputs.n_new() == 0 ? 0 : static_cast<uint32_t>(inputs.n_heads());
     step.buffers = array_slots(arrays, outputs);
     step.buffers.insert(step.buffers.end(), {
         u32(inputs.capacity()),
@@ -62,7 +64,7 @@ LaunchPlans evict_and_fill_plan(
         u32(config.rank().protect_from),
         u32(config.selection.keep == Keep::High ? 1 : 0),
         u32(config.layout == Layout::Temporal ? 1 : 0),
-        u32(in_place_mask(arrays, outputs, 4)),
+        u32(in_place),
         u32(key_unit),
         u32(value_unit),
         u32(groups_per_head == 0 ? 1 : 0)});

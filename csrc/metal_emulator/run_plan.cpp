@@ -141,13 +141,29 @@ void run_emulated_plan(
 }
 
 // Each dispatch stages the arrays afresh, so it reads what the ones before it
-// wrote back.
+// wrote back. An output read as an earlier one must have been bound as an
+// output by a dispatch that ran before, or the kernel would read memory
+// nothing wrote.
 void run_emulated_plan(
     const LaunchPlans& plans,
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
+  std::vector<bool> written(outputs.size(), false);
   for (const LaunchPlan& plan : plans) {
+    for (const BufferSlot& slot : plan.buffers) {
+      if (plan.groups > 0 && slot.kind == BufferSlot::Kind::EarlierOutput &&
+          !written.at(slot.array)) {
+        throw std::logic_error(
+            "mlx_knorm: the launch plan of " + plan.kernel + " reads output " +
+            std::to_string(slot.array) + " before any dispatch writes it");
+      }
+    }
     run_emulated_plan(plan, inputs, outputs);
+    for (const BufferSlot& slot : plan.buffers) {
+      if (plan.groups > 0 && slot.kind == BufferSlot::Kind::Output) {
+        written.at(slot.array) = true;
+      }
+    }
   }
 }
 

@@ -24,9 +24,6 @@ LaunchPlans protected_topk_gather_plan(
   // check_inputs keeps n_prior + S within uint32, as the kernel's row
   // indices need.
   const RowSelection sel(static_cast<int64_t>(inputs.n_prior()) + inputs.n_new(), config);
-  if (sel.kept == 0) {
-    return {};
-  }
   const std::string types =
       dtype_name(inputs.prior_keys.dtype()) + "_" + dtype_name(inputs.prior_values.dtype());
   const std::vector<mx::array> arrays = inputs.to_vector();
@@ -50,7 +47,9 @@ LaunchPlans protected_topk_gather_plan(
   select.source = "protected_topk_gather";
   select.kernel = "knorm_protected_topk_gather_" + types;
   select.group_size = kGatherGroupSize;
-  select.groups = static_cast<uint32_t>(inputs.n_heads());
+  // Nothing kept, nothing to do; the plan is still bound (and checked by
+  // the emulator).
+  select.groups = sel.kept == 0 ? 0 : static_cast<uint32_t>(inputs.n_heads());
   // Without eviction every row is protected and nothing is selected.
   const int64_t sink_end = sel.evicts ? sel.n_sink : sel.n_total;
   const int64_t mid_end = sel.evicts ? sel.mid_end : sel.n_total;

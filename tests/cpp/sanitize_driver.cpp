@@ -183,7 +183,7 @@ struct GatherCase {
   mx::Dtype key_type;
   mx::Dtype value_type;
   int norms_mode;  // fill_norms: ties, specials or gaussians
-  bool in_place;   // keys, values and norms are the prior's buffers (budget = n_prior)
+  unsigned shared;  // bit i: output i (keys, values, norms) is prior i's buffer (budget = n_prior)
 };
 
 GatherCase random_gather_case(std::mt19937_64& rng) {
@@ -198,6 +198,7 @@ GatherCase random_gather_case(std::mt19937_64& rng) {
   const int n_total = n_prior + n_new;
   // A step from a full state, as donation updates it in place.
   const bool in_place = n_prior > 0 && rng() % 3 == 0;
+  const unsigned shared = in_place ? 1u + static_cast<unsigned>(rng() % 7) : 0u;
   SelectionConfig config;
   config.budget = in_place ? n_prior : 1 + static_cast<int>(rng() % (n_total + 3));
   config.n_sink = static_cast<int>(rng() % config.budget);
@@ -206,7 +207,7 @@ GatherCase random_gather_case(std::mt19937_64& rng) {
   const mx::Dtype kt = kTypes[rng() % 3];
   const mx::Dtype vt = kTypes[rng() % 3];
   return {config, n_rows, n_prior, n_new, dim, value_dim, kt, vt, static_cast<int>(rng() % 3),
-          in_place};
+          shared};
 }
 
 void check_gather(const GatherCase& gc, std::mt19937_64& rng, const std::string& label) {
@@ -225,18 +226,14 @@ void check_gather(const GatherCase& gc, std::mt19937_64& rng, const std::string&
   fill_norms(*in[2], rng, gc.norms_mode);
   fill_norms(*in[5], rng, gc.norms_mode);
   const int kept = std::min(gc.n_prior + gc.n_new, config.budget);
-  // In place, each kernel's keys, values and norms start as its own copy
-  // of the prior, which is also its input.
+  // In place, each kernel's keys, values or norms start as its own copy of
+  // the prior, which is also its input.
   auto outputs = [&] {
     std::vector<std::unique_ptr<Buffer>> out;
-    if (gc.in_place) {
-      for (int i = 0; i < 3; ++i) {
-        out.push_back(copy_of(*in[i]));
-      }
-    } else {
-      out.push_back(make({n_rows, kept, gc.dim}, gc.key_type));
-      out.push_back(make({n_rows, kept, gc.value_dim}, gc.value_type));
-      out.push_back(make({n_rows, kept}, mx::float32));
+    const mx::Shape shapes[] = {{n_rows, kept, gc.dim}, {n_rows, kept, gc.value_dim}, {n_rows, kept}};
+    const mx::Dtype types[] = {gc.key_type, gc.value_type, mx::float32};
+    for (int i = 0; i < 3; ++i) {
+      out.push_back((gc.shared & (1u << i)) != 0 ? copy_of(*in[i]) : make(shapes[i], types[i]));
     }
     out.push_back(make({n_rows, kept}, mx::uint32));
     return out;
@@ -252,8 +249,10 @@ void check_gather(const GatherCase& gc, std::mt19937_64& rng, const std::string&
   };
   auto inputs_for = [&](const std::vector<mx::array>& out) {
     std::vector<mx::array> a = arrays(in);
-    if (gc.in_place) {
-      std::copy(out.begin(), out.begin() + 3, a.begin());
+    for (int i = 0; i < 3; ++i) {
+      if ((gc.shared & (1u << i)) != 0) {
+        a[i] = out[i];
+      }
     }
     return GatherInputs::from(a);
   };
@@ -267,7 +266,7 @@ void check_gather(const GatherCase& gc, std::mt19937_64& rng, const std::string&
       fail("gather case " + label + " output " + names[i] +
            " n_prior=" + std::to_string(gc.n_prior) + " S=" +
            std::to_string(gc.n_new) + " budget=" + std::to_string(config.budget) +
-           (gc.in_place ? " in place" : ""));
+           (gc.shared != 0 ? " in place=" + std::to_string(gc.shared) : ""));
     }
   }
 }
@@ -336,10 +335,32 @@ std::vector<StepCase> in_place_temporal_cases() {
   return cases;
 }
 
+// Steps whose new rows a second dispatch writes, on three heads, each in
+// both layouts, on fresh outputs and in place: a prompt into an empty cache
+// and a chunk that evicts nothing (the first dispatch is dropped in place).
+std::vector<StepCase> fixed_step_cases() {
+  std::vector<StepCase> cases;
+  for (const int filled : {0, 131}) {
+    for (const Layout layout : {Layout::Slots, Layout::Temporal}) {
+      for (const unsigned shared : {0u, 0xFu}) {
+        StepConfig config;
+        config.selection = {400, 3, 5, Keep::Low};
+        config.layout = layout;
+        config.filled = filled;
+        config.offset = filled;
+        config.out_capacity = 500;
+        cases.push_back({config, 3, 500, 300, 8, 33, mx::bfloat16, mx::float16, shared, true});
+      }
+    }
+  }
+  return cases;
+}
+
 // Two heads of 600 prior and 7 new rows among ties: 300 kept (a compaction
 // over three 256-row chunks, the rows copied by a second dispatch), and 100
 // kept (copied by the selecting threadgroup, metal/knorm_defines.h's
-// kSplitRows).
+// kSplitRows); then three heads of 300 new rows and no prior, 200 kept by
+// the second dispatch.
 std::vector<GatherCase> fixed_gather_cases() {
   std::vector<GatherCase> cases;
   for (int budget : {300, 100}) {
@@ -348,19 +369,28 @@ std::vector<GatherCase> fixed_gather_cases() {
     config.n_sink = 4;
     config.recent = 16;
     config.keep = Keep::Low;
-    cases.push_back({config, 2, 600, 7, 8, 33, mx::bfloat16, mx::float16, 0, false});
+    cases.push_back({config, 2, 600, 7, 8, 33, mx::bfloat16, mx::float16, 0, 0u});
   }
+  SelectionConfig config;
+  config.budget = 200;
+  config.n_sink = 1;
+  config.recent = 1;
+  config.keep = Keep::High;
+  cases.push_back({config, 3, 0, 300, 8, 33, mx::float16, mx::float32, 2, 0u});
   return cases;
 }
 
 // Steps from a full state of 600 rows in place, over three 256-row chunks:
 // a decode step (the rows after the evicted one shift down by one), one
 // evicting 7 rows among ties, and one evicting 200 (whose new rows a second
-// dispatch copies). The moves write rows other threads still read; only the
-// waves' barriers keep that apart.
+// dispatch copies), that one also with only the keys or only the values in
+// place. The moves write rows other threads still read; only the waves'
+// barriers keep that apart.
 std::vector<GatherCase> in_place_gather_cases() {
   std::vector<GatherCase> cases;
-  for (int n_new : {1, 7, 200}) {
+  for (const auto [n_new, shared] :
+       {std::pair{1, 7u}, std::pair{7, 7u}, std::pair{200, 7u}, std::pair{200, 1u},
+        std::pair{200, 6u}}) {
     SelectionConfig config;
     config.budget = 600;
     config.n_sink = 4;
@@ -368,7 +398,7 @@ std::vector<GatherCase> in_place_gather_cases() {
     config.keep = Keep::Low;
     // Gaussian norms (rows leave anywhere) or ties.
     cases.push_back({config, 2, 600, n_new, 80, 33, mx::float16, mx::float32,
-                     n_new == 7 ? 0 : 2, true});
+                     n_new == 7 ? 0 : 2, shared});
   }
   return cases;
 }
@@ -496,6 +526,9 @@ void fixed_cases(std::mt19937_64& rng) {
   }
   for (const StepCase& sc : in_place_temporal_cases()) {
     check_step(sc, rng, "in place, temporal");
+  }
+  for (const StepCase& sc : fixed_step_cases()) {
+    check_step(sc, rng, "fixed");
   }
 }
 
