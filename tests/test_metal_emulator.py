@@ -34,15 +34,15 @@ def native_and_emulated(op, *args):
     return getattr(ext, op)(*args, stream=mx.cpu), getattr(ext, op)(*args, emulate_metal=True, stream=mx.cpu)
 
 
-def gather_args(n_prior, n_new, budget, n_sink, recent, palette, keep="low", dim=3, seed=0):
+def gather_args(n_prior, n_new, budget, n_sink, recent, palette, keep="low", dim=3, seed=0, n_heads=2):
     rng = np.random.default_rng(seed)
     return (
-        fill(rng, (2, n_prior, dim), "special", "float16"),
-        fill(rng, (2, n_prior, dim), "normal", "float32"),
-        fill_norms(rng, (2, n_prior), palette),
-        fill(rng, (2, n_new, dim), "special", "float16"),
-        fill(rng, (2, n_new, dim), "normal", "float32"),
-        fill_norms(rng, (2, n_new), palette),
+        fill(rng, (n_heads, n_prior, dim), "special", "float16"),
+        fill(rng, (n_heads, n_prior, dim), "normal", "float32"),
+        fill_norms(rng, (n_heads, n_prior), palette),
+        fill(rng, (n_heads, n_new, dim), "special", "float16"),
+        fill(rng, (n_heads, n_new, dim), "normal", "float32"),
+        fill_norms(rng, (n_heads, n_new), palette),
         budget, n_sink, recent, keep,
     )
 
@@ -156,19 +156,11 @@ def test_step_edges(slots, filled, budget, n_new, positions, layout, donate):
 def test_second_dispatch_over_three_heads(donate):
     """Both ops with rows a second dispatch copies on three heads: its
     head and block arithmetic past the second head."""
-    rng = np.random.default_rng(3)
-    gather = [
-        fill(rng, (3, 150, 16), "normal", "bfloat16"),
-        fill(rng, (3, 150, 8), "normal", "float16"),
-        fill_norms(rng, (3, 150), "normal"),
-        fill(rng, (3, 250, 16), "normal", "bfloat16"),
-        fill(rng, (3, 250, 8), "normal", "float16"),
-        fill_norms(rng, (3, 250), "normal"),
-        300, 2, 4, "low",
-    ]
+    gather = gather_args(150, 250, 300, 2, 4, "normal", dim=16, seed=3, n_heads=3)
     for name, a, b in zip(("keys", "values", "norms", "indices"),
                           *native_and_emulated("protected_topk_gather", *gather)):
         assert_bitwise_equal(b, a, name)
+    rng = np.random.default_rng(3)
     step = [
         fill(rng, (3, 600, 16), "normal", "float32"),
         fill(rng, (3, 600, 8), "normal", "float16"),
