@@ -78,14 +78,17 @@ void shape_mismatch(
       " vs " + b_name + " " + shape_str(b));
 }
 
-void check_heads_and_rows(
+void check_leading_axes(
     const char* what,
     const char* a_name,
     const mx::array& a,
     const char* b_name,
-    const mx::array& b) {
-  if (a.shape(0) != b.shape(0) || a.shape(1) != b.shape(1)) {
-    shape_mismatch(what, a_name, a, b_name, b);
+    const mx::array& b,
+    int axes) {
+  for (int i = 0; i < axes; ++i) {
+    if (a.shape(i) != b.shape(i)) {
+      shape_mismatch(what, a_name, a, b_name, b);
+    }
   }
 }
 

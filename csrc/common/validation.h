@@ -44,14 +44,15 @@ void check_same_dtype(
     const mlx::core::array& a,
     const char* b_name,
     const mlx::core::array& b);
-// a and b agree in their first two axes (heads and rows), else
+// a and b agree in their first `axes` axes (heads, then rows), else
 // shape_mismatch(what, ...).
-void check_heads_and_rows(
+void check_leading_axes(
     const char* what,
     const char* a_name,
     const mlx::core::array& a,
     const char* b_name,
-    const mlx::core::array& b);
+    const mlx::core::array& b,
+    int axes);
 void check_selection_config(const SelectionConfig& config);
 
 // The kernels read inputs as dense row-major buffers. An input already

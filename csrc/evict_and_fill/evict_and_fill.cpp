@@ -57,25 +57,6 @@ std::vector<mx::array> evict_and_fill(
       stream);
 }
 
-namespace {
-
-// a and b agree on their first `axes` axes, else shape_mismatch(what, ...).
-void check_leading_axes(
-    const char* what,
-    const char* a_name,
-    const mx::array& a,
-    const char* b_name,
-    const mx::array& b,
-    int axes) {
-  for (int i = 0; i < axes; ++i) {
-    if (a.shape(i) != b.shape(i)) {
-      shape_mismatch(what, a_name, a, b_name, b);
-    }
-  }
-}
-
-} // namespace
-
 void EvictAndFill::check_inputs(const StepInputs& in) {
   if (in.keys.ndim() < 3) {
     throw std::invalid_argument(

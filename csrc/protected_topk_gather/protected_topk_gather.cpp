@@ -56,10 +56,10 @@ void ProtectedTopKGather::check_inputs(const GatherInputs& in) {
   check_same_dtype(in.new_values, "new_values", in.prior_values, "prior_values");
   // Keys and values may differ in width (D_k != D_v, as in multi-head latent
   // attention) but not in heads or rows.
-  check_heads_and_rows("keys/values mismatch in N or rows", "prior_keys",
-                       in.prior_keys, "prior_values", in.prior_values);
-  check_heads_and_rows("keys/values mismatch in N or rows", "new_keys",
-                       in.new_keys, "new_values", in.new_values);
+  check_leading_axes("keys/values mismatch in N or rows", "prior_keys",
+                     in.prior_keys, "prior_values", in.prior_values, 2);
+  check_leading_axes("keys/values mismatch in N or rows", "new_keys",
+                     in.new_keys, "new_values", in.new_values, 2);
   if (in.prior_keys.shape(0) != in.new_keys.shape(0) ||
       in.prior_keys.shape(2) != in.new_keys.shape(2)) {
     shape_mismatch("prior vs new mismatch in N or D", "prior_keys", in.prior_keys,
@@ -69,10 +69,10 @@ void ProtectedTopKGather::check_inputs(const GatherInputs& in) {
     shape_mismatch("prior vs new mismatch in N or D", "prior_values", in.prior_values,
                    "new_values", in.new_values);
   }
-  check_heads_and_rows("prior_norms must be [N, n_prior]", "prior_norms",
-                       in.prior_norms, "prior_keys", in.prior_keys);
-  check_heads_and_rows("new_norms must be [N, S]", "new_norms", in.new_norms,
-                       "new_keys", in.new_keys);
+  check_leading_axes("prior_norms must be [N, n_prior]", "prior_norms",
+                     in.prior_norms, "prior_keys", in.prior_keys, 2);
+  check_leading_axes("new_norms must be [N, S]", "new_norms", in.new_norms,
+                     "new_keys", in.new_keys, 2);
   if (static_cast<int64_t>(in.n_prior()) + in.n_new() > kMaxRows) {
     throw std::invalid_argument(
         "mlx_knorm: n_prior + S must fit in uint32 row indices");
