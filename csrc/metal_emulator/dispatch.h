@@ -2,7 +2,6 @@
 // qualifier macros so that code using MLX headers can call it.
 #pragma once
 
-#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -16,7 +15,6 @@ struct EmulatedBuffer {
   enum class Access { Read, Write, Constant };
 
   void* data;
-  size_t bytes;
   std::string dtype;  // MLX's name of the element type (common/dtype.h)
   Access access;
 };

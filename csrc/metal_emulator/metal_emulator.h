@@ -608,7 +608,6 @@ constexpr const char* dtype_name() {
 struct BufferParameter {
   uint32_t index;
   const char* dtype;
-  size_t element_bytes;
   bool writable;      // device T*, not const
   bool by_reference;  // constant T&
 
@@ -626,8 +625,7 @@ constexpr BufferParameter buffer_parameter(buffer_index<I>) {
   using Pointee = std::conditional_t<
       std::is_pointer_v<Param>, std::remove_pointer_t<Param>, std::remove_reference_t<Param>>;
   using Element = std::remove_cv_t<Pointee>;
-  return {I, dtype_name<Element>(), sizeof(Element), !std::is_const_v<Pointee>,
-          std::is_reference_v<Param>};
+  return {I, dtype_name<Element>(), !std::is_const_v<Pointee>, std::is_reference_v<Param>};
 }
 
 // The function type of a kernel: parameter, tag, parameter, tag, ...
@@ -785,7 +783,7 @@ inline bool fits(const BufferParameter& p, const mlx_knorm::EmulatedBuffer& b) {
     case Access::Write:
       return !p.by_reference && p.writable;
     case Access::Constant:
-      return p.by_reference && !p.writable && b.bytes == p.element_bytes;
+      return p.by_reference && !p.writable;
   }
   return false;
 }

@@ -85,26 +85,24 @@ struct EmulatorBinder {
 
   void input(int idx, const mx::array& a) {
     check_marked(idx, a, false);
-    buffers[idx] = {stage(a).bound, a.nbytes(), dtype_name(a.dtype()),
-                    EmulatedBuffer::Access::Read};
+    buffers[idx] = {stage(a).bound, dtype_name(a.dtype()), EmulatedBuffer::Access::Read};
   }
   void output(int idx, mx::array& a) {
     check_marked(idx, a, false);
     StagedArray& s = stage(a);
     s.output = true;
-    buffers[idx] = {s.bound, a.nbytes(), dtype_name(a.dtype()), EmulatedBuffer::Access::Write};
+    buffers[idx] = {s.bound, dtype_name(a.dtype()), EmulatedBuffer::Access::Write};
   }
   void earlier_output(int idx, const mx::array& a) {
     input(idx, a);
   }
   void constant(int idx, uint32_t value) {
     constants[idx] = value;
-    buffers[idx] = {&constants[idx], sizeof(uint32_t), dtype_name(mx::uint32),
-                    EmulatedBuffer::Access::Constant};
+    buffers[idx] = {&constants[idx], dtype_name(mx::uint32), EmulatedBuffer::Access::Constant};
   }
   void placeholder(int idx, BufferSlot::Kind kind, const mx::array& a) {
     check_marked(idx, a, true);
-    buffers[idx] = {nullptr, 0, dtype_name(a.dtype()),
+    buffers[idx] = {nullptr, dtype_name(a.dtype()),
                     kind == BufferSlot::Kind::Output ? EmulatedBuffer::Access::Write
                                                      : EmulatedBuffer::Access::Read};
   }
