@@ -106,16 +106,16 @@ void fill_norms(Buffer& b, std::mt19937_64& rng, int mode) {
   }
 }
 
-bool same_bits(const Buffer& a, const Buffer& b, bool nan_equal) {
-  if (a.size != b.size) {
+bool same_bits(const mx::array& a, const mx::array& b, bool nan_equal) {
+  if (a.nbytes() != b.nbytes()) {
     return false;
   }
   if (!nan_equal) {
-    return std::memcmp(a.bytes(), b.bytes(), a.size) == 0;
+    return a.nbytes() == 0 || std::memcmp(a.data<uint8_t>(), b.data<uint8_t>(), a.nbytes()) == 0;
   }
-  const auto* x = reinterpret_cast<const float*>(a.bytes());
-  const auto* y = reinterpret_cast<const float*>(b.bytes());
-  for (size_t i = 0; i < a.size / sizeof(float); ++i) {
+  const auto* x = a.data<float>();
+  const auto* y = b.data<float>();
+  for (size_t i = 0; i < a.nbytes() / sizeof(float); ++i) {
     const bool both_nan = std::isnan(x[i]) && std::isnan(y[i]);
     if (!both_nan && std::memcmp(&x[i], &y[i], sizeof(float)) != 0) {
       return false;
@@ -133,7 +133,7 @@ void check_key_norms(int rows, int dim, mx::Dtype t, std::mt19937_64& rng, const
   auto emulated = make({rows}, mx::float32);
   key_norms_cpu(keys->array, native->array);
   key_norms_emulated(keys->array, emulated->array);
-  if (!same_bits(*native, *emulated, true)) {
+  if (!same_bits(native->array, emulated->array, true)) {
     fail("key norms case " + label + " D=" + std::to_string(dim));
   }
 }
@@ -170,6 +170,36 @@ std::unique_ptr<Buffer> copy_of(const Buffer& b) {
     std::memcpy(out->bytes(), b.bytes(), b.size);
   }
   return out;
+}
+
+// One kernel's run on copies of `in`: output i is the copy of input i where
+// bit i of `shared` is set (updated in place), else a fresh array of
+// shapes[i] and types[i]. The buffers live as long as the run.
+struct KernelRun {
+  std::vector<std::unique_ptr<Buffer>> buffers;
+  std::vector<mx::array> inputs;
+  std::vector<mx::array> outputs;
+};
+
+KernelRun kernel_run(
+    const std::vector<std::unique_ptr<Buffer>>& in,
+    unsigned shared,
+    const std::vector<mx::Shape>& shapes,
+    const std::vector<mx::Dtype>& types) {
+  KernelRun run;
+  for (const auto& b : in) {
+    run.buffers.push_back(copy_of(*b));
+    run.inputs.push_back(run.buffers.back()->array);
+  }
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    if ((shared & (1u << i)) != 0) {
+      run.outputs.push_back(run.inputs[i]);
+    } else {
+      run.buffers.push_back(make(shapes[i], types[i]));
+      run.outputs.push_back(run.buffers.back()->array);
+    }
+  }
+  return run;
 }
 
 // The shape of one protected_topk_gather case; its data is drawn at random.
@@ -226,43 +256,16 @@ void check_gather(const GatherCase& gc, std::mt19937_64& rng, const std::string&
   fill_norms(*in[2], rng, gc.norms_mode);
   fill_norms(*in[5], rng, gc.norms_mode);
   const int kept = std::min(gc.n_prior + gc.n_new, config.budget);
-  // In place, each kernel's keys, values or norms start as its own copy of
-  // the prior, which is also its input.
-  auto outputs = [&] {
-    std::vector<std::unique_ptr<Buffer>> out;
-    const mx::Shape shapes[] = {{n_rows, kept, gc.dim}, {n_rows, kept, gc.value_dim}, {n_rows, kept}};
-    const mx::Dtype types[] = {gc.key_type, gc.value_type, mx::float32};
-    for (int i = 0; i < 3; ++i) {
-      out.push_back((gc.shared & (1u << i)) != 0 ? copy_of(*in[i]) : make(shapes[i], types[i]));
-    }
-    out.push_back(make({n_rows, kept}, mx::uint32));
-    return out;
-  };
-  auto native = outputs();
-  auto emulated = outputs();
-  auto arrays = [](const std::vector<std::unique_ptr<Buffer>>& bufs) {
-    std::vector<mx::array> a;
-    for (auto& b : bufs) {
-      a.push_back(b->array);
-    }
-    return a;
-  };
-  auto inputs_for = [&](const std::vector<mx::array>& out) {
-    std::vector<mx::array> a = arrays(in);
-    for (int i = 0; i < 3; ++i) {
-      if ((gc.shared & (1u << i)) != 0) {
-        a[i] = out[i];
-      }
-    }
-    return GatherInputs::from(a);
-  };
-  std::vector<mx::array> native_out = arrays(native);
-  std::vector<mx::array> emulated_out = arrays(emulated);
-  protected_topk_gather_cpu(inputs_for(native_out), native_out, config);
-  protected_topk_gather_emulated(inputs_for(emulated_out), emulated_out, config);
+  const std::vector<mx::Shape> shapes = {
+      {n_rows, kept, gc.dim}, {n_rows, kept, gc.value_dim}, {n_rows, kept}, {n_rows, kept}};
+  const std::vector<mx::Dtype> types = {gc.key_type, gc.value_type, mx::float32, mx::uint32};
+  KernelRun native = kernel_run(in, gc.shared, shapes, types);
+  KernelRun emulated = kernel_run(in, gc.shared, shapes, types);
+  protected_topk_gather_cpu(GatherInputs::from(native.inputs), native.outputs, config);
+  protected_topk_gather_emulated(GatherInputs::from(emulated.inputs), emulated.outputs, config);
   const char* names[] = {"keys", "values", "norms", "indices"};
   for (int i = 0; i < 4; ++i) {
-    if (!same_bits(*native[i], *emulated[i], false)) {
+    if (!same_bits(native.outputs[i], emulated.outputs[i], false)) {
       fail("gather case " + label + " output " + names[i] +
            " n_prior=" + std::to_string(gc.n_prior) + " S=" +
            std::to_string(gc.n_new) + " budget=" + std::to_string(config.budget) +
@@ -432,34 +435,17 @@ void check_step(const StepCase& sc, std::mt19937_64& rng, const std::string& lab
       std::shuffle(head, head + config.filled, rng);
     }
   }
+  const std::vector<mx::Shape> shapes = {
+      {n_heads, capacity, sc.key_dim},
+      {n_heads, capacity, sc.value_dim},
+      {n_heads, capacity},
+      {n_heads, capacity}};
+  const std::vector<mx::Dtype> types = {sc.key_type, sc.value_type, mx::float32, mx::int32};
   auto run = [&](auto kernel) {
-    std::vector<std::unique_ptr<Buffer>> inputs;
-    for (const auto& b : in) {
-      inputs.push_back(copy_of(*b));
-    }
-    std::vector<std::unique_ptr<Buffer>> fresh;
-    std::vector<mx::array> outputs;
-    const mx::Shape shapes[] = {
-        {n_heads, capacity, sc.key_dim},
-        {n_heads, capacity, sc.value_dim},
-        {n_heads, capacity},
-        {n_heads, capacity}};
-    const mx::Dtype types[] = {sc.key_type, sc.value_type, mx::float32, mx::int32};
-    for (int i = 0; i < 4; ++i) {
-      if (sc.shared & (1u << i)) {
-        outputs.push_back(inputs[i]->array);
-      } else {
-        fresh.push_back(make(shapes[i], types[i]));
-        outputs.push_back(fresh.back()->array);
-      }
-    }
-    std::vector<mx::array> arrays;
-    for (const auto& b : inputs) {
-      arrays.push_back(b->array);
-    }
-    kernel(StepInputs::from(arrays), outputs, config);
+    KernelRun r = kernel_run(in, sc.shared, shapes, types);
+    kernel(StepInputs::from(r.inputs), r.outputs, config);
     std::vector<std::vector<uint8_t>> defined;
-    for (const auto& out : outputs) {
+    for (const auto& out : r.outputs) {
       const size_t row = static_cast<size_t>(out.itemsize()) *
           (out.ndim() == 3 ? out.shape(2) : 1);
       std::vector<uint8_t> bytes;
