@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from .. import __version__
 from ..backend import backend_info
-from .report import faults_text, markdown_table
+from .report import faults_text, markdown_table, verdict
 
 # Targets for our cache's decode step, checked in the report (never in tests).
 SLOTS_MAX_RATIO_TO_ROTATING = 1.5
@@ -31,10 +31,6 @@ def package_version(distribution: str) -> str | None:
         return None
 
 
-def _target(measured: float, met: bool, target: str) -> dict:
-    return {"measured": measured, "target": target, "met": met}
-
-
 def config_targets(result: dict) -> dict:
     """Each target set for this configuration, with its measured figure and verdict."""
     budget = result["config"]["budget"]
@@ -42,18 +38,18 @@ def config_targets(result: dict) -> dict:
     targets = {}
     slots = caches["slots"]
     if budget in SLOTS_RATIO_BUDGETS:
-        targets["slots_ratio_to_rotating"] = _target(
+        targets["slots_ratio_to_rotating"] = verdict(
             slots["ratio_to_rotating"], slots["ratio_to_rotating"] <= SLOTS_MAX_RATIO_TO_ROTATING,
             f"<= {SLOTS_MAX_RATIO_TO_ROTATING:g}")
     if budget == SLOTS_SPEEDUP_BUDGET and "reference" in caches:
         speedup = caches["reference"]["median_ms"] / slots["median_ms"]
-        targets["slots_speedup_vs_reference"] = _target(
+        targets["slots_speedup_vs_reference"] = verdict(
             speedup, speedup >= SLOTS_MIN_SPEEDUP_VS_REFERENCE, f">= {SLOTS_MIN_SPEEDUP_VS_REFERENCE:g}")
-    targets["slots_faults_per_step"] = _target(
+    targets["slots_faults_per_step"] = verdict(
         slots["faults_per_call"], slots["faults_per_call"] <= SLOTS_MAX_FAULTS_PER_STEP,
         f"<= {SLOTS_MAX_FAULTS_PER_STEP:g}")
     temporal = caches["temporal"]
-    targets["temporal_ratio_to_memcpy"] = _target(
+    targets["temporal_ratio_to_memcpy"] = verdict(
         temporal["ratio_to_memcpy"], temporal["ratio_to_memcpy"] <= TEMPORAL_MAX_RATIO_TO_MEMCPY,
         f"<= {TEMPORAL_MAX_RATIO_TO_MEMCPY:g}")
     return targets

@@ -18,7 +18,7 @@ layout is held to: one copy of K + V of the budget's size into fresh arrays.
 
 from __future__ import annotations
 
-import time
+import functools
 import types
 from dataclasses import asdict, dataclass
 
@@ -29,13 +29,12 @@ from ..cache import L2NormKVCache
 from ..validation import FLOAT_DTYPES
 from .cases import N_SINK, random_arrays
 from .progress import Progress
-from .timing import minor_faults, summary, warm_up
+from .timing import summary, time_runs, warm_up
 
 PREFILL_CHUNK = 512  # mlx-lm's prefill_step_size as bench/decode_e2e.py sets it
 # Decode steps after the prefill: the evicting caches evict on every one
 # after the first.
 FILL_DECODE_STEPS = 4
-MIN_STEPS = 3
 MEMCPY = "memcpy of K+V"
 
 
@@ -60,7 +59,7 @@ class StepConfig:
 class Schedule:
     """Rounds of ``steps`` steps per cache; the first round is an untimed
     warm-up. A cache stops its round early after ``max_seconds`` (and at
-    least MIN_STEPS steps), so a slow cache does not dominate the run."""
+    least timing.MIN_REPS steps), so a slow cache does not dominate the run."""
 
     rounds: int
     steps: int
@@ -71,6 +70,7 @@ QUICK = Schedule(rounds=4, steps=25, max_seconds=0.4)
 FULL = Schedule(rounds=11, steps=50, max_seconds=2.0)
 
 
+@functools.cache
 def reference_cache_class():
     """The reference's ``L2NormKVCache``, or None when veloxquant-mlx is not installed."""
     try:
@@ -143,16 +143,8 @@ class StateCopy:
 def time_steps(entry, tokens, schedule: Schedule) -> tuple[list[float], int]:
     """Seconds per step and the minor page faults of one round of ``entry``
     over the round's ``tokens``."""
-    samples = []
-    faults = minor_faults()
-    begin = time.perf_counter()
-    for keys, values in tokens:
-        t0 = time.perf_counter()
-        entry.step(keys, values)
-        samples.append(time.perf_counter() - t0)
-        if len(samples) >= MIN_STEPS and time.perf_counter() - begin > schedule.max_seconds:
-            break
-    return samples, minor_faults() - faults
+    remaining = iter(tokens)
+    return time_runs(lambda: entry.step(*next(remaining)), len(tokens), 0, schedule.max_seconds)
 
 
 def run_config(config: StepConfig, schedule: Schedule, progress: Progress) -> dict:
@@ -176,8 +168,8 @@ def run_config(config: StepConfig, schedule: Schedule, progress: Progress) -> di
     faults = dict.fromkeys(names, 0)
     for r in range(schedule.rounds):
         progress.step(f"{config.label}: round {r + 1}/{schedule.rounds}")
+        round_tokens = tokens[r * schedule.steps : (r + 1) * schedule.steps]
         for name in names[r % len(names):] + names[: r % len(names)]:
-            round_tokens = tokens[r * schedule.steps : (r + 1) * schedule.steps]
             s, f = time_steps(entries[name], round_tokens, schedule)
             if r > 0:
                 samples[name] += s

@@ -14,7 +14,8 @@ DECODE_MAX_RATIO_TO_MEMCPY = 3.0
 PREFILL_MIN_SPEEDUP_VS_REFERENCE = 50.0
 
 
-def _target(measured: float, met: bool, target: str) -> dict:
+def verdict(measured: float, met: bool, target: str) -> dict:
+    """One target's entry in a report: the measured figure, the target, met or not."""
     return {"measured": measured, "target": target, "met": met}
 
 
@@ -26,23 +27,23 @@ def case_targets(case: Case, result: dict) -> dict:
     vs_reference = result.get("speedup_vs_reference")
     if case.kind == "decode":
         if vs_reference is not None:
-            targets["speedup_vs_reference"] = _target(
+            targets["speedup_vs_reference"] = verdict(
                 vs_reference, vs_reference >= DECODE_MIN_SPEEDUP_VS_REFERENCE,
                 f">= {DECODE_MIN_SPEEDUP_VS_REFERENCE:g}")
-        targets["ratio_to_memcpy"] = _target(
+        targets["ratio_to_memcpy"] = verdict(
             result["ratio_to_memcpy"], result["ratio_to_memcpy"] <= DECODE_MAX_RATIO_TO_MEMCPY,
             f"<= {DECODE_MAX_RATIO_TO_MEMCPY:g}")
         in_place = result["in_place"]
         if in_place["speedup_vs_reference"] is not None:
-            targets["in_place_speedup_vs_reference"] = _target(
+            targets["in_place_speedup_vs_reference"] = verdict(
                 in_place["speedup_vs_reference"],
                 in_place["speedup_vs_reference"] >= DECODE_MIN_SPEEDUP_VS_REFERENCE,
                 f">= {DECODE_MIN_SPEEDUP_VS_REFERENCE:g}")
         # A donated step beats one copy of the state.
-        targets["in_place_ratio_to_memcpy"] = _target(
+        targets["in_place_ratio_to_memcpy"] = verdict(
             in_place["ratio_to_memcpy"], in_place["ratio_to_memcpy"] < 1.0, "< 1")
     elif vs_reference is not None:
-        targets["speedup_vs_reference"] = _target(
+        targets["speedup_vs_reference"] = verdict(
             vs_reference, vs_reference >= PREFILL_MIN_SPEEDUP_VS_REFERENCE,
             f">= {PREFILL_MIN_SPEEDUP_VS_REFERENCE:g}")
     return targets
