@@ -71,9 +71,8 @@ KNORM_CONSTANT uint32_t kGatherGroupSize = 256;
 // blocks of kSplitRows rows per threadgroup (launch_plan.h's split_blocks),
 // after the one that selects and compacts (one threadgroup per head). One
 // threadgroup per head would leave most of a GPU's cores idle while the rows
-// move. Not tuned
-// on hardware: 256 heads give each core of the largest Apple GPUs (80
-// cores) three threadgroups.
+// move. Not tuned on hardware: 256 heads give each core of the largest Apple
+// GPUs (80 cores) three threadgroups.
 KNORM_CONSTANT uint32_t kSplitRows = 128;
 KNORM_CONSTANT uint32_t kSplitHeads = 256;
 

@@ -29,6 +29,11 @@ def emulator_built() -> bool:
     return _native.ext is not None and bool(_native.ext.has_metal_emulator)
 
 
+# The native backends of this build, and with them the fallback: what the
+# cross-checks run on.
+NATIVE_BACKENDS = ["kernel"] + (["metal-emulator"] if emulator_built() else [])
+ALL_BACKENDS = ["kernel", "fallback"] + NATIVE_BACKENDS[1:]
+
 # The emulator runs every GPU thread as a real thread: fewer, smaller cases.
 EMULATOR_SETTINGS = settings(max_examples=max(10, settings.default.max_examples // 4))
 requires_emulator = pytest.mark.skipif(

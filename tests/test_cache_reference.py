@@ -20,7 +20,7 @@ import pytest
 from veloxquant_mlx.cache.knorm_cache import L2NormKVCache as ReferenceCache
 
 import mlx_knorm
-from conftest import emulator_built
+from conftest import ALL_BACKENDS
 from mlx_knorm.cache import L2NormKVCache
 
 # The reference stores keys and values of one width.
@@ -36,7 +36,6 @@ CASES = {
 }
 # Steps per stream: the emulator runs a threadgroup of real threads per head.
 STEPS = {"kernel": 1500, "fallback": 1500, "metal-emulator": 24}
-BACKENDS = ["kernel", "fallback"] + (["metal-emulator"] if emulator_built() else [])
 CHECK_EVERY = 97
 
 
@@ -87,7 +86,7 @@ def reference(case: str, steps: int) -> list:
 
 @pytest.mark.parametrize("layout", ["slots", "temporal"])
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_long_streams_keep_the_reference_positions(backend, case, layout):
     steps = STEPS[backend]
     expected = iter(reference(case, steps))

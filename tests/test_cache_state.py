@@ -10,6 +10,7 @@ import pytest
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from mlx_knorm.cache import L2NormKVCache
+from mlx_knorm.cache_state import FIELDS
 
 BUDGET, N_SINK, RECENT = 8, 2, 1
 
@@ -23,10 +24,9 @@ def filled_cache(layout: str = "slots") -> L2NormKVCache:
 
 
 def tampered(state, **fields) -> list:
-    names = ("keys", "values", "norms", "positions", "offset", "budget", "n_sink", "recent", "keep", "layout")
     out = list(state)
     for name, value in fields.items():
-        out[names.index(name)] = value(out[names.index(name)]) if callable(value) else value
+        out[FIELDS.index(name)] = value(out[FIELDS.index(name)]) if callable(value) else value
     return out
 
 

@@ -16,10 +16,8 @@ import numpy as np
 import pytest
 
 import mlx_knorm
-from conftest import assert_bitwise_equal, emulator_built
+from conftest import NATIVE_BACKENDS, assert_bitwise_equal
 from generators import fill, fill_norms
-
-NATIVE_BACKENDS = ["kernel"] + (["metal-emulator"] if emulator_built() else [])
 
 
 def on_backends(backend, op, *args, **kwargs):

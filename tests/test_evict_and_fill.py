@@ -13,11 +13,10 @@ import pytest
 from hypothesis import given
 
 import mlx_knorm
-from conftest import EMULATOR_SETTINGS, assert_bitwise_equal, emulator_built, requires_emulator
+from conftest import EMULATOR_SETTINGS, NATIVE_BACKENDS, assert_bitwise_equal, requires_emulator
 from generators import fill, fill_norms, step_cases
 from spec_oracle import step_sources
 
-NATIVE_BACKENDS = ["kernel"] + (["metal-emulator"] if emulator_built() else [])
 OUTPUTS = ("keys", "values", "norms", "positions")
 
 

@@ -8,15 +8,10 @@ import numpy as np
 import pytest
 
 import mlx_knorm
-from conftest import assert_bitwise_equal, emulator_built
+from conftest import NATIVE_BACKENDS, assert_bitwise_equal
 from generators import fill
 
 pytestmark = pytest.mark.usefixtures("cpu_default_device")
-
-
-# The kernels update donated buffers in place: the CPU kernel and the Metal
-# kernel, which the emulator runs on the CPU with the same donation.
-BACKENDS = ["kernel"] + (["metal-emulator"] if emulator_built() else [])
 
 
 def data_address(a: mx.array) -> int:
@@ -58,7 +53,7 @@ def steps_for(backend):
     return 40 if backend == "kernel" else 6
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
 def test_donated_steps_match_the_fallback(backend):
     state, new = full_state()
     new = new[: steps_for(backend)]
@@ -69,7 +64,7 @@ def test_donated_steps_match_the_fallback(backend):
         assert_bitwise_equal(a, b, "in place vs fallback")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
 def test_a_prior_the_caller_holds_is_never_written(backend):
     state, new = full_state()
     mx.eval(state, new)
@@ -128,7 +123,7 @@ def gather_dropping(backend, arrays: list, budget, stream=None):
     return out
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
 @pytest.mark.parametrize(
     "budget, n_new, evicted",
     [(32, 1, 32), (32, 1, 2), (32, 1, 20), (600, 1, 600), (600, 1, 3), (600, 1, 300), (600, 9, None),
@@ -152,7 +147,7 @@ def test_gather_on_a_donated_prior_runs_in_place(backend, budget, n_new, evicted
         assert_bitwise_equal(a, e, name)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
 @pytest.mark.parametrize("budget, n_new, held_keys", [(32, 1, True), (600, 200, True), (600, 200, False)])
 def test_gather_never_writes_a_held_prior(backend, budget, n_new, held_keys):
     """The prior values and (with held_keys) a view of the prior keys are
@@ -191,7 +186,7 @@ def test_gather_on_a_donated_prior_on_the_gpu():
         assert_bitwise_equal(a, e, name)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
 def test_no_donation_when_the_prior_feeds_another_op_in_the_same_graph(backend):
     """Two steps from one intermediate prior, which nothing outside the graph
     holds: neither may take its buffers while the other still reads them
@@ -263,7 +258,7 @@ def assert_step_equal(actual, expected, defined):
         assert_bitwise_equal(a[:, :defined], e[:, :defined], name)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
 @pytest.mark.parametrize("layout", ["slots", "temporal"])
 @pytest.mark.parametrize(
     "slots, filled, budget",
@@ -282,7 +277,7 @@ def test_step_on_donated_buffers_runs_in_place(backend, layout, slots, filled, b
     assert_step_equal(out, expected, min(filled, budget) + 1)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
 @pytest.mark.parametrize("layout", ["slots", "temporal"])
 def test_held_buffers_are_never_written(backend, layout):
     """A view of the keys and the values array are held elsewhere: those two
@@ -304,7 +299,7 @@ def test_held_buffers_are_never_written(backend, layout):
         assert np.array_equal(before, np.array(after))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
 @pytest.mark.parametrize("layout", ["slots", "temporal"])
 def test_decode_loop_in_place_matches_the_fallback(backend, layout):
     """The cache's loop: buffers of budget + 1 slots, one eviction and one
@@ -330,7 +325,7 @@ def test_decode_loop_in_place_matches_the_fallback(backend, layout):
     assert_step_equal(results[backend], results["fallback"], budget + 1)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
 def test_no_step_donation_when_the_buffers_feed_another_op(backend):
     """Two steps from one intermediate state that nothing outside the graph
     holds: neither may take its buffers while the other still reads them."""

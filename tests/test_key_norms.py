@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mlx_knorm
-from conftest import EMULATOR_SETTINGS, assert_bitwise_equal, emulator_built, requires_emulator
+from conftest import ALL_BACKENDS, EMULATOR_SETTINGS, assert_bitwise_equal, requires_emulator
 from generators import DIMS, DTYPES, PALETTES, fill
 
 
@@ -73,9 +73,6 @@ def test_matches_pinned_order_in_numpy(backend, dim):
     expected = np.array([pinned_norm(r) for r in rows], dtype=np.float32)
     actual = np.array(norms_on(backend, mx.array(rows)))
     assert actual.tobytes() == expected.tobytes()
-
-
-ALL_BACKENDS = ["kernel", "fallback"] + (["metal-emulator"] if emulator_built() else [])
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)

@@ -10,11 +10,9 @@ import pytest
 from hypothesis import given
 
 import mlx_knorm
-from conftest import EMULATOR_SETTINGS, assert_bitwise_equal, emulator_built, requires_emulator
+from conftest import EMULATOR_SETTINGS, NATIVE_BACKENDS, assert_bitwise_equal, requires_emulator
 from generators import fill, fill_norms, gather_cases
 from spec_oracle import kept_rows
-
-NATIVE_BACKENDS = ["kernel"] + (["metal-emulator"] if emulator_built() else [])
 
 
 def gather_on(backend: str, arrays, config):

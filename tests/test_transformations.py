@@ -17,9 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mlx_knorm
-from conftest import EMULATOR_SETTINGS, assert_bitwise_equal, emulator_built, requires_emulator
+from conftest import ALL_BACKENDS, EMULATOR_SETTINGS, assert_bitwise_equal, requires_emulator
 
-BACKENDS = ["kernel", "fallback"] + (["metal-emulator"] if emulator_built() else [])
 CONFIG = (6, 1, 1, "low")  # budget, n_sink, recent, keep
 
 
@@ -121,7 +120,7 @@ def check_all_modes(op, trace_args, args, backend, defined=None):
         assert_same_outcome(eager, replay, may_refuse=refuses, defined=defined)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 @settings(EMULATOR_SETTINGS)
 @given(args=drawn_calls(gather_shapes, gather_arrays))
 def test_gather_agrees_under_compile(backend, args):
@@ -156,7 +155,7 @@ def step_arrays(n_rows, slots, n_new, key_dim, value_dim, shape_changes, seed):
     return [a if i in (2, 3) else a.astype(mx.float16) for i, a in enumerate(arrays)]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 @settings(EMULATOR_SETTINGS)
 @given(args=drawn_calls(step_shapes, step_arrays), layout=st.sampled_from(["slots", "temporal"]))
 def test_step_agrees_under_compile(backend, args, layout):
@@ -168,7 +167,7 @@ def test_step_agrees_under_compile(backend, args, layout):
     check_all_modes(step, trace_args, args, backend, defined=defined)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 @settings(EMULATOR_SETTINGS)
 @given(
     shape=st.lists(st.integers(0, 5), min_size=0, max_size=2),

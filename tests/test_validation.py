@@ -9,10 +9,8 @@ import numpy as np
 import pytest
 
 import mlx_knorm
-from conftest import emulator_built
+from conftest import ALL_BACKENDS
 from mlx_knorm import _native
-
-BACKENDS = ["kernel", "fallback"] + (["metal-emulator"] if emulator_built() else [])
 
 
 def good(n=2, n_prior=5, s=3, d=8, dtype=mx.float16):
@@ -58,14 +56,14 @@ TYPE_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("change, fragment", SHAPE_ERRORS)
 def test_value_errors(backend, change, fragment):
     with mlx_knorm.use_backend(backend), pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
         mlx_knorm.knorm_update_batched(**{**good(), **change})
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("change, fragment", TYPE_ERRORS)
 def test_type_errors(backend, change, fragment):
     with mlx_knorm.use_backend(backend), pytest.raises(TypeError, match=fragment):
@@ -77,7 +75,7 @@ def test_messages_name_the_shapes():
         mlx_knorm.knorm_update_batched(**{**good(), "new_values": mx.ones((2, 4, 8), mx.float16)})
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_empty_blocks_are_valid(backend):
     with mlx_knorm.use_backend(backend):
         keys, values, norms = mlx_knorm.knorm_update_batched(**good(n_prior=0, s=0))
@@ -86,7 +84,7 @@ def test_empty_blocks_are_valid(backend):
         assert keys.shape == (2, 4, 8)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_numpy_integers_are_converted_before_any_arithmetic(backend):
     """np.uint8(200) + np.uint8(100) wraps to 44; the checks must see 300."""
     with mlx_knorm.use_backend(backend), pytest.raises(ValueError, match=r"n_sink \(200\) \+ recent \(100\)"):
@@ -98,7 +96,7 @@ def test_numpy_integers_are_converted_before_any_arithmetic(backend):
     assert type(state.budget) is int and type(state.n_sink) is int
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_protected_topk_gather_names_missing_norms(backend):
     """None where an array belongs is a TypeError naming it, on every backend."""
     a = good()
@@ -109,7 +107,7 @@ def test_protected_topk_gather_names_missing_norms(backend):
         )
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_keys_and_values_may_differ_in_width(backend):
     """Multi-head latent attention stores keys of dim 192 beside values of dim 128."""
     a = good()
@@ -253,14 +251,14 @@ STEP_TYPE_ERRORS = STEP_DTYPE_ERRORS + [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("change, fragment", STEP_VALUE_ERRORS)
 def test_step_value_errors(backend, change, fragment):
     with mlx_knorm.use_backend(backend), pytest.raises(ValueError, match=re.escape(fragment)):
         mlx_knorm.evict_and_fill(**{**good_step(), **change})
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("change, fragment", STEP_TYPE_ERRORS)
 def test_step_type_errors(backend, change, fragment):
     with mlx_knorm.use_backend(backend), pytest.raises(TypeError, match=re.escape(fragment)):
@@ -280,7 +278,7 @@ def test_step_primitive_checks_its_own_inputs(change, fragment, error):
         mx.eval(_native.ext.evict_and_fill(**args))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_failed_step_leaves_buffers_untouched(backend):
     args = good_step()
     args["keys"] = mx.arange(2 * 6 * 8, dtype=mx.float16).reshape(2, 6, 8)

@@ -21,10 +21,11 @@ namespace mlx_knorm {
 
 // What is bound at [[buffer(i)]]: a primitive input, a primitive output, a
 // primitive output that an earlier dispatch of the same evaluation wrote and
-// this one reads (EarlierOutput), or a uint constant. An array without elements has no Metal buffer (MLX's
-// allocator returns none for zero bytes), and a kernel argument left without
-// a binding fails Metal's API validation, so an empty array's slot is marked
-// and bound to a placeholder instead; the kernel reads no element of it.
+// this one reads (EarlierOutput), or a uint constant. An array without
+// elements has no Metal buffer (MLX's allocator returns none for zero
+// bytes), and a kernel argument left without a binding fails Metal's API
+// validation, so an empty array's slot is marked and bound to a placeholder
+// instead; the kernel reads no element of it.
 struct BufferSlot {
   enum class Kind { Input, Output, EarlierOutput, Constant };
   Kind kind;

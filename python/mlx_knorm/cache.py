@@ -157,7 +157,7 @@ class L2NormKVCache(_BaseCache):
                 f"mlx_knorm: L2NormKVCache positions are int32: offset {self.offset} + "
                 f"{steps} new tokens must be < 2**31"
             )
-        kept = min(self.filled, self.budget)
+        kept = self.size()
         capacity = self._capacity(kept + steps, buffers[0].shape[2])
         # The op writes in place only if it holds the buffers' last reference.
         self._set_buffers([None] * 4)
