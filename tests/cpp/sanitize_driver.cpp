@@ -317,15 +317,21 @@ StepCase random_step_case(std::mt19937_64& rng) {
           key_type, value_type, shared, rng() % 2 == 0};
 }
 
+// Rows a head copies in the fixed cases that split in two dispatches
+// (metal/knorm_defines.h): two blocks, the last one row short, so that a
+// block missing its guard at the head's end reads one row past the last
+// head's, inside AddressSanitizer's redzone.
+constexpr int kSplitCaseRows = 2 * static_cast<int>(kSplitRows) - 1;
+
 // Every output in place, temporal layout, rows spanning three 256-slot
 // chunks: a decode step (rows after the evicted one shift down by one), a
-// step evicting 300 rows, and one evicting 300 rows with a block of 200 new
-// ones (written by a second dispatch). The in-place compaction moves rows
+// step evicting 300 rows, and one evicting 300 rows with a block of
+// kSplitCaseRows new ones (written by a second dispatch). The in-place compaction moves rows
 // onto rows other threads still read; only the waves' barriers keep that
 // apart.
 std::vector<StepCase> in_place_temporal_cases() {
   std::vector<StepCase> cases;
-  for (const auto [excess, n_new] : {std::pair{1, 1}, std::pair{300, 1}, std::pair{300, 200}}) {
+  for (const auto [excess, n_new] : {std::pair{1, 1}, std::pair{300, 1}, std::pair{300, kSplitCaseRows}}) {
     StepConfig config;
     config.selection = {600, 4, 16, Keep::Low};
     config.layout = Layout::Temporal;
@@ -352,21 +358,22 @@ std::vector<StepCase> fixed_step_cases() {
         config.filled = filled;
         config.offset = filled;
         config.out_capacity = 500;
-        cases.push_back({config, 3, 500, 300, 8, 33, mx::bfloat16, mx::float16, shared, true});
+        cases.push_back(
+            {config, 3, 500, kSplitCaseRows, 8, 33, mx::bfloat16, mx::float16, shared, true});
       }
     }
   }
   return cases;
 }
 
-// Two heads of 600 prior and 7 new rows among ties: 300 kept (a compaction
-// over three 256-row chunks, the rows copied by a second dispatch), and 100
-// kept (copied by the selecting threadgroup, metal/knorm_defines.h's
-// kSplitRows); then three heads of 300 new rows and no prior, 200 kept by
-// the second dispatch.
+// Two heads of 600 prior and 7 new rows among ties, kept over a compaction
+// of three 256-row chunks: kSplitCaseRows (copied by a second dispatch) and
+// 100 (copied by the selecting threadgroup, metal/knorm_defines.h's
+// kSplitRows); then three heads of 300 new rows and no prior, kSplitCaseRows
+// kept by the second dispatch.
 std::vector<GatherCase> fixed_gather_cases() {
   std::vector<GatherCase> cases;
-  for (int budget : {300, 100}) {
+  for (int budget : {kSplitCaseRows, 100}) {
     SelectionConfig config;
     config.budget = budget;
     config.n_sink = 4;
@@ -375,7 +382,7 @@ std::vector<GatherCase> fixed_gather_cases() {
     cases.push_back({config, 2, 600, 7, 8, 33, mx::bfloat16, mx::float16, 0, 0u});
   }
   SelectionConfig config;
-  config.budget = 200;
+  config.budget = kSplitCaseRows;
   config.n_sink = 1;
   config.recent = 1;
   config.keep = Keep::High;
@@ -385,15 +392,15 @@ std::vector<GatherCase> fixed_gather_cases() {
 
 // Steps from a full state of 600 rows in place, over three 256-row chunks:
 // a decode step (the rows after the evicted one shift down by one), one
-// evicting 7 rows among ties, and one evicting 200 (whose new rows a second
-// dispatch copies), that one also with only the keys or only the values in
+// evicting 7 rows among ties, and one evicting kSplitCaseRows (whose new
+// rows a second dispatch copies), that one also with only the keys or only the values in
 // place. The moves write rows other threads still read; only the waves'
 // barriers keep that apart.
 std::vector<GatherCase> in_place_gather_cases() {
   std::vector<GatherCase> cases;
   for (const auto [n_new, shared] :
-       {std::pair{1, 7u}, std::pair{7, 7u}, std::pair{200, 7u}, std::pair{200, 1u},
-        std::pair{200, 6u}}) {
+       {std::pair{1, 7u}, std::pair{7, 7u}, std::pair{kSplitCaseRows, 7u},
+        std::pair{kSplitCaseRows, 1u}, std::pair{kSplitCaseRows, 6u}}) {
     SelectionConfig config;
     config.budget = 600;
     config.n_sink = 4;
