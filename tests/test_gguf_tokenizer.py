@@ -10,6 +10,8 @@ decodes them back to the text.
 from __future__ import annotations
 
 import io
+import json
+import unicodedata
 
 import gguf
 import pytest
@@ -17,8 +19,6 @@ from pydoc_data.topics import topics
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mlx_knorm.models import UnsupportedGGUF, load_tokenizer
-
-from tiny_gguf import bytes_to_unicode
 
 CORPUS = [topics[k] for k in sorted(topics)[:60]]
 HELD_OUT = [topics[k] for k in sorted(topics)[60:70]] + [
@@ -71,7 +71,7 @@ def _bpe_fields(trained: Tokenizer, pre: str) -> dict:
     vocab = trained.get_vocab()
     tokens = sorted(vocab, key=vocab.get)
     merges = [" ".join(m) if isinstance(m, (list, tuple)) else m
-              for m in __import__("json").loads(trained.to_str())["model"]["merges"]]
+              for m in json.loads(trained.to_str())["model"]["merges"]]
     return dict(tokenizer_model="gpt2", tokenizer_pre=pre, token_list=tokens,
                 token_types=[3 if t in SPECIALS else 1 for t in tokens], token_merges=merges,
                 bos_token_id=vocab["<|im_start|>"], eos_token_id=vocab["<|im_end|>"], add_bos_token=False,
@@ -87,7 +87,7 @@ def test_byte_level_bpe_round_trips(tmp_path, pre):
     for text in HELD_OUT:
         expected = trained.encode(text).ids
         if pre == "qwen2":  # Qwen2's tokenizer.json normalizes to NFC first; this text is already NFC
-            assert text == __import__("unicodedata").normalize("NFC", text)
+            assert text == unicodedata.normalize("NFC", text)
         assert tokenizer.encode(text) == expected, text[:60]
         assert tokenizer.decode(expected) == text
     assert tokenizer.eos_token_ids == {trained.token_to_id("<|im_end|>"), trained.token_to_id("<|endoftext|>")}
@@ -163,6 +163,3 @@ def test_tokenizers_that_cannot_be_reproduced_are_refused_by_name(tmp_path, fiel
     with pytest.raises(UnsupportedGGUF, match=message):
         load_tokenizer(path)
 
-
-def test_byte_level_alphabet_is_gpt2s():
-    assert "".join(bytes_to_unicode()[b] for b in b" hello\n") == "Ġhello" + "Ċ"

@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm import generate
 from mlx_lm import load as mlx_lm_load
 from pydoc_data.topics import topics
@@ -69,7 +70,7 @@ def test_config_is_smollm2_135ms(smollm2):
 def test_weights_are_mlx_own_reading_of_the_file_with_the_q_k_rows_restored(smollm2):
     path, model = smollm2[0], smollm2[1]
     theirs = mx.load(str(path))
-    ours = dict(__import__("mlx.utils", fromlist=["tree_flatten"]).tree_flatten(model.parameters()))
+    ours = dict(tree_flatten(model.parameters()))
     assert np.array_equal(np.array(ours["model.embed_tokens.weight"]), np.array(theirs["token_embd.weight"]))
     for i in range(30):
         for module, gguf_module, heads in (("self_attn.q_proj", "attn_q", 9), ("self_attn.k_proj", "attn_k", 3),

@@ -24,24 +24,13 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from mlx_lm.utils import _get_classes
 
+from mlx_knorm.quality.byte_tokenizer import _byte_characters
+
 MLX_READS = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # the types mx.load repacks as affine
 RANDOM_BLOCKS = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K)  # no quantizer in gguf-py: random valid blocks
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-to-character table of byte-level BPE."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
-BYTE_CHARS = bytes_to_unicode()
+BYTE_CHARS = _byte_characters()  # GPT-2's byte-to-character table of byte-level BPE
 BPE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BPE_MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a")]
 
