@@ -203,7 +203,7 @@ def test_other_models_go_to_mlx_lm_load(tmp_path):
         load(tmp_path / "missing.gguf")
 
 
-def test_eval_command_takes_a_gguf_file(tmp_path, capsys):
+def test_eval_and_demo_take_a_gguf_file(tmp_path, capsys):
     tiny = _write(tmp_path, "llama", Q.Q8_0)
     text = tmp_path / "text.txt"
     text.write_text("the then in a " * 400)
@@ -211,6 +211,8 @@ def test_eval_command_takes_a_gguf_file(tmp_path, capsys):
     assert main(["eval", "--model", str(tiny.path), "--text", str(text), "--seq-len", "32", "--n-seqs", "2",
                  "--budgets", "0.5", "--json", str(report)]) == 0
     assert json.loads(report.read_text())["model"] == str(tiny.path)
+    assert main(["demo", "--model", str(tiny.path), "--prompt", "the", "--max-tokens", "3", "--budget", "8",
+                 "--dtype", "float32"]) == 0
 
 
 def test_rope_row_permutation_inverts_llama_cpps():

@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..models.cli import MODEL_HELP
+from ..models.cli import MODEL_HELP, add_weight_arguments
 from . import BUDGET_FRACTIONS, MODEL_DIR, QUERY_CHUNK
 
 DEFAULT_SEQ_LEN = 1024
@@ -43,18 +43,22 @@ def _positive(text: str) -> int:
     return value
 
 
-def load(model: str | None):
-    """``(model, tokenizer, config)`` through ``mlx_knorm.models.load``: the shipped model when ``model`` is None."""
+def load(model: str | None, args=None):
+    """``(model, tokenizer, config)`` through ``mlx_knorm.models.load``: the shipped model when ``model`` is None.
+
+    ``args``: the parsed command line, for its GGUF weight options (``--dtype``, ``--requantize``).
+    """
     from ..models import load as load_model
 
-    return load_model(str(model or MODEL_DIR), return_config=True)
+    return load_model(str(model or MODEL_DIR), return_config=True, dtype=getattr(args, "dtype", None),
+                      requantize=getattr(args, "requantize", None))
 
 
 def eval_command(args) -> int:
     from . import data
     from .eval import evaluate, markdown_table, plot
 
-    model, tokenizer, config = load(args.model)
+    model, tokenizer, config = load(args.model, args)
     seq_len = args.seq_len or min(DEFAULT_SEQ_LEN, config.get("max_position_embeddings") or DEFAULT_SEQ_LEN)
     if args.text:
         text = Path(args.text).read_text(encoding="utf-8")
@@ -86,7 +90,7 @@ def demo_command(args) -> int:
 
     from ..cache import make_knorm_cache
 
-    model, tokenizer, _ = load(args.model)
+    model, tokenizer, _ = load(args.model, args)
     cache = make_knorm_cache(model, budget=args.budget, n_sink=args.n_sink)
     mx.random.seed(args.seed)
     print(args.prompt, end="")
@@ -125,6 +129,7 @@ def register(commands) -> None:
                     help="query rows per attention block (memory: heads x rows x seq-len floats)")
     ev.add_argument("--plot", help="write a plot (PNG) here")
     ev.add_argument("--json", help="write the numbers as JSON here")
+    add_weight_arguments(ev)
     ev.set_defaults(func=eval_command)
 
     demo = commands.add_parser("demo", help="generate under make_knorm_cache (the shipped model by default)")
@@ -135,4 +140,5 @@ def register(commands) -> None:
     demo.add_argument("--n-sink", type=int, default=4)
     demo.add_argument("--temp", type=float, default=0.8)
     demo.add_argument("--seed", type=int, default=0)
+    add_weight_arguments(demo)
     demo.set_defaults(func=demo_command)
