@@ -182,13 +182,15 @@ def test_rope_factors_llama3_does_not_reproduce_are_refused(tmp_path):
     (dict(extra_tensors={"blk.1.attn_q.weight": (np.zeros((64, 80), np.uint8), Q.Q8_1)}), "Q8_1"),
     (dict(extra_tensors={"blk.1.attn_k.bias": np.zeros(32, np.int32)}), "I32"),
 ])
-def test_what_cannot_be_converted_exactly_is_refused_by_name(tmp_path, change, message):
+def test_what_cannot_be_converted_exactly_is_refused_by_name(tmp_path, capsys, change, message):
     tiny = _write(tmp_path, "qwen2", Q.Q8_0, **change)
     with pytest.raises(UnsupportedGGUF, match=message):
         load(tiny.path)
     with pytest.raises(UnsupportedGGUF, match=message):
         convert(tiny.path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    assert main(["convert", str(tiny.path), str(tmp_path / "out")]) == 1
+    assert message in capsys.readouterr().err
 
 
 def test_other_models_go_to_mlx_lm_load(tmp_path):

@@ -50,7 +50,8 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
 
 
 def cache_dir() -> Path:
-    """Where fetched files live: ``$MLX_KNORM_CACHE``, else ``$XDG_CACHE_HOME/mlx-knorm``, else ``~/.cache/mlx-knorm``."""
+    """Where fetched files live: ``$MLX_KNORM_CACHE``, else ``$XDG_CACHE_HOME/mlx-knorm``,
+    else ``~/.cache/mlx-knorm``."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")

@@ -80,10 +80,6 @@ class ConversionReport:
                 if not (changed_only and what.startswith("kept"))]
 
 
-def type_name(tensor_type) -> str:
-    return Q(tensor_type).name
-
-
 def dequantize(name: str, tensor_type, data: np.ndarray) -> np.ndarray:
     """The tensor's values as float32 (``data`` as ``GGUFTensor.data`` holds it)."""
     tensor_type = Q(tensor_type)

@@ -16,8 +16,7 @@ Control tokens become special added tokens (never split, never produced by
 merges); user-defined ones added tokens. Both are found in the raw text first,
 and the text between them is tokenized piece by piece: with a space prefix,
 each piece gets one, as llama.cpp and Hugging Face's converted tokenizers do
-(SentencePiece itself adds it once, at the start of the whole text). A file that embeds its Hugging Face
-``tokenizer.json`` (``tokenizer.huggingface.json``) gets that file as it is.
+(SentencePiece itself adds it once, at the start of the whole text).
 """
 
 from __future__ import annotations
@@ -131,7 +130,8 @@ def build_tokenizer(f: GGUFFile) -> GGUFTokenizer:
     n = len(tokens)
     types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * n
     if len(types) != n:
-        raise UnsupportedGGUF(f"{f.path.name}: tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
+        raise UnsupportedGGUF(f"{f.path.name}: tokenizer.ggml.token_type has {len(types)} entries "
+                              f"for {n} tokens")
     if len(set(tokens)) != n:
         raise UnsupportedGGUF(f"{f.path.name}: tokenizer.ggml.tokens has duplicates")
     vocab = {t: i for i, t in enumerate(tokens)}
@@ -140,8 +140,8 @@ def build_tokenizer(f: GGUFFile) -> GGUFTokenizer:
         pre_name = meta.get("tokenizer.ggml.pre", "default")
         pre = PRE_TOKENIZERS.get(pre_name)
         if pre is None:
-            raise UnsupportedGGUF(f"{f.path.name}: pre-tokenizer {pre_name!r} (tokenizer.ggml.pre) is not supported "
-                                  f"(supported: {', '.join(sorted(PRE_TOKENIZERS))})")
+            raise UnsupportedGGUF(f"{f.path.name}: pre-tokenizer {pre_name!r} (tokenizer.ggml.pre) is not "
+                                  f"supported (supported: {', '.join(sorted(PRE_TOKENIZERS))})")
         merges = []
         for merge in meta.get("tokenizer.ggml.merges") or []:
             cut = merge.find(" ", 1)  # llama.cpp's split: the first space after the first character
@@ -158,7 +158,8 @@ def build_tokenizer(f: GGUFFile) -> GGUFTokenizer:
     elif kind == "llama":
         scores = meta.get("tokenizer.ggml.scores")
         if scores is None or len(scores) != n:
-            raise UnsupportedGGUF(f"{f.path.name}: a SentencePiece vocabulary needs tokenizer.ggml.scores, one per token")
+            raise UnsupportedGGUF(f"{f.path.name}: a SentencePiece vocabulary needs tokenizer.ggml.scores, "
+                                  "one per token")
         if meta.get("tokenizer.ggml.remove_extra_whitespaces"):
             raise UnsupportedGGUF(f"{f.path.name}: tokenizer.ggml.remove_extra_whitespaces is not supported")
         if "tokenizer.ggml.precompiled_charsmap" in meta:
@@ -178,11 +179,12 @@ def build_tokenizer(f: GGUFFile) -> GGUFTokenizer:
         pre_tokenizer = None
         decoder = {"type": "Sequence", "decoders": [
             {"type": "Replace", "pattern": {"String": SPACE}, "content": " "}, {"type": "ByteFallback"},
-            {"type": "Fuse"}, *([{"type": "Strip", "content": " ", "start": 1, "stop": 0}] if add_space_prefix else [])]}
+            {"type": "Fuse"},
+            *([{"type": "Strip", "content": " ", "start": 1, "stop": 0}] if add_space_prefix else [])]}
         add_bos_default, clean_spaces = True, False
     else:
-        raise UnsupportedGGUF(f"{f.path.name}: tokenizer model {kind!r} (tokenizer.ggml.model) is not supported "
-                              "(supported: gpt2, llama)")
+        raise UnsupportedGGUF(f"{f.path.name}: tokenizer model {kind!r} (tokenizer.ggml.model) is not "
+                              "supported (supported: gpt2, llama)")
 
     bos_id = _token_id(f, "bos_token_id", n)
     eos_id = _token_id(f, "eos_token_id", n)
@@ -200,8 +202,7 @@ def build_tokenizer(f: GGUFFile) -> GGUFTokenizer:
     if post is None and kind == "gpt2":
         post = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
 
-    embedded = meta.get("tokenizer.huggingface.json")
-    tokenizer_json = embedded if embedded is not None else json.dumps(
+    tokenizer_json = json.dumps(
         {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": normalizer,
          "pre_tokenizer": pre_tokenizer, "post_processor": post, "decoder": decoder, "model": model},
         ensure_ascii=False)
@@ -219,6 +220,6 @@ def build_tokenizer(f: GGUFFile) -> GGUFTokenizer:
             config[f"{role}_token"] = tokens[token_id]
     if meta.get("tokenizer.chat_template"):
         config["chat_template"] = meta["tokenizer.chat_template"]
-    return GGUFTokenizer(
-        files={"tokenizer.json": tokenizer_json, "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False)},
-        eos_token_ids=eos_ids, bos_token_id=bos_id)
+    files = {"tokenizer.json": tokenizer_json,
+             "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False)}
+    return GGUFTokenizer(files=files, eos_token_ids=eos_ids, bos_token_id=bos_id)
