@@ -251,3 +251,12 @@ def test_read_gguf_maps_every_tensor(tmp_path):
     assert set(gguf_model.weights) == set(tiny.reference)
     assert gguf_model.config["query_pre_attn_scalar"] == 32
     assert not any(n.startswith("lm_head") for n in gguf_model.weights)
+
+
+@pytest.mark.parametrize("keep,message", [(100, "truncated at byte"), (0.6, "runs past the end of the file")])
+def test_a_truncated_file_is_refused(tmp_path, keep, message):
+    tiny = _write(tmp_path, "llama", Q.Q8_0)
+    data = tiny.path.read_bytes()
+    tiny.path.write_bytes(data[: keep if isinstance(keep, int) else int(len(data) * keep)])
+    with pytest.raises(UnsupportedGGUF, match=message):
+        load(tiny.path)
