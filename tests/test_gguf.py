@@ -14,6 +14,8 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from gguf import GGMLQuantizationType as Q
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.utils import load_config
@@ -237,6 +239,29 @@ def test_affine_repacking_holds_the_gguf_values_exactly(qtype):
     ours = mx.dequantize(mx.array(weight), mx.array(scales).astype(mx.float32),
                          mx.array(biases).astype(mx.float32), group_size=32, bits=bits)
     assert mx.array_equal(ours, mx.array(dequantize(blocks, qtype))).item()
+
+
+@given(qtype=st.sampled_from([Q.Q4_0, Q.Q4_1, Q.Q8_0]), rows=st.integers(1, 5), blocks=st.integers(1, 4),
+       seed=st.integers(0, 2**32 - 1), log2_scale=st.integers(-24, 15))
+def test_affine_repacking_of_any_blocks_holds_their_values_exactly(qtype, rows, blocks, seed, log2_scale):
+    """Random bits with finite float16 scales (large ones make -8 d or -128 d overflow float16: the
+    biases then go to float32)."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(seed)
+    size = GGML_QUANT_SIZES[qtype][1]
+    raw = rng.integers(0, 256, size=(rows, blocks, size), dtype=np.uint8)
+    scale = (rng.uniform(0.5, 1.0, size=(rows, blocks)) * 2.0 ** log2_scale).astype(np.float16)
+    raw[..., 0:2] = np.where(np.isfinite(scale), scale, np.float16(1))[..., None].view(np.uint8)
+    if qtype == Q.Q4_1:
+        raw[..., 2:4] = rng.normal(size=(rows, blocks, 1)).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    weight, scales, biases = affine_from_blocks(qtype, raw)
+    bits = 8 if qtype == Q.Q8_0 else 4
+    ours = mx.dequantize(mx.array(weight), mx.array(scales).astype(mx.float32),
+                         mx.array(biases).astype(mx.float32), group_size=32, bits=bits)
+    assert mx.array_equal(ours, mx.array(dequantize(raw, qtype))).item()
 
 
 def test_pack_codes_puts_the_first_code_in_the_lowest_bits():

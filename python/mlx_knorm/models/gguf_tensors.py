@@ -125,7 +125,8 @@ def affine_from_blocks(tensor_type, blocks: np.ndarray) -> tuple[np.ndarray, np.
     bits = EXACT_AFFINE_BITS[tensor_type]
     scales, biases = d, bias
     if bias.dtype != np.float16:
-        biases = bias.astype(np.float16)
+        with np.errstate(over="ignore"):  # an overflow is caught below
+            biases = bias.astype(np.float16)
         if not np.array_equal(biases.astype(np.float32), bias):
             scales, biases = d.astype(np.float32), bias
     return pack_codes(codes.reshape(rows, -1), bits), scales, biases
