@@ -41,7 +41,7 @@ constant constexpr uint kEvictOne = 1;
 constant constexpr uint kEvictMany = 2;
 
 // One head's stored rows and the protection rule.
-struct KnormStep {
+struct KnormEvictHead {
   uint filled;
   uint kept;
   int n_sink;        // positions below are protected
@@ -56,23 +56,24 @@ struct KnormStep {
 // docs/spec.md section 4 step 1 as one 64-bit key: the score key, or 0 for
 // a protected row (no score key is 0), then the position. Equal keys rank
 // by slot, lower first.
-inline ulong knorm_rank_of(KnormStep step, uint s) {
-  const int p = step.positions[s];
-  const bool protect = p < step.n_sink || p >= step.protect_from;
-  const ulong score = protect ? ulong(0) : ulong(knorm_score_key(step.norms[s], step.keep_high));
+inline ulong knorm_rank_of(KnormEvictHead stored, uint s) {
+  const int p = stored.positions[s];
+  const bool protect = p < stored.n_sink || p >= stored.protect_from;
+  const ulong score =
+      protect ? ulong(0) : ulong(knorm_score_key(stored.norms[s], stored.keep_high));
   return (score << 32) | ulong(as_type<uint>(p) ^ 0x80000000u);
 }
 
-inline ulong knorm_eviction_rank(KnormStep step, uint s) {
-  return step.cached ? step.cached_ranks[s] : knorm_rank_of(step, s);
+inline ulong knorm_eviction_rank(KnormEvictHead stored, uint s) {
+  return stored.cached ? stored.cached_ranks[s] : knorm_rank_of(stored, s);
 }
 
 // The ranks of a head's rows, for knorm_radix_select.
-struct KnormStepRanks {
-  KnormStep step;
+struct KnormEvictRanks {
+  KnormEvictHead stored;
 
   ulong operator()(uint s) const {
-    return knorm_eviction_rank(step, s);
+    return knorm_eviction_rank(stored, s);
   }
 };
 
@@ -87,15 +88,15 @@ struct KnormEviction {
 // one scan per thread, then reductions of (rank, slot + 1) over each SIMD
 // group and over the group leaders. worst holds 3 * kEvictSimdGroups.
 inline uint knorm_worst_slot(
-    KnormStep step,
+    KnormEvictHead stored,
     threadgroup uint* worst,
     uint tid,
     uint lane,
     uint simd_group) {
   ulong rank = 0;
   uint slot = 0;  // slot + 1; 0 before any row
-  for (uint s = tid; s < step.filled; s += kEvictGroupSize) {
-    const ulong r = knorm_eviction_rank(step, s);
+  for (uint s = tid; s < stored.filled; s += kEvictGroupSize) {
+    const ulong r = knorm_eviction_rank(stored, s);
     if (r >= rank) {
       rank = r;
       slot = s + 1;
@@ -140,7 +141,7 @@ struct KnormKept {
 // cut the first take_equal in slot order are kept: equal_before counts
 // those in the earlier chunks of this visit, and the result the chunk's.
 inline KnormKept knorm_kept(
-    KnormStep step,
+    KnormEvictHead stored,
     KnormEviction ev,
     uint s,
     bool valid,
@@ -152,7 +153,7 @@ inline KnormKept knorm_kept(
   if (ev.mode == kEvictOne) {
     out.kept = valid && s != ev.evicted;
   } else if (ev.mode == kEvictMany) {
-    const ulong r = valid ? knorm_eviction_rank(step, s) : ulong(0);
+    const ulong r = valid ? knorm_eviction_rank(stored, s) : ulong(0);
     if (ev.cut.take_equal == ev.cut.equal) {
       // Every rank equal to the cut is kept: no order among them needed.
       out.kept = valid && r <= ev.cut.key;
@@ -171,7 +172,7 @@ inline KnormKept knorm_kept(
 // How many of the slots [0, end) have the cut's rank, when the kept ones
 // among them must be told apart by slot; 0 otherwise.
 inline uint knorm_equal_below(
-    KnormStep step,
+    KnormEvictHead stored,
     KnormEviction ev,
     uint end,
     threadgroup uint* simd_totals,
@@ -184,7 +185,7 @@ inline uint knorm_equal_below(
   }
   for (uint base = 0; base < end; base += kEvictGroupSize) {
     const uint s = base + tid;
-    const bool equal = s < end && knorm_eviction_rank(step, s) == ev.cut.key;
+    const bool equal = s < end && knorm_eviction_rank(stored, s) == ev.cut.key;
     count += knorm_block_scan<kEvictGroupSize>(
         equal ? 1u : 0u, simd_totals, lane, simd_group).total;
   }
@@ -194,7 +195,7 @@ inline uint knorm_equal_below(
 // One head's rows of the four inputs and the four outputs. Bit i of
 // in_place: output i is input i's buffer.
 template <typename K, typename V>
-struct KnormStepBuffers {
+struct KnormEvictBuffers {
   device const K* keys;
   device const V* values;
   device const float* norms;
@@ -213,7 +214,7 @@ struct KnormStepBuffers {
 // Row src of every input to row dst of its output, by the lanes of one SIMD
 // group; the bits move as they are.
 template <typename K, typename V>
-inline void knorm_move_row(KnormStepBuffers<K, V> b, uint src, uint dst, uint lane) {
+inline void knorm_move_row(KnormEvictBuffers<K, V> b, uint src, uint dst, uint lane) {
   knorm_copy_bits(b.keys + ulong(src) * b.key_dim, b.out_keys + ulong(dst) * b.key_dim,
                   b.key_dim, b.key_unit, lane, kSimdWidth);
   knorm_copy_bits(b.values + ulong(src) * b.value_dim, b.out_values + ulong(dst) * b.value_dim,
@@ -229,9 +230,9 @@ inline void knorm_move_row(KnormStepBuffers<K, V> b, uint src, uint dst, uint la
 // go to kept_before onwards.
 template <typename K, typename V>
 inline void knorm_compact_temporal(
-    KnormStep step,
+    KnormEvictHead stored,
     KnormEviction ev,
-    KnormStepBuffers<K, V> b,
+    KnormEvictBuffers<K, V> b,
     threadgroup uint* src,
     threadgroup uint* simd_totals,
     uint tid,
@@ -245,10 +246,10 @@ inline void knorm_compact_temporal(
   }
   uint kept_before = base;
   uint equal_before = 0;
-  for (; base < step.filled; base += kEvictGroupSize) {
+  for (; base < stored.filled; base += kEvictGroupSize) {
     const uint s = base + tid;
     const KnormKept chunk = knorm_kept(
-        step, ev, s, s < step.filled, equal_before, simd_totals, lane, simd_group);
+        stored, ev, s, s < stored.filled, equal_before, simd_totals, lane, simd_group);
     const bool keep = chunk.kept;
     equal_before += chunk.equal;
     const KnormScan at =
@@ -291,9 +292,9 @@ inline void knorm_compact_temporal(
 // were.
 template <typename K, typename V>
 inline void knorm_fill_holes(
-    KnormStep step,
+    KnormEvictHead stored,
     KnormEviction ev,
-    KnormStepBuffers<K, V> b,
+    KnormEvictBuffers<K, V> b,
     threadgroup uint* holes,
     threadgroup uint* movers,
     threadgroup uint* simd_totals,
@@ -301,22 +302,22 @@ inline void knorm_fill_holes(
     uint lane,
     uint simd_group) {
   uint hole_equal = 0;
-  uint mover_equal = knorm_equal_below(step, ev, step.kept, simd_totals, tid, lane, simd_group);
+  uint mover_equal = knorm_equal_below(stored, ev, stored.kept, simd_totals, tid, lane, simd_group);
   uint hole_next = 0;
-  uint mover_next = step.kept;
+  uint mover_next = stored.kept;
   uint hole_head = 0;
   uint hole_tail = 0;
   uint mover_head = 0;
   uint mover_tail = 0;
   while (true) {
-    const bool scan_holes = hole_tail - hole_head < kEvictGroupSize && hole_next < step.kept;
+    const bool scan_holes = hole_tail - hole_head < kEvictGroupSize && hole_next < stored.kept;
     const bool scan_movers =
-        mover_tail - mover_head < kEvictGroupSize && mover_next < step.filled;
+        mover_tail - mover_head < kEvictGroupSize && mover_next < stored.filled;
     if (scan_holes) {
       const uint s = hole_next + tid;
-      const bool valid = s < step.kept;
+      const bool valid = s < stored.kept;
       const KnormKept chunk =
-          knorm_kept(step, ev, s, valid, hole_equal, simd_totals, lane, simd_group);
+          knorm_kept(stored, ev, s, valid, hole_equal, simd_totals, lane, simd_group);
       const bool hole = valid && !chunk.kept;
       hole_equal += chunk.equal;
       const KnormScan at =
@@ -329,9 +330,9 @@ inline void knorm_fill_holes(
     }
     if (scan_movers) {
       const uint s = mover_next + tid;
-      const bool valid = s < step.filled;
+      const bool valid = s < stored.filled;
       const KnormKept chunk =
-          knorm_kept(step, ev, s, valid, mover_equal, simd_totals, lane, simd_group);
+          knorm_kept(stored, ev, s, valid, mover_equal, simd_totals, lane, simd_group);
       const bool mover = chunk.kept;
       mover_equal += chunk.equal;
       const KnormScan at =
@@ -444,10 +445,10 @@ template <typename K, typename V>
 
   const ulong in_row = ulong(head) * slots;
   const ulong out_row = ulong(head) * out_slots;
-  KnormStep step = {
+  KnormEvictHead stored = {
       filled, kept, int(n_sink), as_type<int>(protect_from), keep_high != 0,
       norms + in_row, positions + in_row, false, cached_ranks};
-  const KnormStepBuffers<K, V> b = {
+  const KnormEvictBuffers<K, V> b = {
       keys + in_row * key_dim, values + in_row * value_dim, norms + in_row,
       positions + in_row, out_keys + out_row * key_dim,
       out_values + out_row * value_dim, out_norms + out_row,
@@ -457,26 +458,26 @@ template <typename K, typename V>
   KnormEviction ev = {kKeepAll, 0u, {ulong(0), 0u, 0u}};
   if (filled == kept + 1) {
     ev.mode = kEvictOne;
-    ev.evicted = knorm_worst_slot(step, worst, tid, lane, simd_group);
+    ev.evicted = knorm_worst_slot(stored, worst, tid, lane, simd_group);
   } else if (filled > kept) {
     ev.mode = kEvictMany;
     // Read before any row moves, so the scans below see the ranks as they
     // were even where the outputs are the inputs.
     if (filled <= kEvictCachedRanks) {
       for (uint s = tid; s < filled; s += kEvictGroupSize) {
-        cached_ranks[s] = knorm_rank_of(step, s);
+        cached_ranks[s] = knorm_rank_of(stored, s);
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
-      step.cached = true;
+      stored.cached = true;
     }
-    KnormStepRanks ranks = {step};
+    KnormEvictRanks ranks = {stored};
     ev.cut = knorm_radix_select<ulong, kEvictGroupSize>(
         ranks, 0u, filled, kept, histogram, simd_totals, picked, tid, lane, simd_group);
   }
 
   // Step 2.
   if (temporal != 0) {
-    knorm_compact_temporal(step, ev, b, first_list, simd_totals, tid, lane, simd_group);
+    knorm_compact_temporal(stored, ev, b, first_list, simd_totals, tid, lane, simd_group);
   } else {
     // Outputs not updated in place start as a copy of the rows below kept.
     if ((in_place & 1u) == 0) {
@@ -503,7 +504,7 @@ template <typename K, typename V>
         knorm_move_row(b, kept, ev.evicted, lane);
       }
     } else if (ev.mode == kEvictMany) {
-      knorm_fill_holes(step, ev, b, first_list, second_list, simd_totals, tid, lane, simd_group);
+      knorm_fill_holes(stored, ev, b, first_list, second_list, simd_totals, tid, lane, simd_group);
     }
   }
   // The new rows may overwrite the sources of moved rows (in place).
@@ -518,8 +519,8 @@ template <typename K, typename V>
   }
 }
 
-// Step 3 of a step whose steps 1-2 ran before (knorm_evict_and_fill with
-// fill_new = 0): threadgroup g writes new rows [b * kSplitRows, +
+// Step 3 of a cache step whose steps 1-2 ran before (knorm_evict_and_fill
+// with fill_new = 0): threadgroup g writes new rows [b * kSplitRows, +
 // kSplitRows) of head g / groups_per_head, b = g % groups_per_head.
 template <typename K, typename V>
 [[kernel]] void knorm_fill_new_rows(

@@ -6,9 +6,9 @@
 namespace mlx_knorm {
 
 void evict_and_fill_emulated(
-    const StepInputs& inputs,
+    const EvictAndFillInputs& inputs,
     std::vector<mx::array>& outputs,
-    const StepConfig& config) {
+    const EvictAndFillConfig& config) {
   run_emulated_plan(
       evict_and_fill_plan(inputs, outputs, config), inputs.to_vector(), outputs);
 }

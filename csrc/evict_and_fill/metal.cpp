@@ -18,9 +18,9 @@
 namespace mlx_knorm {
 
 LaunchPlans evict_and_fill_plan(
-    const StepInputs& inputs,
+    const EvictAndFillInputs& inputs,
     const std::vector<mx::array>& outputs,
-    const StepConfig& config) {
+    const EvictAndFillConfig& config) {
   // check_inputs keeps every slot count, offset + S and the capacity below
   // 2^31, so each fits the kernel's uint constants.
   const std::vector<mx::array> arrays = inputs.to_vector();
@@ -42,15 +42,15 @@ LaunchPlans evict_and_fill_plan(
   const uint32_t in_place = in_place_mask(arrays, outputs, 4);
   const bool steps_1_2 = config.filled > 0 && (kept < config.filled || in_place != 0xFu);
   if (steps_1_2 || groups_per_head == 0) {
-    LaunchPlan step;
-    step.source = "evict_and_fill";
-    step.kernel = "knorm_evict_and_fill_" + types;
-    step.group_size = kEvictGroupSize;
+    LaunchPlan evict;
+    evict.source = "evict_and_fill";
+    evict.kernel = "knorm_evict_and_fill_" + types;
+    evict.group_size = kEvictGroupSize;
     // Nothing stored or new, nothing to do; the plan is still bound (and
     // checked by the emulator).
-    step.groups = kept + inputs.n_new() == 0 ? 0 : static_cast<uint32_t>(inputs.n_heads());
-    step.buffers = array_slots(arrays, outputs);
-    step.buffers.insert(step.buffers.end(), {
+    evict.groups = kept + inputs.n_new() == 0 ? 0 : static_cast<uint32_t>(inputs.n_heads());
+    evict.buffers = array_slots(arrays, outputs);
+    evict.buffers.insert(evict.buffers.end(), {
         u32(inputs.capacity()),
         u32(config.out_capacity),
         u32(inputs.n_new()),
@@ -68,7 +68,7 @@ LaunchPlans evict_and_fill_plan(
         u32(key_unit),
         u32(value_unit),
         u32(groups_per_head == 0 ? 1 : 0)});
-    plans.push_back(std::move(step));
+    plans.push_back(std::move(evict));
   }
   if (groups_per_head != 0) {
     LaunchPlan fill;
@@ -102,7 +102,7 @@ LaunchPlans evict_and_fill_plan(
 void EvictAndFill::eval_gpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  const auto in = StepInputs::from(inputs);
+  const auto in = EvictAndFillInputs::from(inputs);
   check_inputs(in);
   check_row_contiguous(inputs, name());
   // As on the CPU: every output may take over its input's buffer

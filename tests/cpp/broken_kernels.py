@@ -67,7 +67,7 @@ BROKEN_KERNELS = (
           "    worst[3 * simd_group + 2] = slot;\n  }\n  threadgroup_barrier(mem_flags::mem_threadgroup);\n",
           "    worst[3 * simd_group + 2] = slot;\n  }\n  threadgroup_barrier(mem_flags::mem_none);\n"),),
         "run",
-        {"thread": (TSAN_RACE, "knorm_worst_slot"), "address": ("MISMATCH: step case in place, temporal",)},
+        {"thread": (TSAN_RACE, "knorm_worst_slot"), "address": ("MISMATCH: evict_and_fill case in place, temporal",)},
     ),
     # Two lanes of each SIMD group writing its worst row, with no barrier
     # between them.
@@ -127,11 +127,11 @@ BROKEN_KERNELS = (
     BrokenKernel(
         "threadgroup_array_in_helper",
         (("evict_and_fill.metal", "  KNORM_THREADGROUP_ARRAY(uint, worst, 3 * kEvictSimdGroups);\n", ""),
-         ("evict_and_fill.metal", "    KnormStep step,\n    threadgroup uint* worst,\n", "    KnormStep step,\n"),
+         ("evict_and_fill.metal", "    KnormEvictHead stored,\n    threadgroup uint* worst,\n", "    KnormEvictHead stored,\n"),
          ("evict_and_fill.metal",
           "    uint simd_group) {\n  ulong rank = 0;\n",
           "    uint simd_group) {\n  KNORM_THREADGROUP_ARRAY(uint, worst, 3 * kEvictSimdGroups);\n  ulong rank = 0;\n"),
-         ("evict_and_fill.metal", "knorm_worst_slot(step, worst, tid,", "knorm_worst_slot(step, tid,")),
+         ("evict_and_fill.metal", "knorm_worst_slot(stored, worst, tid,", "knorm_worst_slot(stored, tid,")),
         "run",
         {"thread": ("threadgroup memory declared in knorm_worst_slot(), outside the kernel function "
                     "knorm_evict_and_fill()",)},
