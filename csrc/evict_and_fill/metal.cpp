@@ -110,14 +110,6 @@ void EvictAndFill::eval_gpu(
   take_over_or_allocate(inputs, outputs, [](size_t) { return true; });
   dispatch_on_gpu(evict_and_fill_plan(in, outputs, config_), inputs, outputs, stream());
 }
-#else
-void EvictAndFill::eval_gpu(
-    const std::vector<mx::array>&,
-    std::vector<mx::array>&) {
-  throw std::runtime_error(
-      "mlx_knorm: EvictAndFill has no GPU kernel in this build; "
-      "use the fallback backend for GPU streams");
-}
 #endif
 
 } // namespace mlx_knorm

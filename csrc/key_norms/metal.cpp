@@ -78,12 +78,6 @@ void KeyNorms::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
   std::vector<mx::array> outputs{out};
   dispatch_on_gpu(key_norms_plan(inputs[0], out), inputs, outputs, stream());
 }
-#else
-void KeyNorms::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error(
-      "mlx_knorm: KeyNorms has no GPU kernel in this build; "
-      "use the fallback backend for GPU streams");
-}
 #endif
 
 } // namespace mlx_knorm

@@ -110,14 +110,6 @@ void ProtectedTopKGather::eval_gpu(
   allocate_outputs(inputs, outputs);
   dispatch_on_gpu(protected_topk_gather_plan(in, outputs, config_), inputs, outputs, stream());
 }
-#else
-void ProtectedTopKGather::eval_gpu(
-    const std::vector<mx::array>&,
-    std::vector<mx::array>&) {
-  throw std::runtime_error(
-      "mlx_knorm: ProtectedTopKGather has no GPU kernel in this build; "
-      "use the fallback backend for GPU streams");
-}
 #endif
 
 } // namespace mlx_knorm
