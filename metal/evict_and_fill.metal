@@ -21,8 +21,8 @@
 // before it is read. K/V rows move in the units of knorm_copy_bits that the
 // launch plan chose. All offsets into K/V buffers are 64-bit.
 //
-// Launched by csrc/evict_and_fill/metal.cpp. Compiles as Metal Shading
-// Language and, through csrc/metal_emulator/metal_emulator.h, as C++.
+// Launched by the plans of csrc/evict_and_fill/plan.cpp. Compiles as Metal
+// Shading Language and, through csrc/metal_emulator/metal_emulator.h, as C++.
 #include "knorm_kernels.h"
 
 constant constexpr uint kEvictSimdGroups = kEvictGroupSize / kSimdWidth;

@@ -8,8 +8,8 @@
 // The launch plan picks the instantiation with kPerLane = P / 32 (1 for
 // D <= 32); the host name ends in kPerLane.
 //
-// Launched by csrc/key_norms/metal.cpp. Compiles as Metal Shading Language
-// and, through csrc/metal_emulator/metal_emulator.h, as C++.
+// Launched by the plan of csrc/key_norms/plan.cpp. Compiles as Metal
+// Shading Language and, through csrc/metal_emulator/metal_emulator.h, as C++.
 #include "knorm_kernels.h"
 
 template <typename T, uint kPerLane>

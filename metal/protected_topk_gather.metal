@@ -19,8 +19,9 @@
 // (and compacts in place), then knorm_gather_rows copies the rows from the
 // indices, kSplitRows output rows per threadgroup.
 //
-// Launched by csrc/protected_topk_gather/metal.cpp. Compiles as Metal
-// Shading Language and, through csrc/metal_emulator/metal_emulator.h, as C++.
+// Launched by the plans of csrc/protected_topk_gather/plan.cpp. Compiles as
+// Metal Shading Language and, through csrc/metal_emulator/metal_emulator.h,
+// as C++.
 #include "knorm_kernels.h"
 
 constant constexpr uint kGatherSimdGroups = kGatherGroupSize / kSimdWidth;

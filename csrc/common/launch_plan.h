@@ -1,6 +1,6 @@
 // Launch plans of the Metal kernels in metal/: everything a dispatch needs,
 // computed from shapes (and, for how rows move, the arrays' offsets) and
-// free of Metal types. Each op builds its plan in its metal.cpp; eval_gpu
+// free of Metal types. Each op builds its plan in its plan.cpp; eval_gpu
 // (common/metal_dispatch.cpp) and the emulator (metal_emulator/run_plan.cpp)
 // both bind it through bind_slots below, so the kernels are launched
 // identically on a GPU and in the emulator.

@@ -1,5 +1,5 @@
 // EvictAndFill's Metal kernel run through the emulator, launched with the
-// plan that eval_gpu uses (metal.cpp). Built with MLX_KNORM_EMULATOR.
+// plan that eval_gpu uses (plan.cpp). Built with MLX_KNORM_EMULATOR.
 #include "evict_and_fill/evict_and_fill.h"
 #include "metal_emulator/run_plan.h"
 

@@ -7,8 +7,9 @@
 //   evict_and_fill.cpp  the op, the primitive, its input checks, eval_cpu
 //                       (CPU kernel or emulator, donation)
 //   cpu.cpp             the CPU kernel
-//   metal.cpp           the Metal launch plan and eval_gpu
+//   plan.cpp            the launch plans of the Metal kernels
 //                       (metal/evict_and_fill.metal)
+//   metal.cpp           eval_gpu, where MLX has Metal
 //   emulated.cpp        the Metal kernel run through the emulator
 #pragma once
 
@@ -144,7 +145,7 @@ void evict_and_fill_emulated(
     std::vector<mx::array>& outputs,
     const EvictAndFillConfig& config);
 
-// metal.cpp: the launch plans of the Metal kernels: steps 1-3, or, with few
+// plan.cpp: the launch plans of the Metal kernels: steps 1-3, or, with few
 // heads and many new rows, steps 1-2 (unless they have nothing to do) and
 // then the new rows over many threadgroups. Outputs that share their
 // input's buffer are updated in place.

@@ -1,19 +1,13 @@
-// EvictAndFill on Apple GPUs: the launch plan of metal/evict_and_fill.metal,
-// which the emulator runs too (emulated.cpp), and eval_gpu, which dispatches
-// it in builds where MLX has Metal.
+// The launch plans of EvictAndFill's Metal kernels
+// (metal/evict_and_fill.metal): what eval_gpu (metal.cpp) dispatches and the
+// emulator runs (emulated.cpp). Built everywhere.
 #include "evict_and_fill/evict_and_fill.h"
 
-#include <stdexcept>
 #include <string>
 #include <utility>
 
 #include "common/dtype.h"
-#include "common/multi_output.h"
-#include "common/validation.h"
 #include "metal/knorm_defines.h"
-#ifdef MLX_KNORM_METAL
-#include "common/metal_dispatch.h"
-#endif
 
 namespace mlx_knorm {
 
@@ -97,19 +91,5 @@ LaunchPlans evict_and_fill_plan(
   }
   return plans;
 }
-
-#ifdef MLX_KNORM_METAL
-void EvictAndFill::eval_gpu(
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
-  const auto in = EvictAndFillInputs::from(inputs);
-  check_inputs(in);
-  check_row_contiguous(inputs, name());
-  // As on the CPU: every output may take over its input's buffer
-  // (docs/spec.md §7), and the kernel then writes only the rows that move.
-  take_over_or_allocate(inputs, outputs, [](size_t) { return true; });
-  dispatch_on_gpu(evict_and_fill_plan(in, outputs, config_), inputs, outputs, stream());
-}
-#endif
 
 } // namespace mlx_knorm

@@ -3,7 +3,8 @@
 //
 //   key_norms.cpp  the op, the primitive, eval_cpu (CPU kernel or emulator)
 //   cpu.cpp        the CPU kernel
-//   metal.cpp      the Metal launch plan and eval_gpu (metal/key_norms.metal)
+//   plan.cpp       the launch plan of the Metal kernel (metal/key_norms.metal)
+//   metal.cpp      eval_gpu, where MLX has Metal
 //   emulated.cpp   the Metal kernel run through the emulator
 #pragma once
 
@@ -61,7 +62,7 @@ void key_norm_rows(
     float* norms);
 void key_norms_emulated(const mx::array& keys, mx::array& norms);
 
-// metal.cpp: the shapes the Metal kernel takes (throws std::invalid_argument
+// plan.cpp: the shapes the Metal kernel takes (throws std::invalid_argument
 // otherwise; checked when the op is built) and its launch plan.
 void check_metal_key_norms_shape(const mx::array& keys);
 LaunchPlan key_norms_plan(const mx::array& keys, const mx::array& norms);

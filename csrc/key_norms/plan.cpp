@@ -1,6 +1,6 @@
-// KeyNorms on Apple GPUs: the launch plan of metal/key_norms.metal, which
-// the emulator runs too (emulated.cpp), and eval_gpu, which dispatches it in
-// builds where MLX has Metal.
+// The launch plan of KeyNorms' Metal kernel (metal/key_norms.metal): what
+// eval_gpu (metal.cpp) dispatches and the emulator runs (emulated.cpp).
+// Built everywhere.
 #include "key_norms/key_norms.h"
 
 #include <stdexcept>
@@ -9,9 +9,6 @@
 #include "common/dtype.h"
 #include "common/validation.h"
 #include "metal/knorm_defines.h"
-#ifdef MLX_KNORM_METAL
-#include "common/metal_dispatch.h"
-#endif
 
 namespace mlx_knorm {
 
@@ -69,15 +66,5 @@ LaunchPlan key_norms_plan(const mx::array& keys, const mx::array& norms) {
       BufferSlot::constant(static_cast<uint32_t>(rows))});
   return plan;
 }
-
-#ifdef MLX_KNORM_METAL
-void KeyNorms::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  check_inputs(inputs);
-  check_row_contiguous(inputs, name());
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  std::vector<mx::array> outputs{out};
-  dispatch_on_gpu(key_norms_plan(inputs[0], out), inputs, outputs, stream());
-}
-#endif
 
 } // namespace mlx_knorm

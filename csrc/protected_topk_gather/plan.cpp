@@ -1,19 +1,13 @@
-// ProtectedTopKGather on Apple GPUs: the launch plan of
-// metal/protected_topk_gather.metal, which the emulator runs too
-// (emulated.cpp), and eval_gpu, which dispatches it in builds where MLX has
-// Metal.
+// The launch plans of ProtectedTopKGather's Metal kernels
+// (metal/protected_topk_gather.metal): what eval_gpu (metal.cpp) dispatches
+// and the emulator runs (emulated.cpp). Built everywhere.
 #include "protected_topk_gather/protected_topk_gather.h"
 
 #include <algorithm>
-#include <stdexcept>
 #include <string>
 
 #include "common/dtype.h"
-#include "common/validation.h"
 #include "metal/knorm_defines.h"
-#ifdef MLX_KNORM_METAL
-#include "common/metal_dispatch.h"
-#endif
 
 namespace mlx_knorm {
 
@@ -99,17 +93,5 @@ LaunchPlans protected_topk_gather_plan(
       u32(groups_per_head)};
   return {select, copy};
 }
-
-#ifdef MLX_KNORM_METAL
-void ProtectedTopKGather::eval_gpu(
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
-  const auto in = GatherInputs::from(inputs);
-  check_inputs(in);
-  check_row_contiguous(inputs, name());
-  allocate_outputs(inputs, outputs);
-  dispatch_on_gpu(protected_topk_gather_plan(in, outputs, config_), inputs, outputs, stream());
-}
-#endif
 
 } // namespace mlx_knorm

@@ -5,8 +5,9 @@
 //   protected_topk_gather.cpp  the op, the primitive, its input checks,
 //                              eval_cpu (CPU kernel or emulator, donation)
 //   cpu.cpp                    the CPU kernel
-//   metal.cpp                  the Metal launch plan and eval_gpu
+//   plan.cpp                   the launch plans of the Metal kernels
 //                              (metal/protected_topk_gather.metal)
+//   metal.cpp                  eval_gpu, where MLX has Metal
 //   emulated.cpp               the Metal kernel run through the emulator
 #pragma once
 
@@ -110,7 +111,7 @@ void protected_topk_gather_emulated(
     std::vector<mx::array>& outputs,
     const SelectionConfig& config);
 
-// metal.cpp: the launch plans of the Metal kernels, for outputs allocated
+// plan.cpp: the launch plans of the Metal kernels, for outputs allocated
 // as protected_topk_gather describes (their addresses choose how rows
 // move): the selection, and with few heads and many rows a second dispatch
 // that copies the rows.
