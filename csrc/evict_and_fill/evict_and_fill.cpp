@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cpu_dispatch.h"
 #include "common/multi_output.h"
 #include "common/validation.h"
 #include "key_norms/key_norms.h"
@@ -156,20 +157,22 @@ std::vector<mx::Shape> EvictAndFill::output_shapes(
   return {keys, values, slots, slots};
 }
 
-void EvictAndFill::eval_cpu(
+void EvictAndFill::prepare_eval(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
   check_inputs(EvictAndFillInputs::from(inputs));
   check_row_contiguous(inputs, name());
-  auto kernel = &evict_and_fill_cpu;
-#ifdef MLX_KNORM_EMULATOR
-  if (executor_ == Executor::MetalEmulator) {
-    kernel = &evict_and_fill_emulated;
-  }
-#endif
-  // Every output may take over its input's buffer (docs/spec.md §7); the
-  // kernels then write only the rows that move.
+  // Every output may take over its input's buffer; the kernels then write
+  // only the rows that move.
   take_over_or_allocate(inputs, outputs, [](size_t) { return true; });
+}
+
+void EvictAndFill::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  prepare_eval(inputs, outputs);
+  auto kernel = cpu_kernel(executor_, &evict_and_fill_cpu,
+                           KNORM_EMULATED_KERNEL(evict_and_fill_emulated));
   dispatch_on_cpu(stream(), inputs, outputs, [kernel, config = config_](
       const std::vector<mx::array>& in, std::vector<mx::array>& out) {
     kernel(EvictAndFillInputs::from(in), out, config);

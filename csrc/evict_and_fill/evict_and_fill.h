@@ -128,6 +128,14 @@ class EvictAndFill : public mx::Primitive {
   void check_inputs(const EvictAndFillInputs& inputs);
 
  private:
+  // What eval_cpu and eval_gpu do before their kernels: the checks again (a
+  // replayed compiled graph reaches eval without the op), and a buffer for
+  // each output, its input's where donation allows (docs/spec.md §7): one
+  // rule for the CPU kernel, the emulator and the GPU.
+  void prepare_eval(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs);
+
   EvictAndFillConfig config_;
   Executor executor_;
 };

@@ -43,6 +43,11 @@ class KeyNorms : public mx::UnaryPrimitive {
   void check_inputs(const std::vector<mx::array>& inputs);
 
  private:
+  // What eval_cpu and eval_gpu do before their kernel: the checks again (a
+  // replayed compiled graph reaches eval without the op), and a fresh
+  // buffer for the norms.
+  void prepare_eval(const std::vector<mx::array>& inputs, mx::array& out);
+
   Executor executor_;
 };
 

@@ -4,14 +4,11 @@
 #include "key_norms/key_norms.h"
 
 #include "common/metal_dispatch.h"
-#include "common/validation.h"
 
 namespace mlx_knorm {
 
 void KeyNorms::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  check_inputs(inputs);
-  check_row_contiguous(inputs, name());
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+  prepare_eval(inputs, out);
   std::vector<mx::array> outputs{out};
   dispatch_on_gpu(key_norms_plan(inputs[0], out), inputs, outputs, stream());
 }

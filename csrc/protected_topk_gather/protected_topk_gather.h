@@ -88,9 +88,11 @@ class ProtectedTopKGather : public mx::Primitive {
   void check_inputs(const GatherInputs& inputs);
 
  private:
-  // Gives each output a buffer, its prior's where donation allows: one rule
-  // for eval_cpu (the CPU kernel and the emulator) and eval_gpu.
-  static void allocate_outputs(
+  // What eval_cpu and eval_gpu do before their kernels: the checks again (a
+  // replayed compiled graph reaches eval without the op), and a buffer for
+  // each output, its prior's where donation allows: one rule for the CPU
+  // kernel, the emulator and the GPU.
+  void prepare_eval(
       const std::vector<mx::array>& inputs,
       std::vector<mx::array>& outputs);
 
