@@ -34,13 +34,9 @@
 #include "metal_emulator/run_plan.h"
 #include "protected_topk_gather/protected_topk_gather.h"
 
-// Included after every other header, and its qualifier macros undefined at
-// once: only its half and bfloat types are needed here.
-#include "metal_emulator/metal_emulator.h"
-#undef kernel
-#undef device
-#undef constant
-#undef threadgroup
+// The emulator's half and bfloat, without the qualifier macros of
+// metal_emulator.h.
+#include "metal_emulator/language.h"
 
 namespace mx = mlx::core;
 using namespace mlx_knorm;
