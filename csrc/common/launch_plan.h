@@ -106,7 +106,7 @@ inline uint32_t split_blocks(int64_t n_heads, int64_t rows) {
 }
 
 struct LaunchPlan {
-  std::string source;       // metal/<source>.metal holds the kernel
+  std::string source;       // metal/<source>.metal instantiates the kernel
   std::string kernel;       // host name of the instantiation
   uint32_t groups;          // threadgroups along x; nothing to do when 0
   uint32_t group_size;      // threads per threadgroup along x

@@ -8,7 +8,8 @@
 //                       (CPU kernel or emulator, donation)
 //   cpu.cpp             the CPU kernel
 //   plan.cpp            the launch plans of the Metal kernels
-//                       (metal/evict_and_fill.metal)
+//                       (metal/evict_and_fill.h, instantiated in
+//                       metal/evict_and_fill.metal)
 //   metal.cpp           eval_gpu, where MLX has Metal
 //   emulated.cpp        the Metal kernel run through the emulator
 #pragma once

@@ -1,5 +1,5 @@
 // The launch plans of EvictAndFill's Metal kernels
-// (metal/evict_and_fill.metal): what eval_gpu (metal.cpp) dispatches and the
+// (metal/evict_and_fill.h): what eval_gpu (metal.cpp) dispatches and the
 // emulator runs (emulated.cpp). Built everywhere.
 #include "evict_and_fill/evict_and_fill.h"
 

@@ -3,7 +3,8 @@
 //
 //   key_norms.cpp  the op, the primitive, eval_cpu (CPU kernel or emulator)
 //   cpu.cpp        the CPU kernel
-//   plan.cpp       the launch plan of the Metal kernel (metal/key_norms.metal)
+//   plan.cpp       the launch plan of the Metal kernel (metal/key_norms.h,
+//                  instantiated in metal/key_norms.metal)
 //   metal.cpp      eval_gpu, where MLX has Metal
 //   emulated.cpp   the Metal kernel run through the emulator
 #pragma once

@@ -1,4 +1,4 @@
-// The launch plan of KeyNorms' Metal kernel (metal/key_norms.metal): what
+// The launch plan of KeyNorms' Metal kernel (metal/key_norms.h): what
 // eval_gpu (metal.cpp) dispatches and the emulator runs (emulated.cpp).
 // Built everywhere.
 #include "key_norms/key_norms.h"

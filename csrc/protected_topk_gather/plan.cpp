@@ -1,5 +1,5 @@
 // The launch plans of ProtectedTopKGather's Metal kernels
-// (metal/protected_topk_gather.metal): what eval_gpu (metal.cpp) dispatches
+// (metal/protected_topk_gather.h): what eval_gpu (metal.cpp) dispatches
 // and the emulator runs (emulated.cpp). Built everywhere.
 #include "protected_topk_gather/protected_topk_gather.h"
 

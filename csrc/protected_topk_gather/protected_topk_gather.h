@@ -6,7 +6,8 @@
 //                              eval_cpu (CPU kernel or emulator, donation)
 //   cpu.cpp                    the CPU kernel
 //   plan.cpp                   the launch plans of the Metal kernels
-//                              (metal/protected_topk_gather.metal)
+//                              (metal/protected_topk_gather.h, instantiated
+//                              in metal/protected_topk_gather.metal)
 //   metal.cpp                  eval_gpu, where MLX has Metal
 //   emulated.cpp               the Metal kernel run through the emulator
 #pragma once
