@@ -128,7 +128,7 @@ NB_MODULE(_ext, m) {
          const std::string& layout,
          bool emulate,
          mx::StreamOrDevice s) {
-        mlx_knorm::StepConfig config{
+        mlx_knorm::EvictAndFillConfig config{
             {budget, n_sink, recent, mlx_knorm::parse_keep(keep)},
             filled,
             offset,

@@ -1,7 +1,7 @@
 // What the Metal kernels in this folder and the host code that launches them
 // must agree on, and the preamble every kernel source needs. One file, read
 // four ways:
-//   - by the Metal compiler, included from metal/*.metal (the metallib build);
+//   - by the Metal compiler, reached from metal/*.metal (the metallib build);
 //   - as text inlined into each kernel source by the JIT loader
 //     (csrc/common/kernel_source.cpp);
 //   - as C++ by the emulator (csrc/metal_emulator/kernels.cpp includes

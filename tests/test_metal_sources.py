@@ -22,12 +22,14 @@ pytestmark = pytest.mark.skipif(_native.ext is None, reason="the native extensio
 
 @pytest.mark.parametrize("name", KERNELS)
 def test_jit_source_inlines_the_shared_headers(name):
-    """Each kernel includes knorm_kernels.h, which includes knorm_defines.h."""
+    """Each op's instantiations (<op>.metal) include its kernels (<op>.h),
+    which include knorm_kernels.h, which includes knorm_defines.h."""
     source = _native.ext.metal_kernel_source(METAL_DIR, name)
     defines = (METAL_DIR / "knorm_defines.h").read_text()
     shared = (METAL_DIR / "knorm_kernels.h").read_text().replace('#include "knorm_defines.h"', defines, 1)
-    kernel = (METAL_DIR / f"{name}.metal").read_text()
-    assert source == kernel.replace('#include "knorm_kernels.h"', shared, 1)
+    kernels = (METAL_DIR / f"{name}.h").read_text().replace('#include "knorm_kernels.h"', shared, 1)
+    instances = (METAL_DIR / f"{name}.metal").read_text()
+    assert source == instances.replace(f'#include "{name}.h"', kernels, 1)
     assert '#include "' not in source
     assert source.isascii()
 
@@ -45,6 +47,9 @@ def test_jit_source_inlines_a_header_once(tmp_path):
 
 def test_jit_source_needs_the_installed_headers(tmp_path):
     shutil.copy(METAL_DIR / "key_norms.metal", tmp_path)
+    with pytest.raises(RuntimeError, match="key_norms.h"):
+        _native.ext.metal_kernel_source(tmp_path, "key_norms")
+    shutil.copy(METAL_DIR / "key_norms.h", tmp_path)
     with pytest.raises(RuntimeError, match="knorm_kernels.h"):
         _native.ext.metal_kernel_source(tmp_path, "key_norms")
     shutil.copy(METAL_DIR / "knorm_kernels.h", tmp_path)

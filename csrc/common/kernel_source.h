@@ -1,9 +1,9 @@
 // The Metal source that the JIT path compiles for metal/<name>.metal.
 // MLX's Device::get_library(name, builder) compiles one string with no
-// include path, so each line including a shared header (metal/*.h,
-// installed beside the sources) is replaced by the header's text, itself
-// inlined the same way. Plain C++, built on every platform so that tests can
-// check it.
+// include path, so each line including a header of metal/ (the op's
+// kernels, then the shared ones, installed beside the sources) is replaced
+// by the header's text, itself inlined the same way. Plain C++, built on
+// every platform so that tests can check it.
 #pragma once
 
 #include <filesystem>

@@ -1,6 +1,6 @@
 // Launch plans of the Metal kernels in metal/: everything a dispatch needs,
 // computed from shapes (and, for how rows move, the arrays' offsets) and
-// free of Metal types. Each op builds its plan in its metal.cpp; eval_gpu
+// free of Metal types. Each op builds its plan in its plan.cpp; eval_gpu
 // (common/metal_dispatch.cpp) and the emulator (metal_emulator/run_plan.cpp)
 // both bind it through bind_slots below, so the kernels are launched
 // identically on a GPU and in the emulator.
@@ -106,7 +106,7 @@ inline uint32_t split_blocks(int64_t n_heads, int64_t rows) {
 }
 
 struct LaunchPlan {
-  std::string source;       // metal/<source>.metal holds the kernel
+  std::string source;       // metal/<source>.metal instantiates the kernel
   std::string kernel;       // host name of the instantiation
   uint32_t groups;          // threadgroups along x; nothing to do when 0
   uint32_t group_size;      // threads per threadgroup along x

@@ -1,8 +1,8 @@
 // Kernel library: mlx_knorm.metallib beside this extension when a working
 // Metal compiler was found at build time; otherwise the .metal sources
 // installed in mlx_knorm/metal/ are compiled at first use through MLX's
-// device library API (safe math, as in the metallib build), with the shared
-// header inlined (common/kernel_source.h). MLX's Device keeps each library
+// device library API (safe math, as in the metallib build), with the headers
+// they include inlined (common/kernel_source.h). MLX's Device keeps each library
 // and pipeline once built, by name.
 #include "common/metal_dispatch.h"
 

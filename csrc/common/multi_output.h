@@ -1,14 +1,13 @@
 // What the multi-output primitives (protected_topk_gather, evict_and_fill)
-// share around their kernels: building their outputs, letting an output take
-// over a donated input's buffer (docs/spec.md §7), and running a kernel on
-// the CPU stream.
+// share around their kernels: building their outputs, and letting an output
+// take over a donated input's buffer (docs/spec.md §7).
 #pragma once
 
 #include <memory>
 #include <utility>
 #include <vector>
 
-#include "mlx/backend/cpu/encoder.h"
+#include "mlx/allocator.h"
 #include "mlx/primitives.h"
 
 #include "common/huge_pages.h"
@@ -70,32 +69,6 @@ void take_over_or_allocate(
       prefer_huge_pages(out.data<void>(), out.nbytes());
     }
   }
-}
-
-// Runs kernel(inputs, outputs) on the CPU stream, after the work already
-// queued there.
-template <typename Kernel>
-void dispatch_on_cpu(
-    mlx::core::Stream stream,
-    const std::vector<mlx::core::array>& inputs,
-    std::vector<mlx::core::array>& outputs,
-    Kernel kernel) {
-  auto& encoder = mlx::core::cpu::get_command_encoder(stream);
-  std::vector<mlx::core::array> in_refs;
-  std::vector<mlx::core::array> out_refs;
-  for (const auto& in : inputs) {
-    encoder.set_input_array(in);
-    in_refs.push_back(mlx::core::array::unsafe_weak_copy(in));
-  }
-  for (auto& out : outputs) {
-    encoder.set_output_array(out);
-    out_refs.push_back(mlx::core::array::unsafe_weak_copy(out));
-  }
-  encoder.dispatch([kernel = std::move(kernel),
-                    in_refs = std::move(in_refs),
-                    out_refs = std::move(out_refs)]() mutable {
-    kernel(in_refs, out_refs);
-  });
 }
 
 } // namespace mlx_knorm

@@ -35,7 +35,7 @@ struct RowBuffer {
   }
 };
 
-struct StepBuffers {
+struct EvictAndFillBuffers {
   RowBuffer rows[4];  // keys, values, norms, positions
   int64_t in_slots;   // C
   int64_t out_slots;  // C_out
@@ -50,7 +50,7 @@ struct StepBuffers {
 // buffer. Callers move runs in slot order with dst <= src when in place, so
 // memmove never overwrites a row still to be read; a run already where it
 // belongs is not touched.
-void move_rows(const StepBuffers& b, int64_t n, int64_t src, int64_t dst, int64_t count) {
+void move_rows(const EvictAndFillBuffers& b, int64_t n, int64_t src, int64_t dst, int64_t count) {
   if (count <= 0) {
     return;
   }
@@ -203,7 +203,7 @@ struct SelectionScratch {
 const std::vector<uint8_t>& kept_slots(
     const float* norms,
     const int32_t* positions,
-    const StepConfig& config,
+    const EvictAndFillConfig& config,
     SelectionScratch& scratch) {
   const int64_t filled = config.filled;
   const EvictionRank rank = config.rank();
@@ -223,7 +223,7 @@ const std::vector<uint8_t>& kept_slots(
 }
 
 // docs/spec.md §4 steps 1 and 2 for head n.
-void compact_head(const StepBuffers& b, const StepConfig& config, int64_t n) {
+void compact_head(const EvictAndFillBuffers& b, const EvictAndFillConfig& config, int64_t n) {
   const int64_t filled = config.filled;
   const int64_t kept = config.kept();
   const bool slots = config.layout == Layout::Slots;
@@ -280,7 +280,11 @@ void compact_head(const StepBuffers& b, const StepConfig& config, int64_t n) {
 // docs/spec.md §4 step 3 for head n: the new rows after the kept ones,
 // with their norms (computed beforehand, for all of a thread's heads in one
 // call: a decode step's rows then go eight at a time).
-void fill_head(const StepBuffers& b, const StepConfig& config, int64_t n, const float* new_norms) {
+void fill_head(
+    const EvictAndFillBuffers& b,
+    const EvictAndFillConfig& config,
+    int64_t n,
+    const float* new_norms) {
   if (b.n_new == 0) {
     return;
   }
@@ -302,11 +306,11 @@ void fill_head(const StepBuffers& b, const StepConfig& config, int64_t n, const 
 } // namespace
 
 void evict_and_fill_cpu(
-    const StepInputs& in,
+    const EvictAndFillInputs& in,
     std::vector<mx::array>& outputs,
-    const StepConfig& config) {
+    const EvictAndFillConfig& config) {
   const std::vector<mx::array> inputs = in.to_vector();
-  StepBuffers b{
+  EvictAndFillBuffers b{
       .rows = {},
       .in_slots = in.capacity(),
       .out_slots = config.out_capacity,

@@ -1,14 +1,14 @@
 // EvictAndFill's Metal kernel run through the emulator, launched with the
-// plan that eval_gpu uses (metal.cpp). Built with MLX_KNORM_EMULATOR.
+// plan that eval_gpu uses (plan.cpp). Built with MLX_KNORM_EMULATOR.
 #include "evict_and_fill/evict_and_fill.h"
 #include "metal_emulator/run_plan.h"
 
 namespace mlx_knorm {
 
 void evict_and_fill_emulated(
-    const StepInputs& inputs,
+    const EvictAndFillInputs& inputs,
     std::vector<mx::array>& outputs,
-    const StepConfig& config) {
+    const EvictAndFillConfig& config) {
   run_emulated_plan(
       evict_and_fill_plan(inputs, outputs, config), inputs.to_vector(), outputs);
 }

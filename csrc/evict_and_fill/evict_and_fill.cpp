@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "common/cpu_dispatch.h"
 #include "common/multi_output.h"
 #include "common/validation.h"
 #include "key_norms/key_norms.h"
@@ -28,7 +29,7 @@ Layout parse_layout(const std::string& layout) {
       "mlx_knorm: layout must be 'slots' or 'temporal', got '" + layout + "'");
 }
 
-StepInputs StepInputs::from(const std::vector<mx::array>& inputs) {
+EvictAndFillInputs EvictAndFillInputs::from(const std::vector<mx::array>& inputs) {
   if (inputs.size() != 6) {
     throw std::invalid_argument(
         "mlx_knorm: EvictAndFill takes 6 inputs, got " +
@@ -37,13 +38,13 @@ StepInputs StepInputs::from(const std::vector<mx::array>& inputs) {
   return {inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5]};
 }
 
-std::vector<mx::array> StepInputs::to_vector() const {
+std::vector<mx::array> EvictAndFillInputs::to_vector() const {
   return {keys, values, norms, positions, new_keys, new_values};
 }
 
 std::vector<mx::array> evict_and_fill(
-    const StepInputs& inputs,
-    StepConfig config,
+    const EvictAndFillInputs& inputs,
+    EvictAndFillConfig config,
     Executor executor,
     mx::StreamOrDevice s) {
   check_executor(executor);
@@ -57,7 +58,7 @@ std::vector<mx::array> evict_and_fill(
       stream);
 }
 
-void EvictAndFill::check_inputs(const StepInputs& in) {
+void EvictAndFill::check_inputs(const EvictAndFillInputs& in) {
   if (in.keys.ndim() < 3) {
     throw std::invalid_argument(
         "mlx_knorm: keys must be [..., C, D_k] with at least one head axis, got rank " +
@@ -145,7 +146,7 @@ bool EvictAndFill::is_equivalent(const mx::Primitive& other) const {
 // kernels rely on are checked again here.
 std::vector<mx::Shape> EvictAndFill::output_shapes(
     const std::vector<mx::array>& inputs) {
-  const auto in = StepInputs::from(inputs);
+  const auto in = EvictAndFillInputs::from(inputs);
   check_inputs(in);
   mx::Shape slots(in.keys.shape().begin(), in.keys.shape().end() - 1);
   slots.back() = static_cast<int>(config_.out_capacity);
@@ -156,23 +157,25 @@ std::vector<mx::Shape> EvictAndFill::output_shapes(
   return {keys, values, slots, slots};
 }
 
+void EvictAndFill::prepare_eval(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  check_inputs(EvictAndFillInputs::from(inputs));
+  check_row_contiguous(inputs, name());
+  // Every output may take over its input's buffer; the kernels then write
+  // only the rows that move.
+  take_over_or_allocate(inputs, outputs, [](size_t) { return true; });
+}
+
 void EvictAndFill::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  check_inputs(StepInputs::from(inputs));
-  check_row_contiguous(inputs, name());
-  auto kernel = &evict_and_fill_cpu;
-#ifdef MLX_KNORM_EMULATOR
-  if (executor_ == Executor::MetalEmulator) {
-    kernel = &evict_and_fill_emulated;
-  }
-#endif
-  // Every output may take over its input's buffer (docs/spec.md §7); the
-  // kernels then write only the rows that move.
-  take_over_or_allocate(inputs, outputs, [](size_t) { return true; });
+  prepare_eval(inputs, outputs);
+  auto kernel = cpu_kernel(executor_, &evict_and_fill_cpu,
+                           KNORM_EMULATED_KERNEL(evict_and_fill_emulated));
   dispatch_on_cpu(stream(), inputs, outputs, [kernel, config = config_](
       const std::vector<mx::array>& in, std::vector<mx::array>& out) {
-    kernel(StepInputs::from(in), out, config);
+    kernel(EvictAndFillInputs::from(in), out, config);
   });
 }
 

@@ -7,8 +7,10 @@
 //   evict_and_fill.cpp  the op, the primitive, its input checks, eval_cpu
 //                       (CPU kernel or emulator, donation)
 //   cpu.cpp             the CPU kernel
-//   metal.cpp           the Metal launch plan and eval_gpu
-//                       (metal/evict_and_fill.metal)
+//   plan.cpp            the launch plans of the Metal kernels
+//                       (metal/evict_and_fill.h, instantiated in
+//                       metal/evict_and_fill.metal)
+//   metal.cpp           eval_gpu, where MLX has Metal
 //   emulated.cpp        the Metal kernel run through the emulator
 #pragma once
 
@@ -32,7 +34,7 @@ Layout parse_layout(const std::string& layout);
 // The primitive's inputs, in its input order: the buffers [..., C, *] and
 // the new rows [..., S, *]. The heads are the axes before C and S ([N], or
 // [B, H] as a model's cache holds them), the same in every array.
-struct StepInputs {
+struct EvictAndFillInputs {
   mx::array keys;
   mx::array values;
   mx::array norms;
@@ -41,7 +43,7 @@ struct StepInputs {
   mx::array new_values;
 
   // From and to the primitive's input vector (six arrays in this order).
-  static StepInputs from(const std::vector<mx::array>& inputs);
+  static EvictAndFillInputs from(const std::vector<mx::array>& inputs);
   std::vector<mx::array> to_vector() const;
 
   // How many leading axes the heads take.
@@ -72,14 +74,14 @@ struct StepInputs {
 // What one step does besides the eviction configuration: slots [0, filled)
 // are occupied, the new rows take positions offset, offset + 1, ..., and the
 // outputs have out_capacity slots.
-struct StepConfig {
+struct EvictAndFillConfig {
   SelectionConfig selection;
   int64_t filled;
   int64_t offset;
   int64_t out_capacity;
   Layout layout;
 
-  bool operator==(const StepConfig&) const = default;
+  bool operator==(const EvictAndFillConfig&) const = default;
 
   int64_t kept() const {
     return std::min<int64_t>(filled, selection.budget);
@@ -95,14 +97,14 @@ struct StepConfig {
 // [..., C_out] float32, positions [..., C_out] int32}, with the inputs' head
 // axes; slots [0, kept + S) defined.
 std::vector<mx::array> evict_and_fill(
-    const StepInputs& inputs,
-    StepConfig config,
+    const EvictAndFillInputs& inputs,
+    EvictAndFillConfig config,
     Executor executor = Executor::Native,
     mx::StreamOrDevice s = {});
 
 class EvictAndFill : public mx::Primitive {
  public:
-  EvictAndFill(mx::Stream stream, StepConfig config, Executor executor)
+  EvictAndFill(mx::Stream stream, EvictAndFillConfig config, Executor executor)
       : mx::Primitive(stream), config_(config), executor_(executor) {}
 
   void eval_cpu(
@@ -124,10 +126,18 @@ class EvictAndFill : public mx::Primitive {
   // std::invalid_argument or dtype_error. Run when the op is built, when MLX
   // asks for output shapes (shapeless compile) and before any kernel touches
   // memory.
-  void check_inputs(const StepInputs& inputs);
+  void check_inputs(const EvictAndFillInputs& inputs);
 
  private:
-  StepConfig config_;
+  // What eval_cpu and eval_gpu do before their kernels: the checks again (a
+  // replayed compiled graph reaches eval without the op), and a buffer for
+  // each output, its input's where donation allows (docs/spec.md §7): one
+  // rule for the CPU kernel, the emulator and the GPU.
+  void prepare_eval(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs);
+
+  EvictAndFillConfig config_;
   Executor executor_;
 };
 
@@ -136,21 +146,21 @@ class EvictAndFill : public mx::Primitive {
 // rows that move are written. The CPU kernel (cpu.cpp) and the Metal kernel
 // through the emulator (emulated.cpp, in builds with the emulator).
 void evict_and_fill_cpu(
-    const StepInputs& inputs,
+    const EvictAndFillInputs& inputs,
     std::vector<mx::array>& outputs,
-    const StepConfig& config);
+    const EvictAndFillConfig& config);
 void evict_and_fill_emulated(
-    const StepInputs& inputs,
+    const EvictAndFillInputs& inputs,
     std::vector<mx::array>& outputs,
-    const StepConfig& config);
+    const EvictAndFillConfig& config);
 
-// metal.cpp: the launch plans of the Metal kernels: steps 1-3, or, with few
+// plan.cpp: the launch plans of the Metal kernels: steps 1-3, or, with few
 // heads and many new rows, steps 1-2 (unless they have nothing to do) and
 // then the new rows over many threadgroups. Outputs that share their
 // input's buffer are updated in place.
 LaunchPlans evict_and_fill_plan(
-    const StepInputs& inputs,
+    const EvictAndFillInputs& inputs,
     const std::vector<mx::array>& outputs,
-    const StepConfig& config);
+    const EvictAndFillConfig& config);
 
 } // namespace mlx_knorm

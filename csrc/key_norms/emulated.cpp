@@ -1,5 +1,5 @@
 // KeyNorms' Metal kernel run through the emulator, launched with the plan
-// that eval_gpu uses (metal.cpp). Built with MLX_KNORM_EMULATOR.
+// that eval_gpu uses (plan.cpp). Built with MLX_KNORM_EMULATOR.
 #include "key_norms/key_norms.h"
 #include "metal_emulator/run_plan.h"
 

@@ -1,7 +1,6 @@
 #include "key_norms/key_norms.h"
 
-#include "mlx/backend/cpu/encoder.h"
-
+#include "common/cpu_dispatch.h"
 #include "common/validation.h"
 
 namespace mlx_knorm {
@@ -42,24 +41,19 @@ std::vector<mx::Shape> KeyNorms::output_shapes(
   return {mx::Shape(shape.begin(), shape.end() - 1)};
 }
 
-void KeyNorms::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+void KeyNorms::prepare_eval(const std::vector<mx::array>& inputs, mx::array& out) {
   check_inputs(inputs);
   check_row_contiguous(inputs, name());
-  auto kernel = &key_norms_cpu;
-#ifdef MLX_KNORM_EMULATOR
-  if (executor_ == Executor::MetalEmulator) {
-    kernel = &key_norms_emulated;
-  }
-#endif
-  const auto& keys = inputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(keys);
-  encoder.set_output_array(out);
-  encoder.dispatch([kernel,
-                    keys = mx::array::unsafe_weak_copy(keys),
-                    out = mx::array::unsafe_weak_copy(out)]() mutable {
-    kernel(keys, out);
+}
+
+void KeyNorms::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  prepare_eval(inputs, out);
+  auto kernel = cpu_kernel(executor_, &key_norms_cpu, KNORM_EMULATED_KERNEL(key_norms_emulated));
+  std::vector<mx::array> outputs{out};
+  dispatch_on_cpu(stream(), inputs, outputs, [kernel](
+      const std::vector<mx::array>& in, std::vector<mx::array>& norms) {
+    kernel(in[0], norms[0]);
   });
 }
 

@@ -3,7 +3,9 @@
 //
 //   key_norms.cpp  the op, the primitive, eval_cpu (CPU kernel or emulator)
 //   cpu.cpp        the CPU kernel
-//   metal.cpp      the Metal launch plan and eval_gpu (metal/key_norms.metal)
+//   plan.cpp       the launch plan of the Metal kernel (metal/key_norms.h,
+//                  instantiated in metal/key_norms.metal)
+//   metal.cpp      eval_gpu, where MLX has Metal
 //   emulated.cpp   the Metal kernel run through the emulator
 #pragma once
 
@@ -42,6 +44,11 @@ class KeyNorms : public mx::UnaryPrimitive {
   void check_inputs(const std::vector<mx::array>& inputs);
 
  private:
+  // What eval_cpu and eval_gpu do before their kernel: the checks again (a
+  // replayed compiled graph reaches eval without the op), and a fresh
+  // buffer for the norms.
+  void prepare_eval(const std::vector<mx::array>& inputs, mx::array& out);
+
   Executor executor_;
 };
 
@@ -61,7 +68,7 @@ void key_norm_rows(
     float* norms);
 void key_norms_emulated(const mx::array& keys, mx::array& norms);
 
-// metal.cpp: the shapes the Metal kernel takes (throws std::invalid_argument
+// plan.cpp: the shapes the Metal kernel takes (throws std::invalid_argument
 // otherwise; checked when the op is built) and its launch plan.
 void check_metal_key_norms_shape(const mx::array& keys);
 LaunchPlan key_norms_plan(const mx::array& keys, const mx::array& norms);

@@ -1,89 +1,16 @@
-// KeyNorms on Apple GPUs: the launch plan of metal/key_norms.metal, which
-// the emulator runs too (emulated.cpp), and eval_gpu, which dispatches it in
-// builds where MLX has Metal.
+// KeyNorms on Apple GPUs: eval_gpu, which dispatches the launch plan of
+// plan.cpp through MLX's Metal command encoder. Built where MLX has Metal
+// (csrc/no_metal/primitives.cpp stands in elsewhere).
 #include "key_norms/key_norms.h"
 
-#include <stdexcept>
-#include <string>
-
-#include "common/dtype.h"
-#include "common/validation.h"
-#include "metal/knorm_defines.h"
-#ifdef MLX_KNORM_METAL
 #include "common/metal_dispatch.h"
-#endif
 
 namespace mlx_knorm {
 
-namespace {
-
-// Rows of keys [..., D]: the product of the leading axes (also for D = 0).
-int64_t key_rows(const mx::array& keys) {
-  int64_t rows = 1;
-  for (size_t i = 0; i + 1 < keys.ndim(); ++i) {
-    rows *= keys.shape(i);
-  }
-  return rows;
-}
-
-// Squares each lane holds (the kernel's kPerLane): P / 32 for P, the next
-// power of two >= D, and 1 for D <= 32.
-uint32_t squares_per_lane(int64_t dim) {
-  uint32_t width = 1;
-  while (width < dim) {
-    width <<= 1;
-  }
-  return width > kSimdWidth ? width / kSimdWidth : 1;
-}
-
-} // namespace
-
-void check_metal_key_norms_shape(const mx::array& keys) {
-  const int64_t dim = keys.shape(-1);
-  if (dim > kKeyNormsMaxDim) {
-    throw std::invalid_argument(
-        "mlx_knorm: the Metal key-norm kernel supports D <= " +
-        std::to_string(kKeyNormsMaxDim) + ", got D = " + std::to_string(dim));
-  }
-  if (key_rows(keys) > kMaxRows) {
-    throw std::invalid_argument(
-        "mlx_knorm: the Metal key-norm kernel supports < 2^32 rows");
-  }
-}
-
-LaunchPlan key_norms_plan(const mx::array& keys, const mx::array& norms) {
-  check_metal_key_norms_shape(keys);
-  const int64_t rows = static_cast<int64_t>(norms.size());
-  LaunchPlan plan;
-  plan.source = "key_norms";
-  plan.kernel = "knorm_key_norms_" + dtype_name(keys.dtype()) + "_" +
-      std::to_string(squares_per_lane(keys.shape(-1)));
-  plan.group_size = kKeyNormsRowsPerGroup * kSimdWidth;
-  // D = 0 still launches, keys bound to a placeholder: the kernel reduces
-  // an all-padding row to sqrt(0).
-  plan.groups = static_cast<uint32_t>(
-      (rows + kKeyNormsRowsPerGroup - 1) / kKeyNormsRowsPerGroup);
-  plan.buffers = array_slots({keys}, {norms});
-  plan.buffers.insert(plan.buffers.end(), {
-      BufferSlot::constant(static_cast<uint32_t>(keys.shape(-1))),
-      BufferSlot::constant(static_cast<uint32_t>(rows))});
-  return plan;
-}
-
-#ifdef MLX_KNORM_METAL
 void KeyNorms::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  check_inputs(inputs);
-  check_row_contiguous(inputs, name());
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+  prepare_eval(inputs, out);
   std::vector<mx::array> outputs{out};
   dispatch_on_gpu(key_norms_plan(inputs[0], out), inputs, outputs, stream());
 }
-#else
-void KeyNorms::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error(
-      "mlx_knorm: KeyNorms has no GPU kernel in this build; "
-      "use the fallback backend for GPU streams");
-}
-#endif
 
 } // namespace mlx_knorm

@@ -1,5 +1,5 @@
 // ProtectedTopKGather's Metal kernel run through the emulator, launched with
-// the plan that eval_gpu uses (metal.cpp). Built with MLX_KNORM_EMULATOR.
+// the plan that eval_gpu uses (plan.cpp). Built with MLX_KNORM_EMULATOR.
 #include "metal_emulator/run_plan.h"
 #include "protected_topk_gather/protected_topk_gather.h"
 

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <stdexcept>
 
+#include "common/cpu_dispatch.h"
 #include "common/multi_output.h"
 #include "common/validation.h"
 
@@ -102,9 +103,11 @@ std::vector<mx::Shape> ProtectedTopKGather::output_shapes(
       {n_heads, kept}};
 }
 
-void ProtectedTopKGather::allocate_outputs(
+void ProtectedTopKGather::prepare_eval(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
+  check_inputs(GatherInputs::from(inputs));
+  check_row_contiguous(inputs, name());
   // keys, values and norms (outputs 0-2) may take over the prior's buffer
   // (inputs 0-2) when nothing else holds it and the shape is unchanged (a
   // step from a full cache): the kernels then move only the rows after the
@@ -115,15 +118,9 @@ void ProtectedTopKGather::allocate_outputs(
 void ProtectedTopKGather::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  check_inputs(GatherInputs::from(inputs));
-  check_row_contiguous(inputs, name());
-  auto kernel = &protected_topk_gather_cpu;
-#ifdef MLX_KNORM_EMULATOR
-  if (executor_ == Executor::MetalEmulator) {
-    kernel = &protected_topk_gather_emulated;
-  }
-#endif
-  allocate_outputs(inputs, outputs);
+  prepare_eval(inputs, outputs);
+  auto kernel = cpu_kernel(executor_, &protected_topk_gather_cpu,
+                           KNORM_EMULATED_KERNEL(protected_topk_gather_emulated));
   dispatch_on_cpu(stream(), inputs, outputs, [kernel, config = config_](
       const std::vector<mx::array>& in, std::vector<mx::array>& out) {
     kernel(GatherInputs::from(in), out, config);

@@ -5,8 +5,10 @@
 //   protected_topk_gather.cpp  the op, the primitive, its input checks,
 //                              eval_cpu (CPU kernel or emulator, donation)
 //   cpu.cpp                    the CPU kernel
-//   metal.cpp                  the Metal launch plan and eval_gpu
-//                              (metal/protected_topk_gather.metal)
+//   plan.cpp                   the launch plans of the Metal kernels
+//                              (metal/protected_topk_gather.h, instantiated
+//                              in metal/protected_topk_gather.metal)
+//   metal.cpp                  eval_gpu, where MLX has Metal
 //   emulated.cpp               the Metal kernel run through the emulator
 #pragma once
 
@@ -87,9 +89,11 @@ class ProtectedTopKGather : public mx::Primitive {
   void check_inputs(const GatherInputs& inputs);
 
  private:
-  // Gives each output a buffer, its prior's where donation allows: one rule
-  // for eval_cpu (the CPU kernel and the emulator) and eval_gpu.
-  static void allocate_outputs(
+  // What eval_cpu and eval_gpu do before their kernels: the checks again (a
+  // replayed compiled graph reaches eval without the op), and a buffer for
+  // each output, its prior's where donation allows: one rule for the CPU
+  // kernel, the emulator and the GPU.
+  void prepare_eval(
       const std::vector<mx::array>& inputs,
       std::vector<mx::array>& outputs);
 
@@ -110,7 +114,7 @@ void protected_topk_gather_emulated(
     std::vector<mx::array>& outputs,
     const SelectionConfig& config);
 
-// metal.cpp: the launch plans of the Metal kernels, for outputs allocated
+// plan.cpp: the launch plans of the Metal kernels, for outputs allocated
 // as protected_topk_gather describes (their addresses choose how rows
 // move): the selection, and with few heads and many rows a second dispatch
 // that copies the rows.

@@ -55,7 +55,7 @@ BROKEN_KERNELS = (
     # An off-by-one [[buffer(i)]]: the plan binds rows at 3.
     BrokenKernel(
         "wrong_buffer_index",
-        (("key_norms.metal", "constant uint& rows KNORM_BUFFER(3)", "constant uint& rows KNORM_BUFFER(4)"),),
+        (("key_norms.h", "constant uint& rows KNORM_BUFFER(3)", "constant uint& rows KNORM_BUFFER(4)"),),
         "run",
         {"thread": ("knorm_key_norms_float16_4 takes constant uint32& at [[buffer(4)]], which the launch does not bind",)},
     ),
@@ -63,17 +63,17 @@ BROKEN_KERNELS = (
     # written, without mem_threadgroup: the other groups' rows are stale.
     BrokenKernel(
         "weak_threadgroup_barrier",
-        (("evict_and_fill.metal",
+        (("evict_and_fill.h",
           "    worst[3 * simd_group + 2] = slot;\n  }\n  threadgroup_barrier(mem_flags::mem_threadgroup);\n",
           "    worst[3 * simd_group + 2] = slot;\n  }\n  threadgroup_barrier(mem_flags::mem_none);\n"),),
         "run",
-        {"thread": (TSAN_RACE, "knorm_worst_slot"), "address": ("MISMATCH: step case in place, temporal",)},
+        {"thread": (TSAN_RACE, "knorm_worst_slot"), "address": ("MISMATCH: evict_and_fill case in place, temporal",)},
     ),
     # Two lanes of each SIMD group writing its worst row, with no barrier
     # between them.
     BrokenKernel(
         "threadgroup_write_race",
-        (("evict_and_fill.metal",
+        (("evict_and_fill.h",
           "  if (lane == 0) {\n    worst[3 * simd_group] = uint(rank >> 32);\n",
           "  if (lane < 2) {\n    worst[3 * simd_group] = uint(rank >> 32);\n"),),
         "run",
@@ -84,7 +84,7 @@ BROKEN_KERNELS = (
     # without mem_device.
     BrokenKernel(
         "weak_device_barrier",
-        (("protected_topk_gather.metal",
+        (("protected_topk_gather.h",
           "  // moves in place overwrite norms the compaction read.\n"
           "  threadgroup_barrier(mem_flags::mem_device);\n",
           "  // moves in place overwrite norms the compaction read.\n"
@@ -96,7 +96,7 @@ BROKEN_KERNELS = (
     # the last block reads indices and writes rows past the head's.
     BrokenKernel(
         "unguarded_copy_tail",
-        (("protected_topk_gather.metal",
+        (("protected_topk_gather.h",
           "  const uint end = kept - begin > kSplitRows ? begin + kSplitRows : kept;\n",
           "  const uint end = begin + kSplitRows;\n"),),
         "run",
@@ -106,7 +106,7 @@ BROKEN_KERNELS = (
     # block reads new rows past the last head's.
     BrokenKernel(
         "unguarded_fill_tail",
-        (("evict_and_fill.metal",
+        (("evict_and_fill.h",
           "  const uint end = n_new - begin > kSplitRows ? begin + kSplitRows : n_new;\n",
           "  const uint end = begin + kSplitRows;\n"),),
         "run",
@@ -116,7 +116,7 @@ BROKEN_KERNELS = (
     # place again, from its own buffer, which other threadgroups write.
     BrokenKernel(
         "copy_ignores_in_place",
-        (("protected_topk_gather.metal",
+        (("protected_topk_gather.h",
           "                  begin, end, (in_place & 1u) != 0, key_dim,",
           "                  begin, end, false, key_dim,"),),
         "run",
@@ -126,12 +126,12 @@ BROKEN_KERNELS = (
     # in the kernel function.
     BrokenKernel(
         "threadgroup_array_in_helper",
-        (("evict_and_fill.metal", "  KNORM_THREADGROUP_ARRAY(uint, worst, 3 * kEvictSimdGroups);\n", ""),
-         ("evict_and_fill.metal", "    KnormStep step,\n    threadgroup uint* worst,\n", "    KnormStep step,\n"),
-         ("evict_and_fill.metal",
+        (("evict_and_fill.h", "  KNORM_THREADGROUP_ARRAY(uint, worst, 3 * kEvictSimdGroups);\n", ""),
+         ("evict_and_fill.h", "    KnormEvictHead stored,\n    threadgroup uint* worst,\n", "    KnormEvictHead stored,\n"),
+         ("evict_and_fill.h",
           "    uint simd_group) {\n  ulong rank = 0;\n",
           "    uint simd_group) {\n  KNORM_THREADGROUP_ARRAY(uint, worst, 3 * kEvictSimdGroups);\n  ulong rank = 0;\n"),
-         ("evict_and_fill.metal", "knorm_worst_slot(step, worst, tid,", "knorm_worst_slot(step, tid,")),
+         ("evict_and_fill.h", "knorm_worst_slot(stored, worst, tid,", "knorm_worst_slot(stored, tid,")),
         "run",
         {"thread": ("threadgroup memory declared in knorm_worst_slot(), outside the kernel function "
                     "knorm_evict_and_fill()",)},
@@ -139,14 +139,14 @@ BROKEN_KERNELS = (
     # Two parameters at [[buffer(12)]], none at 13.
     BrokenKernel(
         "duplicate_buffer_index",
-        (("protected_topk_gather.metal", "value_dim KNORM_BUFFER(13)", "value_dim KNORM_BUFFER(12)"),),
+        (("protected_topk_gather.h", "value_dim KNORM_BUFFER(13)", "value_dim KNORM_BUFFER(12)"),),
         "compile",
         {"thread": ("two kernel parameters take the same [[buffer(i)]] or thread attribute",)},
     ),
     # Threadgroup memory where the kernel's helper takes a device pointer.
     BrokenKernel(
         "threadgroup_as_device_pointer",
-        (("protected_topk_gather.metal", "knorm_compact(head, cut, row_indices,", "knorm_compact(head, cut, simd_totals,"),),
+        (("protected_topk_gather.h", "knorm_compact(head, cut, row_indices,", "knorm_compact(head, cut, simd_totals,"),),
         "compile",
         {"thread": ("volatile metal::uint*", "knorm_compact")},
     ),

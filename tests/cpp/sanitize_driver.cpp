@@ -34,13 +34,9 @@
 #include "metal_emulator/run_plan.h"
 #include "protected_topk_gather/protected_topk_gather.h"
 
-// Included after every other header, and its qualifier macros undefined at
-// once: only its half and bfloat types are needed here.
-#include "metal_emulator/metal_emulator.h"
-#undef kernel
-#undef device
-#undef constant
-#undef threadgroup
+// The emulator's half and bfloat, without the qualifier macros of
+// metal_emulator.h.
+#include "metal_emulator/language.h"
 
 namespace mx = mlx::core;
 using namespace mlx_knorm;
@@ -275,8 +271,8 @@ void check_gather(const GatherCase& gc, std::mt19937_64& rng, const std::string&
 }
 
 // The shape of one evict_and_fill case; its data is drawn at random.
-struct StepCase {
-  StepConfig config;
+struct EvictAndFillCase {
+  EvictAndFillConfig config;
   int n_heads;
   int slots;
   int n_new;
@@ -288,8 +284,8 @@ struct StepCase {
   bool distinct;    // distinct positions (the cache's) or a few repeated
 };
 
-StepCase random_step_case(std::mt19937_64& rng) {
-  StepConfig config;
+EvictAndFillCase random_evict_and_fill_case(std::mt19937_64& rng) {
+  EvictAndFillConfig config;
   config.selection.budget = rng() % 2 ? 1 + static_cast<int>(rng() % 12)
                                       : 250 + static_cast<int>(rng() % 450);
   config.selection.n_sink = static_cast<int>(rng() % config.selection.budget);
@@ -329,10 +325,10 @@ constexpr int kSplitCaseRows = 2 * static_cast<int>(kSplitRows) - 1;
 // kSplitCaseRows new ones (written by a second dispatch). The in-place compaction moves rows
 // onto rows other threads still read; only the waves' barriers keep that
 // apart.
-std::vector<StepCase> in_place_temporal_cases() {
-  std::vector<StepCase> cases;
+std::vector<EvictAndFillCase> in_place_evict_and_fill_cases() {
+  std::vector<EvictAndFillCase> cases;
   for (const auto [excess, n_new] : {std::pair{1, 1}, std::pair{300, 1}, std::pair{300, kSplitCaseRows}}) {
-    StepConfig config;
+    EvictAndFillConfig config;
     config.selection = {600, 4, 16, Keep::Low};
     config.layout = Layout::Temporal;
     config.filled = 600 + excess;
@@ -344,15 +340,16 @@ std::vector<StepCase> in_place_temporal_cases() {
   return cases;
 }
 
-// Steps whose new rows a second dispatch writes, on three heads, each in
-// both layouts, on fresh outputs and in place: a prompt into an empty cache
-// and a chunk that evicts nothing (the first dispatch is dropped in place).
-std::vector<StepCase> fixed_step_cases() {
-  std::vector<StepCase> cases;
+// evict_and_fill calls whose new rows a second dispatch writes, on three
+// heads, each in both layouts, on fresh outputs and in place: a prompt into
+// an empty cache and a chunk that evicts nothing (the first dispatch is
+// dropped in place).
+std::vector<EvictAndFillCase> fixed_evict_and_fill_cases() {
+  std::vector<EvictAndFillCase> cases;
   for (const int filled : {0, 131}) {
     for (const Layout layout : {Layout::Slots, Layout::Temporal}) {
       for (const unsigned shared : {0u, 0xFu}) {
-        StepConfig config;
+        EvictAndFillConfig config;
         config.selection = {400, 3, 5, Keep::Low};
         config.layout = layout;
         config.filled = filled;
@@ -413,44 +410,47 @@ std::vector<GatherCase> in_place_gather_cases() {
   return cases;
 }
 
-// One evict_and_fill step from the same inputs through the CPU kernel and
-// the emulated Metal kernel. Only the defined slots [0, kept + S) of each
+// One evict_and_fill call on the same inputs through the CPU kernel and the
+// emulated Metal kernel. Only the defined slots [0, kept + S) of each
 // head are compared.
-void check_step(const StepCase& sc, std::mt19937_64& rng, const std::string& label) {
-  const StepConfig& config = sc.config;
-  const int n_heads = sc.n_heads;
+void check_evict_and_fill(
+    const EvictAndFillCase& ec,
+    std::mt19937_64& rng,
+    const std::string& label) {
+  const EvictAndFillConfig& config = ec.config;
+  const int n_heads = ec.n_heads;
   const int kept = static_cast<int>(config.kept());
   const int capacity = static_cast<int>(config.out_capacity);
   std::vector<std::unique_ptr<Buffer>> in;
-  in.push_back(make({n_heads, sc.slots, sc.key_dim}, sc.key_type));
-  in.push_back(make({n_heads, sc.slots, sc.value_dim}, sc.value_type));
-  in.push_back(make({n_heads, sc.slots}, mx::float32));
-  in.push_back(make({n_heads, sc.slots}, mx::int32));
-  in.push_back(make({n_heads, sc.n_new, sc.key_dim}, sc.key_type));
-  in.push_back(make({n_heads, sc.n_new, sc.value_dim}, sc.value_type));
+  in.push_back(make({n_heads, ec.slots, ec.key_dim}, ec.key_type));
+  in.push_back(make({n_heads, ec.slots, ec.value_dim}, ec.value_type));
+  in.push_back(make({n_heads, ec.slots}, mx::float32));
+  in.push_back(make({n_heads, ec.slots}, mx::int32));
+  in.push_back(make({n_heads, ec.n_new, ec.key_dim}, ec.key_type));
+  in.push_back(make({n_heads, ec.n_new, ec.value_dim}, ec.value_type));
   for (int i : {0, 1, 4, 5}) {
     fill_bits(*in[i], rng);
   }
   fill_norms(*in[2], rng, static_cast<int>(rng() % 3));
   auto* positions = reinterpret_cast<int32_t*>(in[3]->bytes());
   for (int n = 0; n < n_heads; ++n) {
-    int32_t* head = positions + static_cast<size_t>(n) * sc.slots;
-    for (int s = 0; s < sc.slots; ++s) {
-      head[s] = sc.distinct ? s : static_cast<int32_t>(rng() % 8);
+    int32_t* head = positions + static_cast<size_t>(n) * ec.slots;
+    for (int s = 0; s < ec.slots; ++s) {
+      head[s] = ec.distinct ? s : static_cast<int32_t>(rng() % 8);
     }
-    if (sc.distinct) {
+    if (ec.distinct) {
       std::shuffle(head, head + config.filled, rng);
     }
   }
   const std::vector<mx::Shape> shapes = {
-      {n_heads, capacity, sc.key_dim},
-      {n_heads, capacity, sc.value_dim},
+      {n_heads, capacity, ec.key_dim},
+      {n_heads, capacity, ec.value_dim},
       {n_heads, capacity},
       {n_heads, capacity}};
-  const std::vector<mx::Dtype> types = {sc.key_type, sc.value_type, mx::float32, mx::int32};
+  const std::vector<mx::Dtype> types = {ec.key_type, ec.value_type, mx::float32, mx::int32};
   auto run = [&](auto kernel) {
-    KernelRun r = kernel_run(in, sc.shared, shapes, types);
-    kernel(StepInputs::from(r.inputs), r.outputs, config);
+    KernelRun r = kernel_run(in, ec.shared, shapes, types);
+    kernel(EvictAndFillInputs::from(r.inputs), r.outputs, config);
     std::vector<std::vector<uint8_t>> defined;
     for (const auto& out : r.outputs) {
       const size_t row = static_cast<size_t>(out.itemsize()) *
@@ -458,7 +458,7 @@ void check_step(const StepCase& sc, std::mt19937_64& rng, const std::string& lab
       std::vector<uint8_t> bytes;
       for (int n = 0; n < n_heads; ++n) {
         const uint8_t* head = out.data<uint8_t>() + static_cast<size_t>(n) * capacity * row;
-        bytes.insert(bytes.end(), head, head + (kept + sc.n_new) * row);
+        bytes.insert(bytes.end(), head, head + (kept + ec.n_new) * row);
       }
       defined.push_back(std::move(bytes));
     }
@@ -469,10 +469,10 @@ void check_step(const StepCase& sc, std::mt19937_64& rng, const std::string& lab
   const char* names[] = {"keys", "values", "norms", "positions"};
   for (int i = 0; i < 4; ++i) {
     if (native[i] != emulated[i]) {
-      fail("step case " + label + " output " + names[i] + " filled=" +
+      fail("evict_and_fill case " + label + " output " + names[i] + " filled=" +
            std::to_string(config.filled) + " budget=" +
-           std::to_string(config.selection.budget) + " S=" + std::to_string(sc.n_new) +
-           " in place=" + std::to_string(sc.shared));
+           std::to_string(config.selection.budget) + " S=" + std::to_string(ec.n_new) +
+           " in place=" + std::to_string(ec.shared));
     }
   }
 }
@@ -517,11 +517,11 @@ void fixed_cases(std::mt19937_64& rng) {
   for (const GatherCase& gc : in_place_gather_cases()) {
     check_gather(gc, rng, "in place");
   }
-  for (const StepCase& sc : in_place_temporal_cases()) {
-    check_step(sc, rng, "in place, temporal");
+  for (const EvictAndFillCase& ec : in_place_evict_and_fill_cases()) {
+    check_evict_and_fill(ec, rng, "in place, temporal");
   }
-  for (const StepCase& sc : fixed_step_cases()) {
-    check_step(sc, rng, "fixed");
+  for (const EvictAndFillCase& ec : fixed_evict_and_fill_cases()) {
+    check_evict_and_fill(ec, rng, "fixed");
   }
 }
 
@@ -538,7 +538,7 @@ int main(int argc, char** argv) {
     for (int c = 0; c < cases; ++c) {
       key_norms_case(rng, c);
       check_gather(random_gather_case(rng), rng, std::to_string(c));
-      check_step(random_step_case(rng), rng, std::to_string(c));
+      check_evict_and_fill(random_evict_and_fill_case(rng), rng, std::to_string(c));
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "FAILED: %s\n", e.what());

@@ -84,7 +84,8 @@ def _ms(timing: dict) -> str:
 
 
 def cache_table(report: dict) -> str:
-    """One row per configuration and cache, then the copy floor."""
+    """One row per configuration and cache, then the slot layout's op alone
+    and the copy floor."""
     header = ["budget", "B", "cache", "ms/step [p25, p75]", "vs RotatingKVCache",
               "vs memcpy", "faults/step", "steps"]
     rows = []
@@ -94,6 +95,10 @@ def cache_table(report: dict) -> str:
         for name, t in r["caches"].items():
             rows.append([*lead, name, _ms(t), f"{t['ratio_to_rotating']:.2f}x",
                          f"{t['ratio_to_memcpy']:.2f}x", faults_text(t['faults_per_call']), str(t["reps"])])
+        op = r["evict_and_fill"]
+        rows.append([*lead, "evict_and_fill (the slots step's op alone)", _ms(op),
+                     f"{op['ratio_to_rotating']:.2f}x", f"{op['ratio_to_memcpy']:.2f}x",
+                     faults_text(op["faults_per_call"]), str(op["reps"])])
         m = r["memcpy"]
         rows.append([*lead, f"memcpy of K+V ({r['kv_bytes'] / 2**20:.3g} MiB)", _ms(m), "-", "1x",
                      faults_text(m['faults_per_call']), str(m["reps"])])
@@ -109,7 +114,8 @@ def print_cache_report(report: dict) -> None:
     print(f"One decode step per layer (update_and_fetch of one token + mx.eval of the attended "
           f"K/V and the stored state), H={c.get('heads')}, D={c.get('dim')}, {c.get('dtype')}. "
           "Timed in a warm process (MLX's buffer cache never cleared), the caches interleaved "
-          "in rounds; medians over all timed steps; faults/step = minor page faults per step.")
+          "in rounds; medians over all timed steps; faults/step = minor page faults per step. "
+          "evict_and_fill: the op of the slot layout's step alone, on donated buffers.")
     if report["reference_version"] is None:
         print("reference (veloxquant-mlx) not installed: pip install 'mlx-knorm[bench]'")
     print(cache_table(report))

@@ -12,8 +12,10 @@ then decode steps), so every timed step of an evicting cache evicts.
 All caches live in one warm process: other MLX work runs first and MLX's
 buffer cache is never cleared. They are timed in rounds, each a run of steps
 of every cache in turn, the order rotating from round to round, so that the
-machine's drift hits all alike. Next to them runs the floor the temporal
-layout is held to: one copy of K + V of the budget's size into fresh arrays.
+machine's drift hits all alike. Next to them run the floor the temporal
+layout is held to, one copy of K + V of the budget's size into fresh arrays,
+and the slot layout's op alone: the ``evict_and_fill`` of its step on
+donated slot buffers, without the cache around it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from ..cache import L2NormKVCache
+from ..cache import DEFAULT_RECENT, L2NormKVCache
+from ..ops.evict_and_fill import evict_and_fill_unchecked
+from ..ops.key_norms import key_norms
 from ..validation import FLOAT_DTYPES
 from .cases import N_SINK, random_arrays
 from .progress import Progress
@@ -36,6 +40,7 @@ PREFILL_CHUNK = 512  # mlx-lm's prefill_step_size as bench/decode_e2e.py sets it
 # after the first.
 FILL_DECODE_STEPS = 4
 MEMCPY = "memcpy of K+V"
+OP = "evict_and_fill"
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,37 @@ class StateCopy:
         mx.eval([mx.array(x) for x in self.state])
 
 
+class SlotsOp:
+    """The op of the slot layout's decode step alone: ``evict_and_fill`` on
+    slot buffers ``[B, H, budget + 1, *]`` holding the kept rows and the
+    previous step's new row, donated (the previous buffers dropped first),
+    with the cache's configuration; the L2NormKVCache around it adds its
+    Python and the views it returns."""
+
+    def __init__(self, config: StepConfig):
+        self.budget = config.budget
+        slots = config.budget + 1
+        shape = (config.batch, config.heads, slots, config.dim)
+        keys, values, order = random_arrays(
+            [shape, shape, shape[:3]], FLOAT_DTYPES[config.dtype], seed=3)
+        # Every slot filled, the positions a permutation of [0, slots) per head.
+        positions = mx.argsort(order, axis=-1).astype(mx.int32)
+        self.buffers = [keys, values, key_norms(keys), positions]
+        mx.eval(self.buffers)
+        self.offset = slots
+
+    def step(self, keys: mx.array, values: mx.array) -> None:
+        inputs = [*self.buffers, keys, values]
+        self.buffers = None
+        self.buffers = evict_and_fill_unchecked(
+            *inputs, filled=self.budget + 1, offset=self.offset, capacity=self.budget + 1,
+            budget=self.budget, n_sink=N_SINK, recent=DEFAULT_RECENT, keep="low",
+        )
+        del inputs  # the last references: the op may now update the buffers in place
+        mx.eval(self.buffers)
+        self.offset += 1
+
+
 def time_steps(entry, tokens, schedule: Schedule) -> tuple[list[float], int]:
     """Seconds per step and the minor page faults of one round of ``entry``
     over the round's ``tokens``."""
@@ -162,6 +198,8 @@ def run_config(config: StepConfig, schedule: Schedule, progress: Progress) -> di
         progress.step(f"{config.label}: fill {name}")
         entries[name] = CacheStep(make(config.budget))
         entries[name].fill(config, fill_tokens)
+    progress.step(f"{config.label}: fill {OP}")
+    entries[OP] = SlotsOp(config)
     entries[MEMCPY] = StateCopy(config)
     names = list(entries)
     samples = {name: [] for name in names}
@@ -176,15 +214,18 @@ def run_config(config: StepConfig, schedule: Schedule, progress: Progress) -> di
                 faults[name] += f
     timings = {name: summary(samples[name], faults[name]) for name in names}
     memcpy = timings.pop(MEMCPY)
+    op = timings.pop(OP)
     rotating_ms = timings["RotatingKVCache"]["median_ms"]
-    for timing in timings.values():
+    for timing in [*timings.values(), op]:
         timing["ratio_to_rotating"] = timing["median_ms"] / rotating_ms
         timing["ratio_to_memcpy"] = timing["median_ms"] / memcpy["median_ms"]
+    op["ratio_to_slots"] = op["median_ms"] / timings["slots"]["median_ms"]
     return {
         "config": asdict(config),
         "label": config.label,
         "kv_bytes": kv_bytes(config),
         "caches": timings,
+        "evict_and_fill": op,
         "memcpy": memcpy,
     }
 
@@ -201,7 +242,9 @@ def configs(budgets, batches, heads: int, dim: int, dtype: str = "float16") -> l
 
 def run_cache_suite(step_configs: list[StepConfig], schedule: Schedule, show_progress: bool = True) -> list[dict]:
     """Each configuration in turn, in a warm process."""
-    progress = Progress(len(step_configs) * (len(cache_kinds()) + schedule.rounds), show_progress)
+    # Per configuration: a fill per cache and the op's, then the rounds.
+    per_config = len(cache_kinds()) + 1 + schedule.rounds
+    progress = Progress(len(step_configs) * per_config, show_progress)
     try:
         warm_up()
         return [run_config(c, schedule, progress) for c in step_configs]

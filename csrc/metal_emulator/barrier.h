@@ -1,0 +1,106 @@
+// The barrier the emulator's threadgroups and SIMD groups meet at, and the
+// bits of metal::mem_flags that say what a threadgroup barrier orders.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+
+#include "metal_emulator/tsan.h"
+
+namespace metal_emu {
+
+// The bits of metal::mem_flags.
+constexpr unsigned kOrdersDevice = 1;
+constexpr unsigned kOrdersThreadgroup = 2;
+
+// Generation-counting barrier for a fixed set of threads. A thread that
+// returns from the kernel leaves the set; if others are already waiting, the
+// kernel reached a barrier in divergent control flow (undefined behaviour in
+// Metal), which is recorded and reported instead of deadlocking. So are
+// threads that meet at one barrier with different `kind`s (a threadgroup
+// barrier's mem_flags): they called different barriers.
+class Barrier {
+ public:
+  void reset(uint32_t participants) {
+    HiddenFromTsan hidden;
+    std::lock_guard<std::mutex> lock(mutex_);
+    expected_ = participants;
+    arrived_ = 0;
+    diverged_ = false;
+    abandoned_ = false;
+  }
+
+  // The last thread to arrive runs `complete` before any thread returns.
+  // False when the barrier was abandoned before all participants arrived.
+  template <typename Complete>
+  bool arrive_and_wait(unsigned kind, Complete&& complete) {
+    HiddenFromTsan hidden;
+    std::unique_lock<std::mutex> lock(mutex_);
+    const uint64_t generation = generation_;
+    if (abandoned_) {
+      return false;
+    }
+    if (arrived_ == 0) {
+      kind_ = kind;
+    } else if (kind != kind_) {
+      diverged_ = true;
+    }
+    if (++arrived_ == expected_) {
+      complete();
+      release();
+    } else {
+      cv_.wait(lock, [&] { return generation_ != generation || abandoned_; });
+    }
+    return generation_ != generation;
+  }
+
+  // Wakes the waiting threads, and fails every later wait, without a release:
+  // for participants that will never arrive.
+  void abandon() {
+    HiddenFromTsan hidden;
+    std::lock_guard<std::mutex> lock(mutex_);
+    abandoned_ = true;
+    cv_.notify_all();
+  }
+
+  bool arrive_and_wait() {
+    return arrive_and_wait(0, [] {});
+  }
+
+  void leave() {
+    HiddenFromTsan hidden;
+    std::lock_guard<std::mutex> lock(mutex_);
+    --expected_;
+    if (arrived_ > 0) {
+      diverged_ = true;
+      if (arrived_ == expected_) {
+        release();
+      }
+    }
+  }
+
+  bool diverged() {
+    HiddenFromTsan hidden;
+    std::lock_guard<std::mutex> lock(mutex_);
+    return diverged_;
+  }
+
+ private:
+  void release() {
+    arrived_ = 0;
+    ++generation_;
+    cv_.notify_all();
+  }
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  uint32_t expected_ = 0;
+  uint32_t arrived_ = 0;
+  uint64_t generation_ = 0;
+  unsigned kind_ = 0;
+  bool diverged_ = false;
+  bool abandoned_ = false;
+};
+
+} // namespace metal_emu

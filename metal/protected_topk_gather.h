@@ -1,0 +1,345 @@
+// ProtectedTopKGather on the GPU: one eviction step of docs/spec.md
+// section 3 for every head, one threadgroup of kGatherGroupSize threads per
+// head:
+//   knorm_radix_select  the threshold among the middle rows (knorm_kernels.h);
+//   knorm_compact       the kept rows' indices and norms, in temporal order;
+//   knorm_copy_rows     their key and value rows.
+// Rows are read straight from prior or new: the concatenation is never
+// built. An output bound to its prior's buffer (a bit of in_place; then
+// n_prior == kept) is compacted in place: its kept prior rows move down in
+// the waves of knorm_move_rows (knorm_compact_in_place), rows already where
+// they belong are not written, and the new rows follow. A head that evicts
+// reads its norms five times (four radix passes and the compaction): from
+// threadgroup memory when they fit there. All offsets into K/V buffers are
+// 64-bit.
+//
+// With few heads and many rows to copy, one threadgroup per head would leave
+// most of a GPU idle while the rows move, so the launch plan splits the step
+// in two dispatches: knorm_protected_topk_gather with copy_rows = 0 selects
+// (and compacts in place), then knorm_gather_rows copies the rows from the
+// indices, kSplitRows output rows per threadgroup.
+//
+// Instantiated in protected_topk_gather.metal; launched by the plans of
+// csrc/protected_topk_gather/plan.cpp. Compiles as Metal Shading Language
+// and, through csrc/metal_emulator/metal_emulator.h, as C++.
+#ifndef MLX_KNORM_METAL_PROTECTED_TOPK_GATHER_H
+#define MLX_KNORM_METAL_PROTECTED_TOPK_GATHER_H
+
+#include "knorm_kernels.h"
+
+constant constexpr uint kGatherSimdGroups = kGatherGroupSize / kSimdWidth;
+// Rows of a head whose norms are copied to threadgroup memory: 28 KiB, with
+// the histogram and the scan's scratch within the 32 KiB a threadgroup may
+// have.
+constant constexpr uint kGatherCachedNorms = 7168;
+
+// One head: where its rows are and the plan's selection constants, computed
+// on the host from the shapes. Rows [0, sink_end) and [mid_end, n_total)
+// are protected, and mid_keep middle rows are kept; without eviction the
+// plan protects every row and sets mid_keep = 0.
+struct KnormHead {
+  uint index;  // n, the head's position in the batch
+  uint n_prior;
+  uint n_new;
+  uint kept;
+  uint sink_end;
+  uint mid_end;
+  uint mid_keep;
+  bool keep_high;
+  device const float* prior_norms;  // this head's rows
+  device const float* new_norms;
+  bool cached;  // the norms of rows [0, n_prior + n_new) are in cached_norms
+  threadgroup const float* cached_norms;
+};
+
+inline float knorm_norm_at(KnormHead head, uint j) {
+  if (head.cached) {
+    return head.cached_norms[j];
+  }
+  return j < head.n_prior ? head.prior_norms[j] : head.new_norms[j - head.n_prior];
+}
+
+// The order keys of a head's rows, for knorm_radix_select.
+struct KnormGatherKeys {
+  KnormHead head;
+
+  uint operator()(uint j) const {
+    return knorm_score_key(knorm_norm_at(head, j), head.keep_high);
+  }
+};
+
+// Stable compaction in temporal order, kGatherGroupSize rows at a time: two
+// threadgroup prefix sums give each row its rank among the middle rows at
+// the threshold key and its output position. Kept rows write their index,
+// and their norm unless the norms are compacted in place (other threads
+// may still read the norm a write would replace).
+inline void knorm_compact(
+    KnormHead head,
+    KnormCut<uint> cut,
+    device uint* row_indices,
+    device float* row_norms,
+    bool norms_in_place,
+    threadgroup uint* simd_totals,
+    uint tid,
+    uint lane,
+    uint simd_group) {
+  const uint n_total = head.n_prior + head.n_new;
+  uint equal_before = 0;
+  uint kept_before = 0;
+  for (uint base = 0; base < n_total; base += kGatherGroupSize) {
+    const uint j = base + tid;
+    const bool valid = j < n_total;
+    const float norm = valid ? knorm_norm_at(head, j) : 0.0f;
+    const bool protect = j < head.sink_end || j >= head.mid_end;
+    const uint key = knorm_score_key(norm, head.keep_high);
+    const bool equal = valid && !protect && key == cut.key;
+    const KnormScan eq =
+        knorm_block_scan<kGatherGroupSize>(equal ? 1u : 0u, simd_totals, lane, simd_group);
+    const bool keep = valid &&
+        (protect || key < cut.key ||
+         (equal && equal_before + eq.exclusive < cut.take_equal));
+    const KnormScan pos =
+        knorm_block_scan<kGatherGroupSize>(keep ? 1u : 0u, simd_totals, lane, simd_group);
+    if (keep) {
+      row_indices[kept_before + pos.exclusive] = j;
+      if (!norms_in_place) {
+        row_norms[kept_before + pos.exclusive] = norm;
+      }
+    }
+    equal_before += eq.total;
+    kept_before += pos.total;
+  }
+}
+
+// Copies the output rows [begin, end) of one head's keys or values (which
+// may differ in width) from the rows their indices name: one SIMD group per
+// output row, lanes on consecutive units of `unit` bytes (knorm_copy_bits)
+// so that loads and stores coalesce; the bits move as they are. With
+// skip_prior (the output is its prior's buffer, compacted in place) rows
+// from the prior are already there and only new rows are written.
+template <typename T>
+inline void knorm_copy_rows(
+    uint head_index,
+    uint n_prior,
+    uint n_new,
+    uint kept,
+    device const uint* row_indices,
+    device const T* prior,
+    device const T* fresh,
+    device T* out,
+    uint begin,
+    uint end,
+    bool skip_prior,
+    uint dim,
+    uint unit,
+    uint lane,
+    uint simd_group) {
+  device const T* prior_rows = prior + ulong(head_index) * n_prior * dim;
+  device const T* new_rows = fresh + ulong(head_index) * n_new * dim;
+  device T* dst = out + (ulong(head_index) * kept + begin + simd_group) * dim;
+  const ulong dst_step = ulong(kGatherSimdGroups) * dim;
+  for (uint p = begin + simd_group; p < end; p += kGatherSimdGroups, dst += dst_step) {
+    const uint j = row_indices[p];
+    if (j < n_prior && skip_prior) {
+      continue;
+    }
+    device const T* src = j < n_prior ? prior_rows + ulong(j) * dim
+                                      : new_rows + ulong(j - n_prior) * dim;
+    knorm_copy_bits(src, dst, dim, unit, lane, kSimdWidth);
+  }
+}
+
+// One head's outputs, with the bits of in_place: keys 1, values 2, norms 4
+// (output i is prior input i's buffer).
+template <typename K, typename V>
+struct KnormGatherOutputs {
+  device K* keys;
+  device V* values;
+  device float* norms;
+  uint key_dim;
+  uint value_dim;
+  uint key_unit;  // bytes of the units K and V rows move in (knorm_copy_bits)
+  uint value_unit;
+  uint in_place;
+};
+
+// The kept prior rows of the outputs in place, kGatherGroupSize output rows
+// at a time. They are the first outputs (rows keep temporal order), with
+// sources increasing and at or past them, as knorm_move_rows needs; a
+// chunk whose last such row is where it belongs moves nothing, as then no
+// row before it moves either. src holds a chunk's sources. Returns how many
+// prior rows are kept.
+template <typename K, typename V>
+inline uint knorm_compact_in_place(
+    KnormHead head,
+    device const uint* row_indices,
+    KnormGatherOutputs<K, V> out,
+    threadgroup uint* src,
+    threadgroup uint* simd_totals,
+    uint tid,
+    uint lane,
+    uint simd_group) {
+  uint prior_kept = 0;
+  for (uint base = 0; base < head.kept; base += kGatherGroupSize) {
+    const uint p = base + tid;
+    const uint j = p < head.kept ? row_indices[p] : head.n_prior;
+    if (j < head.n_prior) {
+      src[tid] = j;
+    }
+    // Its barriers also make the list visible to the whole group.
+    const uint n = knorm_block_scan<kGatherGroupSize>(
+        j < head.n_prior ? 1u : 0u, simd_totals, lane, simd_group).total;
+    if (n == 0) {
+      break;
+    }
+    if (src[n - 1] != base + n - 1) {
+      if ((out.in_place & 1u) != 0) {
+        knorm_move_kv_rows<kGatherGroupSize>(out.keys, out.keys, true, src, base, n,
+                                             out.key_dim, out.key_unit, tid);
+      }
+      if ((out.in_place & 2u) != 0) {
+        knorm_move_kv_rows<kGatherGroupSize>(out.values, out.values, true, src, base, n,
+                                             out.value_dim, out.value_unit, tid);
+      }
+      if ((out.in_place & 4u) != 0) {
+        knorm_move_rows<kGatherGroupSize>(out.norms, out.norms, true, src, base, n, 1u, tid);
+      }
+    }
+    prior_kept += n;
+    // The list is read before the next chunk writes it.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  return prior_kept;
+}
+
+template <typename K, typename V>
+[[kernel]] void knorm_protected_topk_gather(
+    device const K* prior_keys KNORM_BUFFER(0),
+    device const V* prior_values KNORM_BUFFER(1),
+    device const float* prior_norms KNORM_BUFFER(2),
+    device const K* new_keys KNORM_BUFFER(3),
+    device const V* new_values KNORM_BUFFER(4),
+    device const float* new_norms KNORM_BUFFER(5),
+    device K* out_keys KNORM_BUFFER(6),
+    device V* out_values KNORM_BUFFER(7),
+    device float* out_norms KNORM_BUFFER(8),
+    device uint* out_indices KNORM_BUFFER(9),
+    constant uint& n_prior KNORM_BUFFER(10),
+    constant uint& n_new KNORM_BUFFER(11),
+    constant uint& key_dim KNORM_BUFFER(12),
+    constant uint& value_dim KNORM_BUFFER(13),
+    constant uint& kept KNORM_BUFFER(14),
+    constant uint& sink_end KNORM_BUFFER(15),
+    constant uint& mid_end KNORM_BUFFER(16),
+    constant uint& mid_keep KNORM_BUFFER(17),
+    constant uint& keep_high KNORM_BUFFER(18),
+    constant uint& in_place KNORM_BUFFER(19),
+    constant uint& key_unit KNORM_BUFFER(20),
+    constant uint& value_unit KNORM_BUFFER(21),
+    constant uint& copy_rows KNORM_BUFFER(22),
+    uint row KNORM_ATTRIBUTE(threadgroup_position_in_grid),
+    uint tid KNORM_ATTRIBUTE(thread_position_in_threadgroup),
+    uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
+    uint simd_group KNORM_ATTRIBUTE(simdgroup_index_in_threadgroup)) {
+  KNORM_THREADGROUP_ARRAY(atomic_uint, histogram, kRadixBins);
+  KNORM_THREADGROUP_ARRAY(uint, simd_totals, kGatherSimdGroups);
+  KNORM_THREADGROUP_ARRAY(uint, picked, 3);
+  KNORM_THREADGROUP_ARRAY(float, cached_norms, kGatherCachedNorms);
+  // A chunk's sources in an in-place compaction.
+  KNORM_THREADGROUP_ARRAY(uint, sources, kGatherGroupSize);
+
+  const uint n_total = n_prior + n_new;
+  KnormHead head = {
+      row, n_prior, n_new, kept, sink_end, mid_end, mid_keep, keep_high != 0,
+      prior_norms + ulong(row) * n_prior, new_norms + ulong(row) * n_new,
+      false, cached_norms};
+  // Radix select of the mid_keep-th smallest middle key.
+  KnormCut<uint> cut = {0u, 0u, 0u};
+  if (mid_keep > 0) {
+    if (n_total <= kGatherCachedNorms) {
+      for (uint j = tid; j < n_total; j += kGatherGroupSize) {
+        cached_norms[j] = knorm_norm_at(head, j);
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      head.cached = true;
+    }
+    KnormGatherKeys keys = {head};
+    cut = knorm_radix_select<uint, kGatherGroupSize>(
+        keys, sink_end, mid_end, mid_keep, histogram, simd_totals, picked, tid,
+        lane, simd_group);
+  }
+  device uint* row_indices = out_indices + ulong(row) * kept;
+  device float* row_norms = out_norms + ulong(row) * kept;
+  const bool norms_in_place = (in_place & 4u) != 0;
+  knorm_compact(head, cut, row_indices, row_norms, norms_in_place,
+                simd_totals, tid, lane, simd_group);
+  // The copies read indices written by other threads of the group, and the
+  // moves in place overwrite norms the compaction read.
+  threadgroup_barrier(mem_flags::mem_device);
+  uint prior_kept = 0;
+  if (in_place != 0) {
+    const KnormGatherOutputs<K, V> out = {
+        out_keys + ulong(row) * kept * key_dim, out_values + ulong(row) * kept * value_dim,
+        row_norms, key_dim, value_dim, key_unit, value_unit, in_place};
+    // Each wave of knorm_move_rows ends with a barrier on device memory: the
+    // prior rows are read before the new rows below replace them.
+    prior_kept = knorm_compact_in_place(head, row_indices, out, sources, simd_totals, tid,
+                                        lane, simd_group);
+  }
+  // The rows an output in place still lacks are the new ones.
+  if (copy_rows != 0) {
+    knorm_copy_rows(row, n_prior, n_new, kept, row_indices, prior_keys, new_keys, out_keys,
+                    (in_place & 1u) != 0 ? prior_kept : 0u, kept, false, key_dim, key_unit,
+                    lane, simd_group);
+    knorm_copy_rows(row, n_prior, n_new, kept, row_indices, prior_values, new_values,
+                    out_values, (in_place & 2u) != 0 ? prior_kept : 0u, kept, false,
+                    value_dim, value_unit, lane, simd_group);
+  }
+  if (norms_in_place) {
+    for (uint p = prior_kept + tid; p < kept; p += kGatherGroupSize) {
+      row_norms[p] = head.new_norms[row_indices[p] - n_prior];
+    }
+  }
+}
+
+// The key and value rows of a gather whose selection ran before
+// (knorm_protected_topk_gather with copy_rows = 0 wrote the indices, and
+// compacted the outputs that are in place): threadgroup g copies output rows
+// [first_row + b * kSplitRows, + kSplitRows) of head
+// g / groups_per_head, b = g % groups_per_head. Rows below first_row are
+// kept prior rows of outputs in place, which are already compacted.
+template <typename K, typename V>
+[[kernel]] void knorm_gather_rows(
+    device const K* prior_keys KNORM_BUFFER(0),
+    device const V* prior_values KNORM_BUFFER(1),
+    device const K* new_keys KNORM_BUFFER(2),
+    device const V* new_values KNORM_BUFFER(3),
+    device const uint* indices KNORM_BUFFER(4),
+    device K* out_keys KNORM_BUFFER(5),
+    device V* out_values KNORM_BUFFER(6),
+    constant uint& n_prior KNORM_BUFFER(7),
+    constant uint& n_new KNORM_BUFFER(8),
+    constant uint& key_dim KNORM_BUFFER(9),
+    constant uint& value_dim KNORM_BUFFER(10),
+    constant uint& kept KNORM_BUFFER(11),
+    constant uint& in_place KNORM_BUFFER(12),
+    constant uint& key_unit KNORM_BUFFER(13),
+    constant uint& value_unit KNORM_BUFFER(14),
+    constant uint& first_row KNORM_BUFFER(15),
+    constant uint& groups_per_head KNORM_BUFFER(16),
+    uint group KNORM_ATTRIBUTE(threadgroup_position_in_grid),
+    uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
+    uint simd_group KNORM_ATTRIBUTE(simdgroup_index_in_threadgroup)) {
+  const uint head = group / groups_per_head;
+  const uint begin = first_row + (group % groups_per_head) * kSplitRows;
+  // begin < kept; begin + kSplitRows may not fit in a uint.
+  const uint end = kept - begin > kSplitRows ? begin + kSplitRows : kept;
+  device const uint* row_indices = indices + ulong(head) * kept;
+  knorm_copy_rows(head, n_prior, n_new, kept, row_indices, prior_keys, new_keys, out_keys,
+                  begin, end, (in_place & 1u) != 0, key_dim, key_unit, lane, simd_group);
+  knorm_copy_rows(head, n_prior, n_new, kept, row_indices, prior_values, new_values,
+                  out_values, begin, end, (in_place & 2u) != 0, value_dim, value_unit, lane,
+                  simd_group);
+}
+
+#endif // MLX_KNORM_METAL_PROTECTED_TOPK_GATHER_H
