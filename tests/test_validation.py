@@ -11,6 +11,9 @@ import pytest
 import mlx_knorm
 from conftest import ALL_BACKENDS
 from mlx_knorm import _native
+from mlx_knorm.ops.evict_and_fill import evict_and_fill_unchecked
+from mlx_knorm.ops.key_norms import key_norms_unchecked
+from mlx_knorm.ops.protected_topk_gather import protected_topk_gather_unchecked
 
 
 def good(n=2, n_prior=5, s=3, d=8, dtype=mx.float16):
@@ -286,3 +289,47 @@ def test_failed_step_leaves_buffers_untouched(backend):
     with mlx_knorm.use_backend(backend), pytest.raises(ValueError):
         mlx_knorm.evict_and_fill(**{**args, "capacity": 3})
     assert np.array_equal(before, np.array(args["keys"]))
+
+
+# The fallback refuses what the primitives refuse, also where a caller ran
+# its own checks and skips the op's Python checks (the state API, the cache).
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize(
+    "change, fragment, error",
+    [(c, f, ValueError) for c, f in STEP_VALUE_ERRORS] + [(c, f, TypeError) for c, f in STEP_DTYPE_ERRORS],
+)
+def test_unchecked_step_refuses_what_the_primitive_refuses(backend, change, fragment, error):
+    args = {**good_step(), **change}
+    with mlx_knorm.use_backend(backend), pytest.raises(error, match=re.escape(fragment)):
+        mx.eval(evict_and_fill_unchecked(**args))
+
+
+UNCHECKED_GATHER_ERRORS = [
+    (dict(new_values=mx.ones((2, 4, 8), mx.float16)), ValueError, "keys/values mismatch in N or rows"),
+    (dict(prior_values=mx.ones((2, 5, 7), mx.float16)), ValueError, "prior vs new mismatch in N or D"),
+    (dict(prior_norms=mx.zeros((2, 4))), ValueError, "prior_norms must be [N, n_prior]"),
+    (dict(new_norms=mx.zeros((2, 2))), ValueError, "new_norms must be [N, S]"),
+    (dict(budget=0), ValueError, "budget must be >= 1"),
+    (dict(n_sink=3, recent=3), ValueError, "must be < budget"),
+    (dict(keep="middle"), ValueError, "keep must be 'low' or 'high'"),
+    (dict(new_keys=mx.ones((2, 3, 8), mx.int32)), TypeError, "new_keys must be float16, bfloat16 or float32"),
+    (dict(prior_norms=mx.zeros((2, 5), mx.float16)), TypeError, "prior_norms must be float32"),
+]
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("change, error, fragment", UNCHECKED_GATHER_ERRORS)
+def test_unchecked_gather_refuses_what_the_primitive_refuses(backend, change, error, fragment):
+    args = {**good(), "new_norms": mx.zeros((2, 3)), **change}
+    order = ("prior_keys", "prior_values", "prior_norms", "new_keys", "new_values", "new_norms",
+             "budget", "n_sink", "recent", "keep")
+    with mlx_knorm.use_backend(backend), pytest.raises(error, match=re.escape(fragment)):
+        mx.eval(protected_topk_gather_unchecked(*(args[name] for name in order)))
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_unchecked_key_norms_refuses_what_the_primitive_refuses(backend):
+    with mlx_knorm.use_backend(backend), pytest.raises(TypeError, match="keys must be float16"):
+        mx.eval(key_norms_unchecked(mx.zeros((2, 8), mx.int32)))
