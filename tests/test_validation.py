@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import mlx_knorm
-from conftest import ALL_BACKENDS
+from conftest import ALL_BACKENDS, requires_emulator
 from mlx_knorm import _native
 from mlx_knorm.ops.evict_and_fill import evict_and_fill_unchecked
 from mlx_knorm.ops.key_norms import key_norms_unchecked
@@ -333,3 +333,13 @@ def test_unchecked_gather_refuses_what_the_primitive_refuses(backend, change, er
 def test_unchecked_key_norms_refuses_what_the_primitive_refuses(backend):
     with mlx_knorm.use_backend(backend), pytest.raises(TypeError, match="keys must be float16"):
         mx.eval(key_norms_unchecked(mx.zeros((2, 8), mx.int32)))
+
+
+@requires_emulator
+def test_the_metal_width_limit_names_the_argument():
+    with mlx_knorm.use_backend("metal-emulator"):
+        with pytest.raises(ValueError, match=r"keys: the Metal key-norm kernel supports D <= 512, got D = 513"):
+            mlx_knorm.key_norms(mx.zeros((2, 513)))
+        with pytest.raises(ValueError, match=r"new_keys: the Metal key-norm kernel supports D <= 512, got D = 513"):
+            mlx_knorm.evict_and_fill(**{**good_step(), "keys": mx.zeros((2, 6, 513), mx.float16),
+                                        "new_keys": mx.ones((2, 1, 513), mx.float16)})

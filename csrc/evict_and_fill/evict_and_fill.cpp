@@ -131,7 +131,7 @@ void EvictAndFill::check_inputs(const StepInputs& in) {
       stream().device == mx::Device::gpu) {
     // The Metal kernel takes the new rows' norms with the key-norm kernel's
     // code.
-    check_metal_key_norms_shape(in.new_keys);
+    check_metal_key_norms_shape(in.new_keys, "new_keys");
   }
 }
 

@@ -25,7 +25,7 @@ void KeyNorms::check_inputs(const std::vector<mx::array>& inputs) {
   }
   if (executor_ == Executor::MetalEmulator ||
       stream().device == mx::Device::gpu) {
-    check_metal_key_norms_shape(keys);
+    check_metal_key_norms_shape(keys, "keys");
   }
 }
 
