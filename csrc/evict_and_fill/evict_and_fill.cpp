@@ -169,11 +169,12 @@ void EvictAndFill::eval_cpu(
 #endif
   // Every output may take over its input's buffer (docs/spec.md §7); the
   // kernels then write only the rows that move.
-  take_over_or_allocate(inputs, outputs, [](size_t) { return true; });
-  dispatch_on_cpu(stream(), inputs, outputs, [kernel, config = config_](
+  auto lent = take_over_or_allocate(inputs, outputs, [](size_t) { return true; });
+  run_on_cpu(stream(), executor_, inputs, outputs, [kernel, config = config_](
       const std::vector<mx::array>& in, std::vector<mx::array>& out) {
     kernel(StepInputs::from(in), out, config);
   });
+  lent.keep();
 }
 
 } // namespace mlx_knorm

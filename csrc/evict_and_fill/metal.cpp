@@ -107,8 +107,9 @@ void EvictAndFill::eval_gpu(
   check_row_contiguous(inputs, name());
   // As on the CPU: every output may take over its input's buffer
   // (docs/spec.md §7), and the kernel then writes only the rows that move.
-  take_over_or_allocate(inputs, outputs, [](size_t) { return true; });
+  auto lent = take_over_or_allocate(inputs, outputs, [](size_t) { return true; });
   dispatch_on_gpu(evict_and_fill_plan(in, outputs, config_), inputs, outputs, stream());
+  lent.keep();
 }
 #else
 void EvictAndFill::eval_gpu(

@@ -1,7 +1,6 @@
 #include "key_norms/key_norms.h"
 
-#include "mlx/backend/cpu/encoder.h"
-
+#include "common/multi_output.h"
 #include "common/validation.h"
 
 namespace mlx_knorm {
@@ -51,15 +50,11 @@ void KeyNorms::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
     kernel = &key_norms_emulated;
   }
 #endif
-  const auto& keys = inputs[0];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(keys);
-  encoder.set_output_array(out);
-  encoder.dispatch([kernel,
-                    keys = mx::array::unsafe_weak_copy(keys),
-                    out = mx::array::unsafe_weak_copy(out)]() mutable {
-    kernel(keys, out);
+  allocate_output(out);
+  std::vector<mx::array> outputs{out};
+  run_on_cpu(stream(), executor_, inputs, outputs, [kernel](
+      const std::vector<mx::array>& in, std::vector<mx::array>& out) {
+    kernel(in[0], out[0]);
   });
 }
 

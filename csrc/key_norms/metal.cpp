@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/dtype.h"
+#include "common/multi_output.h"
 #include "common/validation.h"
 #include "metal/knorm_defines.h"
 #ifdef MLX_KNORM_METAL
@@ -74,7 +75,7 @@ LaunchPlan key_norms_plan(const mx::array& keys, const mx::array& norms) {
 void KeyNorms::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
   check_inputs(inputs);
   check_row_contiguous(inputs, name());
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+  allocate_output(out);
   std::vector<mx::array> outputs{out};
   dispatch_on_gpu(key_norms_plan(inputs[0], out), inputs, outputs, stream());
 }

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "common/dtype.h"
+#include "common/multi_output.h"
 #include "common/validation.h"
 #include "metal/knorm_defines.h"
 #ifdef MLX_KNORM_METAL
@@ -107,8 +108,9 @@ void ProtectedTopKGather::eval_gpu(
   const auto in = GatherInputs::from(inputs);
   check_inputs(in);
   check_row_contiguous(inputs, name());
-  allocate_outputs(inputs, outputs);
+  auto lent = allocate_outputs(inputs, outputs);
   dispatch_on_gpu(protected_topk_gather_plan(in, outputs, config_), inputs, outputs, stream());
+  lent.keep();
 }
 #else
 void ProtectedTopKGather::eval_gpu(

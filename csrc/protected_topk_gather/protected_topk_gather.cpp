@@ -102,14 +102,14 @@ std::vector<mx::Shape> ProtectedTopKGather::output_shapes(
       {n_heads, kept}};
 }
 
-void ProtectedTopKGather::allocate_outputs(
+LentSiblingInputs ProtectedTopKGather::allocate_outputs(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
   // keys, values and norms (outputs 0-2) may take over the prior's buffer
   // (inputs 0-2) when nothing else holds it and the shape is unchanged (a
   // step from a full cache): the kernels then move only the rows after the
   // first evicted one (docs/spec.md §7).
-  take_over_or_allocate(inputs, outputs, [](size_t i) { return i < 3; });
+  return take_over_or_allocate(inputs, outputs, [](size_t i) { return i < 3; });
 }
 
 void ProtectedTopKGather::eval_cpu(
@@ -123,11 +123,12 @@ void ProtectedTopKGather::eval_cpu(
     kernel = &protected_topk_gather_emulated;
   }
 #endif
-  allocate_outputs(inputs, outputs);
-  dispatch_on_cpu(stream(), inputs, outputs, [kernel, config = config_](
+  auto lent = allocate_outputs(inputs, outputs);
+  run_on_cpu(stream(), executor_, inputs, outputs, [kernel, config = config_](
       const std::vector<mx::array>& in, std::vector<mx::array>& out) {
     kernel(GatherInputs::from(in), out, config);
   });
+  lent.keep();
 }
 
 } // namespace mlx_knorm

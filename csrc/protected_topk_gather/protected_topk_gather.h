@@ -21,6 +21,8 @@ namespace mlx_knorm {
 
 namespace mx = mlx::core;
 
+class LentSiblingInputs;  // common/multi_output.h
+
 // The primitive's inputs, in its input order: a prior state [N, n_prior, *]
 // and a new block [N, S, *] of keys, values and float32 norms.
 struct GatherInputs {
@@ -88,8 +90,9 @@ class ProtectedTopKGather : public mx::Primitive {
 
  private:
   // Gives each output a buffer, its prior's where donation allows: one rule
-  // for eval_cpu (the CPU kernel and the emulator) and eval_gpu.
-  static void allocate_outputs(
+  // for eval_cpu (the CPU kernel and the emulator) and eval_gpu, which
+  // keep() the result once nothing can raise.
+  [[nodiscard]] static LentSiblingInputs allocate_outputs(
       const std::vector<mx::array>& inputs,
       std::vector<mx::array>& outputs);
 
