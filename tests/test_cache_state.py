@@ -15,7 +15,6 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 import mlx_knorm
 import spec_oracle
-from conftest import ALL_BACKENDS, EMULATOR_SETTINGS
 from mlx_knorm.cache import L2NormKVCache
 from mlx_knorm.cache_state import FIELDS, check_state
 
@@ -266,10 +265,12 @@ def changes(draw):
     key_dim, value_dim = draw(st.sampled_from([0, 3, 8])), draw(st.sampled_from([0, 5]))
     dtype = draw(st.sampled_from([mx.float16, mx.bfloat16, mx.float32]))
     steps = []
-    for _ in range(draw(st.integers(1, 8))):
+    for _ in range(draw(st.integers(1, 12))):
         kind = draw(st.sampled_from(["block", "block", "block", "meta", "reload"]))
         if kind == "block":
-            rows = draw(st.integers(0, 6))
+            # Decode steps often: in the slot layout they leave rows out of
+            # temporal order.
+            rows = draw(st.one_of(st.just(1), st.integers(0, 6)))
             keys, values = [batch, heads, rows, key_dim], [batch, heads, rows, value_dim]
             flaw = draw(st.sampled_from([None, None, None, "rows", "heads", "key_dim", "rank", "int32"]))
             if flaw == "rows":
@@ -320,8 +321,11 @@ def values_of(cache: L2NormKVCache) -> list:
     ]
 
 
-@pytest.mark.parametrize("backend", ALL_BACKENDS)
-@settings(EMULATOR_SETTINGS)
+# Each example saves and loads files: a third of the examples, on the CPU
+# kernel and the fallback (the emulator's cache steps equal the fallback's
+# bit for bit, tests/test_cache_reference.py).
+@pytest.mark.parametrize("backend", ["kernel", "fallback"])
+@settings(max_examples=max(10, settings.default.max_examples // 3))
 @given(case=changes())
 def test_what_a_cache_accepts_round_trips(backend, case):
     (budget, n_sink, recent), layout, steps = case

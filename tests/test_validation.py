@@ -442,3 +442,29 @@ def test_cache_keys_past_the_metal_width_raise_on_the_emulator():
         ValueError, match=re.escape("state field 'keys': the Metal key-norm kernel supports D <= 512")
     ):
         L2NormKVCache.from_state(wide.state)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("rows", [1, 6])
+def test_inputs_that_are_slices_of_larger_buffers(backend, rows):
+    """Evaluated views that are not row-contiguous (what a cache's state
+    gives, sliced from its buffers) are valid inputs on every backend and
+    give what their copies give (mx.as_strided, which pins the fallbacks'
+    shapes, refuses some such views)."""
+    rng = np.random.default_rng(3)
+    whole = [mx.array(rng.standard_normal(shape).astype(np.float32)) for shape in ((2, 9, 8), (2, 9, 3), (2, 9))]
+    whole.append(mx.array(np.stack([rng.permutation(9) for _ in range(2)]).astype(np.int32)))
+    mx.eval(whole)
+    views = [w[:, :rows] for w in whole]
+    mx.eval(views)
+    copies = [mx.array(np.array(v)) for v in views]
+    config = dict(filled=rows, offset=9, capacity=rows, budget=5, n_sink=1, recent=1, keep="low", layout="slots")
+    new = [mx.ones((2, 1, 8)), mx.ones((2, 1, 3))]
+    with mlx_knorm.use_backend(backend):
+        for got, want in zip(mlx_knorm.evict_and_fill(*views, *new, **{**config, "capacity": rows + 1}),
+                             mlx_knorm.evict_and_fill(*copies, *new, **{**config, "capacity": rows + 1})):
+            assert mx.array_equal(got[:, : min(rows, 5) + 1], want[:, : min(rows, 5) + 1]).item()
+        got = mlx_knorm.protected_topk_gather(*views[:3], *new, mx.ones((2, 1)), 5, 1, 1, "low")
+        want = mlx_knorm.protected_topk_gather(*copies[:3], *new, mx.ones((2, 1)), 5, 1, 1, "low")
+        assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+        assert mx.array_equal(mlx_knorm.key_norms(views[2]), mlx_knorm.key_norms(copies[2])).item()

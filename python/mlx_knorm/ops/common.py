@@ -35,9 +35,12 @@ def shape_pinned(x: mx.array) -> mx.array:
     results when replayed for another (docs/spec.md §6). MLX cannot infer the
     output shape of ``as_strided``, so a shapeless compilation raises instead
     ("AsStrided cannot infer output shapes"); eagerly and under ordinary
-    ``mx.compile`` it is a view.
+    ``mx.compile`` it is a view. ``as_strided`` takes row-contiguous arrays
+    only (a slice of a larger buffer, evaluated, raises when evaluated), so
+    ``x`` is made contiguous first: a copy only where it is not, as the
+    primitives copy such inputs.
     """
-    return mx.as_strided(x, x.shape)
+    return mx.as_strided(mx.contiguous(x), x.shape)
 
 
 def without_transforms(op_name: str):
