@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 import mlx_knorm
 from conftest import ALL_BACKENDS, EMULATOR_SETTINGS, assert_bitwise_equal, requires_emulator
-from mlx_knorm.cache import L2NormKVCache
 
 CONFIG = (6, 1, 1, "low")  # budget, n_sink, recent, keep
 
@@ -225,6 +224,7 @@ def test_emulator_replay_past_its_key_width_raises():
 
 # Gradients and vmap: not defined, and the same answer on every backend
 # (docs/spec.md §6): the primitives define none, the fallback declares none.
+# (The cache's step: tests/test_cache_validation.py.)
 
 
 def transform_cases():
@@ -236,10 +236,6 @@ def transform_cases():
         "key_norms": (lambda k: norms(k), [keys]),
         "protected_topk_gather": (lambda k: gather(k, *gather_in[1:])[0], [gather_in[0]]),
         "evict_and_fill": (lambda k: mlx_knorm.evict_and_fill(k, *step_in[1:], **STEP_CONFIG)[0], [step_in[0]]),
-        "L2NormKVCache": (
-            lambda k: L2NormKVCache(budget=3, n_sink=1).update_and_fetch(k[None], k[None])[0],
-            [step_in[4].astype(mx.float16)],
-        ),
     }
 
 
@@ -254,7 +250,7 @@ TRANSFORMS = {
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("transform", TRANSFORMS)
-@pytest.mark.parametrize("op", ["key_norms", "protected_topk_gather", "evict_and_fill", "L2NormKVCache"])
+@pytest.mark.parametrize("op", ["key_norms", "protected_topk_gather", "evict_and_fill"])
 def test_no_transform_is_defined_on_any_backend(op, transform, backend):
     with mlx_knorm.use_backend(backend):
         fn, (x,) = transform_cases()[op]
