@@ -75,7 +75,7 @@ def succeeded(result: subprocess.CompletedProcess) -> subprocess.CompletedProces
     return result
 
 
-KV_LINE = re.compile(r"KV cache: ([0-9.]+) MB kept, ([0-9.]+) MB for a full cache \((\d+) tokens, (budget \d+|no eviction)\)")
+KV_LINE = re.compile(r"KV cache: ([0-9.]+) MB kept, ([0-9.]+) MB for a full cache \((\d+) tokens, (budget \d+|window \d+|no eviction)\)")
 
 
 def kv_lines(text: str) -> list[tuple[float, float, int, str]]:

@@ -244,3 +244,31 @@ def test_chat_turns_are_mlx_lm_s_within_the_budget_and_go_on_past_it(tiny, env):
     (kept_1, _, tokens_1, _), (kept_2, _, tokens_2, _) = kv_lines(small)
     assert tokens_2 > tokens_1 > 32 and kept_1 == kept_2 == round(tiny_kv_bytes(32) / 1e6, 3)
     assert len(re.findall(r"^ *24 tokens ·", _plain(small), re.M)) == 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # llama defines make_cache, qwen2 does not
+def test_install_cache_builds_the_factory_s_cache_from_the_model_s_own(arch):
+    import gc
+    import weakref
+
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from mlx_knorm.cache import L2NormKVCache, make_knorm_cache
+    from mlx_knorm.commands.loading import install_cache, model_cache
+    from tiny_models import tiny_model
+
+    model = tiny_model(arch)
+    install_cache(model, lambda m: make_knorm_cache(m, budget=8))
+    install_cache(model, lambda m: make_knorm_cache(m, budget=16, skip_layers=(0,)))
+    cache = make_prompt_cache(model, max_kv_size=32)
+    assert [type(c) for c in cache] == [KVCache] + [L2NormKVCache] * (len(model.layers) - 1)
+    assert {c.budget for c in cache[1:]} == {16}
+    assert [type(c) for c in model_cache(model)] == [KVCache] * len(model.layers)
+    # No reference cycle through make_cache: the weights go with the last reference.
+    alive = weakref.ref(model)
+    gc.disable()
+    try:
+        del model, cache
+        assert alive() is None
+    finally:
+        gc.enable()

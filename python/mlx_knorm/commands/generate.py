@@ -27,8 +27,8 @@ what a full cache would hold at that context."""
 
 
 class GenerateSession(Session):
-    def __init__(self) -> None:
-        super().__init__("generate", mlx_lm_generate, DESCRIPTION)
+    def __init__(self, cache_factory=None) -> None:
+        super().__init__("generate", mlx_lm_generate, DESCRIPTION, cache_factory=cache_factory)
         # mlx-lm's own, taken before run() replaces them in the module.
         self.mlx_lm_load_prompt_cache = mlx_lm_generate.load_prompt_cache
         self.mlx_lm_generate = mlx_lm_generate.generate
@@ -52,6 +52,8 @@ class GenerateSession(Session):
         return text
 
 
-def main(argv: list[str]) -> int:
-    session = GenerateSession()
+def main(argv: list[str], cache_factory=None) -> int:
+    """``cache_factory(model, config)``, when given, builds the cache instead of
+    ``make_knorm_cache`` (the benchmark's baseline)."""
+    session = GenerateSession(cache_factory)
     return session.run(argv, load_prompt_cache=session.load_prompt_cache, generate=session.generate)

@@ -10,12 +10,14 @@ prompt caching, each server request) comes from the factory we choose.
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Callable
 
 import mlx.nn as nn
 
 # The attribute of an installed make_cache that holds the model's own one.
 _OWN_MAKE_CACHE = "mlx_knorm_model_make_cache"
+_NOT_INSTALLED = object()
 
 
 def load_model(path_or_repo: str, *args, **kwargs):
@@ -32,16 +34,20 @@ def model_cache(model: nn.Module) -> list:
     else a ``KVCache`` per layer."""
     own = own_make_cache(model)
     if own is not None:
-        return list(own())
+        return list(own(model))
     from mlx_lm.models.cache import KVCache
 
     return [KVCache() for _ in model.layers]
 
 
-def own_make_cache(model: nn.Module) -> Callable[[], list] | None:
-    """The model's own ``make_cache`` (its class's), even once ``install_cache`` replaced it."""
-    current = getattr(model, "make_cache", None)
-    return getattr(current, _OWN_MAKE_CACHE, current)
+def own_make_cache(model: nn.Module) -> Callable[[nn.Module], list] | None:
+    """The model's own ``make_cache`` as a function of the model (its class's,
+    even once ``install_cache`` set one on the instance), or None."""
+    installed = vars(model).get("make_cache")
+    if installed is None:
+        return getattr(type(model), "make_cache", None)
+    own = getattr(installed, _OWN_MAKE_CACHE, _NOT_INSTALLED)
+    return (lambda _model: installed()) if own is _NOT_INSTALLED else own
 
 
 def install_cache(model: nn.Module, factory: Callable[[nn.Module], list]) -> None:
@@ -54,8 +60,13 @@ def install_cache(model: nn.Module, factory: Callable[[nn.Module], list]) -> Non
     """
     own = own_make_cache(model)
     building = threading.local()
+    # The model holds make_cache; a strong reference back (the closure, or a
+    # bound method of the model) would make a cycle that keeps the weights
+    # alive until the garbage collector runs.
+    model_ref = weakref.ref(model)
 
     def make_cache() -> list:
+        model = model_ref()
         if getattr(building, "active", False):
             return model_cache(model)
         building.active = True

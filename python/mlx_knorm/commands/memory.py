@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlx_lm.models.cache import RotatingKVCache
+
 from ..cache import L2NormKVCache
 
 
@@ -23,6 +25,7 @@ class KVMemory:
     full_bytes: int
     tokens: int  # the context: tokens seen by the cache
     budget: int | None  # rows kept per head by the eviction layers; None without any
+    window: int | None  # the largest RotatingKVCache's rows, if any
 
 
 def _full_bytes(cache) -> int:
@@ -41,6 +44,7 @@ def kv_memory(prompt_cache: list) -> KVMemory:
         full_bytes=sum(_full_bytes(c) for c in prompt_cache),
         tokens=max((getattr(c, "offset", 0) for c in prompt_cache), default=0),
         budget=max(budgets) if budgets else None,
+        window=max((c.max_size for c in prompt_cache if isinstance(c, RotatingKVCache)), default=None),
     )
 
 
@@ -48,6 +52,9 @@ def kv_memory_line(prompt_cache: list) -> str:
     """``KV cache: 0.562 MB kept, 4.719 MB for a full cache (4196 tokens, budget 512)``,
     in mlx-lm's units (MB = 1e6 bytes, as its GB are 1e9)."""
     m = kv_memory(prompt_cache)
-    budget = f"budget {m.budget}" if m.budget is not None else "no eviction"
+    if m.budget is not None:
+        budget = f"budget {m.budget}"
+    else:
+        budget = "no eviction" if m.window is None else f"window {m.window}"
     return (f"KV cache: {m.kept_bytes / 1e6:.3f} MB kept, {m.full_bytes / 1e6:.3f} MB "
             f"for a full cache ({m.tokens} tokens, {budget})")

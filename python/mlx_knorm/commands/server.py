@@ -17,8 +17,10 @@ wrappers for the duration of ``main``:
   layer count fail there, before the response starts, as mlx-lm reports a
   failed model load) and resets the peak memory for the request's report.
 - ``LRUPromptCache``: prefix reuse keyed by model *and* cache settings, so a
-  request never continues a cache made with other settings; each insertion
-  logs the request's KV memory line and peak memory.
+  request never continues a cache made with other settings. Each request's
+  cache is inserted once it is done, and then its statistics are logged as
+  ``mlx_lm.generate`` prints them (from the last ``GenerationResponse``,
+  which a wrapped ``stream_generate`` keeps), with the KV memory line.
 - ``scan_cache_dir``: ``/v1/models`` lists the served model even where no
   Hugging Face cache directory exists (mlx-lm's handler would fail there).
 
@@ -77,6 +79,7 @@ def request_settings(body: dict) -> dict:
 class ServerSession(Session):
     def __init__(self, cache_factory=None) -> None:
         super().__init__("server", mlx_lm_server, DESCRIPTION, cache_factory=cache_factory)
+        self.last_response = None  # of the request being served (one at a time)
 
     def patches(self) -> dict:
         session = self
@@ -119,10 +122,17 @@ class ServerSession(Session):
                 return super().fetch_nearest_cache((model, session.current_config()), tokens)
 
             def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
-                logging.info(f"{kv_memory_line(prompt_cache)}; "
-                             f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB")
+                logging.info(f"{session.statistics()}; {kv_memory_line(prompt_cache)}")
                 super().insert_cache((model, session.current_config()), tokens, prompt_cache,
                                      cache_type=cache_type)
+
+        generate = mlx_lm_server.stream_generate
+
+        def stream_generate(*args, **kwargs):
+            session.last_response = None
+            for response in generate(*args, **kwargs):
+                session.last_response = response
+                yield response
 
         scan = mlx_lm_server.scan_cache_dir
 
@@ -137,7 +147,17 @@ class ServerSession(Session):
             "ResponseGenerator": ResponseGenerator,
             "LRUPromptCache": LRUPromptCache,
             "scan_cache_dir": scan_cache_dir,
+            "stream_generate": stream_generate,
         }
+
+    def statistics(self) -> str:
+        """The finished request's statistics, as ``mlx_lm.generate`` prints them."""
+        r = self.last_response
+        peak = f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB"
+        if r is None:
+            return peak
+        return (f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec; "
+                f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec; {peak}")
 
 
 def main(argv: list[str], cache_factory=None) -> int:
