@@ -182,6 +182,9 @@ def test_generate_answers_from_a_prompt_cache_as_mlx_lm_does(prompt_caches, env)
     ours = succeeded(run([*MLX_KNORM, "generate", "--prompt-cache-file", files["budget4096"], *args], env))
     theirs = succeeded(run([*MLX_LM, "generate", "--prompt-cache-file", files["mlx_lm"], *args], env))
     assert ours.stdout == theirs.stdout and ours.stdout.strip()
+    # mlx_lm.cache_prompt's file (KVCache layers) is used as mlx-lm uses it.
+    stock = succeeded(run([*MLX_KNORM, "generate", "--prompt-cache-file", files["mlx_lm"], *args], env))
+    assert stock.stdout == theirs.stdout
     # Past the budget: it answers from the 64 rows kept, and memory stays there.
     small = succeeded(run([*MLX_KNORM, "generate", "--prompt-cache-file", files["budget64"],
                            "--prompt", "def ", "--max-tokens", "40"], env)).stdout

@@ -21,9 +21,7 @@ DESCRIPTION = """\
 mlx_lm.cache_prompt with L2-norm KV-cache eviction: the saved cache keeps at
 most --budget rows per head in each attention layer, so a long document becomes
 a small file. Answer from it with mlx-knorm generate --prompt-cache-file FILE
-(a stock mlx_lm.generate cannot read it: it does not know L2NormKVCache). Every
-flag of mlx_lm.cache_prompt works as there (--max-kv-size is the same as
---budget); the cache's own flags are at the end."""
+(a stock mlx_lm.generate cannot read it: it does not know L2NormKVCache)."""
 
 
 def main(argv: list[str]) -> int:

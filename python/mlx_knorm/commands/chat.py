@@ -18,10 +18,8 @@ mlx_lm_chat = importlib.import_module("mlx_lm.chat")
 DESCRIPTION = """\
 mlx_lm.chat with L2-norm KV-cache eviction: the conversation's cache keeps at
 most --budget rows per head in each attention layer, so memory stays fixed
-however long the chat grows. Every flag of mlx_lm.chat works as there
-(--max-kv-size is the same as --budget); the cache's own flags are at the end.
-After each turn, a line under mlx-lm's statistics gives the KV bytes kept
-against what a full cache would hold at that context."""
+however long the chat grows. After each turn, a line under mlx-lm's statistics
+gives the KV bytes kept against what a full cache would hold at that context."""
 
 
 def main(argv: list[str]) -> int:

@@ -20,10 +20,9 @@ mlx_lm_generate = importlib.import_module("mlx_lm.generate")
 DESCRIPTION = """\
 mlx_lm.generate with L2-norm KV-cache eviction: every attention layer keeps at
 most --budget rows per head, so memory stays fixed however long the prompt and
-the generation grow. Every flag of mlx_lm.generate works as there (--max-kv-size
-is the same as --budget); the cache's own flags are at the end. With --verbose
-(the default) a line after mlx-lm's statistics gives the KV bytes kept against
-what a full cache would hold at that context."""
+the generation grow. With --verbose (the default) a line after mlx-lm's
+statistics gives the KV bytes kept against what a full cache would hold at that
+context."""
 
 
 class GenerateSession(Session):

@@ -58,8 +58,7 @@ do not apply. Other clients wait in mlx-lm's queue.
 
 A request may set its own cache with the fields "budget" (or "max_kv_size"),
 "n_sink", "recent", "keep", "skip_layers" and "layout"; the flags below are the
-defaults. A bad value gets HTTP 400, as a bad max_tokens does. Every flag of
-mlx_lm.server works as there; the cache's own flags are at the end."""
+defaults. A bad value gets HTTP 400, as a bad max_tokens does."""
 
 
 def request_settings(body: dict) -> dict:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+import textwrap
 import threading
 import types
 from dataclasses import asdict, dataclass, replace
@@ -192,6 +193,7 @@ class Session:
 
             def parse_known_args(self, args=None, namespace=None):
                 if not self._mlx_knorm_flags:
+                    self.description = f"{session.description}\n\n{session.flags_note(self)}"
                     add_cache_arguments(self)
                     for action in self._actions:
                         if action.dest in UNSUPPORTED:
@@ -202,6 +204,14 @@ class Session:
                 return namespace, rest
 
         return types.SimpleNamespace(**{**vars(argparse), "ArgumentParser": ArgumentParser})
+
+    def flags_note(self, parser: argparse.ArgumentParser) -> str:
+        """How mlx-lm's flags behave here, for the help's description."""
+        refused = [f"--{a.dest.replace('_', '-')}" for a in parser._actions if a.dest in UNSUPPORTED]
+        refused = f", and {' and '.join(refused)}, which eviction caches cannot serve yet" if refused else ""
+        return textwrap.fill(
+            f"Every flag of {self.module.__name__} works as there, but for --max-kv-size, which is "
+            f"the same as --budget{refused}. The cache's own flags are at the end.", width=80)
 
     def resolve(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> None:
         for dest, why in UNSUPPORTED.items():
