@@ -20,7 +20,7 @@ from .validation import INT32_MAX, check_config, check_floating, check_int, dtyp
 
 FIELDS = ("keys", "values", "norms", "positions", "offset", "budget", "n_sink", "recent", "keep", "layout")
 META_FIELDS = FIELDS[5:]
-STORAGE_DTYPES = (mx.float16, mx.bfloat16)
+STORAGE_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
 class CheckedState(NamedTuple):
@@ -86,7 +86,7 @@ def _check_shapes_and_dtypes(keys, values, norms, positions, kept: int) -> None:
             "keys", f"holds {rows} rows per head; offset and budget give {kept}", setting="budget"
         )
     if keys.dtype not in STORAGE_DTYPES:
-        raise StateError("keys", f"must be float16 or bfloat16, got {dtype_name(keys.dtype)}")
+        raise StateError("keys", f"must be float16, bfloat16 or float32, got {dtype_name(keys.dtype)}")
     check_key_width(keys.shape[-1], "L2NormKVCache state field 'keys'")
     if values.ndim != 4 or values.shape[:3] != keys.shape[:3]:
         raise StateError("values", f"shape {list(values.shape)} does not fit keys {list(keys.shape)}")
