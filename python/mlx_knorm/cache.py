@@ -24,6 +24,15 @@ and a query sees every kept row). ``layout="temporal"`` keeps temporal order
 (logits bit-identical to the reference's cache) at the price of moving the
 rows after the first evicted one.
 
+A short block that a one-token-at-a-time cache would evict inside (a
+speculative decoding verify block) attends exactly as those single steps
+would, when the caches are linked by ``make_knorm_cache`` (docs/spec.md
+§8, exact small blocks): the model asks one layer for the mask, and every
+layer returns the rows each query would see as segments that the mask
+separates. ``trim(n)`` removes the ``n`` newest tokens exactly while no
+eviction has ranked them yet (``trimmable()``), and otherwise refuses, so
+speculative decoding works on these caches.
+
 ``offset`` is the true absolute position (RoPE stays right after eviction);
 ``size()`` is the number of rows kept. ``keys`` and ``values`` are the
 buffers, as ``KVCache``'s are (mlx-lm's pipeline-parallel models chain a
@@ -65,6 +74,34 @@ DEFAULT_KEEP = "low"
 DEFAULT_LAYOUT = "slots"
 # Slots added at a time while the cache fills, as KVCache grows.
 GROWTH_STEP = 256
+# The longest block a linked cache attends to as single steps would
+# (docs/spec.md §8): speculative decoding's verify blocks, num_draft + 1.
+EXACT_BLOCK = 16
+
+
+class MaskPlan:
+    """What the linked caches of one prompt cache agreed with the model for
+    its next block: ``block = (offset, S, kept)`` when the mask that the
+    model got from one of them shows each query its own segment, else None.
+    The model builds one mask and gives it to every layer, so every layer
+    must return the rows that mask describes."""
+
+    def __init__(self) -> None:
+        self.block: tuple[int, int, int] | None = None
+
+
+def segment_lengths(kept: int, steps: int, budget: int) -> list[int]:
+    """Rows of each query's segment in an exact small block: the kept rows
+    after single steps ``0 .. j-1``, plus new row ``j``."""
+    return [min(kept + j, budget) + 1 for j in range(steps)]
+
+
+def segment_mask(lengths: list[int]) -> mx.array:
+    """bool ``[S, sum(lengths)]``: query ``j`` sees segment ``j`` only."""
+    ends = mx.cumsum(mx.array(lengths, mx.int32))
+    starts = ends - mx.array(lengths, mx.int32)
+    column = mx.arange(sum(lengths), dtype=mx.int32)
+    return (column >= starts[:, None]) & (column < ends[:, None])
 
 
 def _storage_dtype(keys: mx.array, values: mx.array) -> mx.Dtype:
@@ -90,10 +127,10 @@ class L2NormKVCache(_BaseCache):
     (each key's float32 norm, taken once from the stored key) and
     ``slot_positions`` (int32 absolute positions) ``[B, H, capacity]``;
     slots ``[0, filled)`` are occupied, in storage order. ``state`` and
-    ``positions`` give the kept rows in temporal order. Not trimmable, not mergeable into mlx-lm's
-    batch caches and not converted by ``kv_bits`` quantization: it defines
-    no ``trim``, ``merge`` or ``to_quantized``, so mlx-lm leaves it alone on
-    those paths.
+    ``positions`` give the kept rows in temporal order. ``trim`` removes the
+    newest tokens exactly or refuses (``trimmable()``). Not mergeable into
+    mlx-lm's batch caches: it defines no ``merge``, so mlx-lm's server does
+    not batch it.
     """
 
     def __init__(
@@ -133,6 +170,9 @@ class L2NormKVCache(_BaseCache):
         if checked.rows is not None:
             self._set_buffers(checked.rows)
             self.filled = checked.rows[0].shape[2]
+        # A loaded state's history is unknown unless nothing was ever evicted.
+        self._trimmable = self.offset if self.filled == self.offset else 0
+        self._forget_block()
 
     def _buffers(self) -> list:
         return [self.keys, self.values, self.norms, self.slot_positions]
@@ -153,6 +193,8 @@ class L2NormKVCache(_BaseCache):
         stored = None if self.keys is None else (self.keys, self.values)
         check_block(keys, values, stored, self.offset)
         batch, heads, steps, key_dim = keys.shape
+        kept = self.size()
+        exact = self._planned_block(steps, kept)
         if stored is None:
             dtype = _storage_dtype(keys, values)
             buffers = [
@@ -163,26 +205,66 @@ class L2NormKVCache(_BaseCache):
             ]
         else:
             buffers = previous
-        kept = self.size()
         capacity = self._capacity(kept + steps, buffers[0].shape[2])
+        new_keys, new_values = keys.astype(buffers[0].dtype), values.astype(buffers[1].dtype)
         # The op writes in place only if it holds the buffers' last reference.
         self._set_buffers([None] * 4)
         try:
-            out = evict_and_fill_unchecked(
-                *buffers,
-                keys.astype(buffers[0].dtype),
-                values.astype(buffers[1].dtype),
-                filled=self.filled, offset=self.offset, capacity=capacity,
-                budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
-                layout=self.layout,
-            )
+            out = self._step(buffers, new_keys, new_values, self.filled, self.offset, capacity)
+            segments = self._segments(out, new_keys, new_values, kept) if exact else None
         except BaseException:
             self._set_buffers(previous)
             raise
+        evicted = self.filled > self.budget
         self._set_buffers(out)
+        self._trimmable = steps + (0 if evicted else self._trimmable)
         self.filled = kept + steps
         self.offset += steps
+        if segments is not None:
+            return segments
         return self._occupied(self.keys), self._occupied(self.values)
+
+    def _step(self, buffers, new_keys, new_values, filled: int, offset: int, capacity: int):
+        """One §4 step on ``buffers`` under the cache's configuration."""
+        return evict_and_fill_unchecked(
+            *buffers, new_keys, new_values,
+            filled=filled, offset=offset, capacity=capacity,
+            budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
+            layout=self.layout,
+        )
+
+    def _planned_block(self, steps: int, kept: int) -> bool:
+        """Whether the model's mask for this block shows each query its own
+        segment (the plan one of the linked caches made in ``make_mask``)."""
+        plan = getattr(self, "_mask_plan", None)
+        if plan is None or plan.block is None or plan.block[:2] != (self.offset, steps):
+            return False
+        if plan.block[2] != kept:
+            raise ValueError(
+                f"mlx_knorm: L2NormKVCache holds {kept} rows, but the model's mask for this "
+                f"{steps}-token block was made by a linked cache holding {plan.block[2]}: the "
+                "layers of this prompt cache are out of step (were some fed other blocks?)"
+            )
+        return True
+
+    def _segments(self, out, new_keys, new_values, kept: int):
+        """Keys and values of an exact small block: for each query ``j`` the
+        rows a one-token-at-a-time cache attends to there, one segment after
+        the other (docs/spec.md §8). Segment 0 is the step's own first
+        ``kept + 1`` rows; each later one is a single step, out of place,
+        from the one before."""
+        steps = new_keys.shape[2]
+        lengths = segment_lengths(kept, steps, self.budget)
+        keys, values = [out[0][:, :, : lengths[0]]], [out[1][:, :, : lengths[0]]]
+        previous = out
+        for j in range(1, steps):
+            previous = self._step(
+                previous, new_keys[:, :, j : j + 1], new_values[:, :, j : j + 1],
+                lengths[j - 1], self.offset + j, lengths[j],
+            )
+            keys.append(previous[0])
+            values.append(previous[1])
+        return mx.concatenate(keys, axis=2), mx.concatenate(values, axis=2)
 
     def _capacity(self, needed: int, current: int) -> int:
         """Slots for the next buffers: the current ones when they fit and are
@@ -238,9 +320,17 @@ class L2NormKVCache(_BaseCache):
         causal mask with the kept row count as its offset: all kept rows
         visible, causal among the new rows (which the step writes behind the
         kept rows, in order). Before any eviction that count equals
-        ``offset`` and the mask is exactly KVCache's.
+        ``offset`` and the mask is exactly KVCache's. For an exact small
+        block of linked caches, the segment mask that every linked layer's
+        step then follows (docs/spec.md §8).
         """
         stored = self.size()
+        plan = getattr(self, "_mask_plan", None)
+        if plan is not None:
+            plan.block = None
+            if window_size is None and 1 < N <= EXACT_BLOCK and stored + N > self.budget + 1:
+                plan.block = (self.offset, N, stored)
+                return segment_mask(segment_lengths(stored, N, self.budget))
         if window_size is not None and stored < self.offset:
             # Kept rows sit at different positions in different heads, so a
             # position window has no single [N, stored + N] mask.
@@ -255,8 +345,39 @@ class L2NormKVCache(_BaseCache):
         )
 
     def is_trimmable(self) -> bool:
-        """False: evicted rows cannot be restored, so the cache cannot roll back."""
-        return False
+        """True: ``trim`` is supported. mlx-lm asks this before speculative
+        decoding and before each ``trim_prompt_cache``; whether a given
+        count can be trimmed is ``trimmable()``'s answer."""
+        return True
+
+    def trimmable(self) -> int:
+        """The number of newest tokens ``trim`` removes exactly: those of the
+        updates since the last step that evicted a row (docs/spec.md §8)."""
+        return self._trimmable
+
+    def trim(self, n: int) -> int:
+        """Remove the ``n`` newest tokens if ``n <= trimmable()``: the cache
+        is then the cache that never saw them. Returns ``n``, or 0 with
+        nothing changed when more is asked (an older row may already have
+        been evicted in favour of one of them)."""
+        n = check_int(n, "n")
+        if n < 0:
+            raise ValueError(f"mlx_knorm: L2NormKVCache.trim: n must be >= 0, got {n}")
+        if n == 0 or n > self._trimmable:
+            return 0
+        self.filled -= n
+        self.offset -= n
+        self._trimmable -= n
+        if self.offset == 0:
+            # Back to the start: the empty cache, which takes any shape.
+            self._set_buffers([None] * 4)
+        self._forget_block()
+        return n
+
+    def _forget_block(self) -> None:
+        plan = getattr(self, "_mask_plan", None)
+        if plan is not None:
+            plan.block = None
 
     def empty(self) -> bool:
         return self.keys is None
@@ -408,6 +529,11 @@ def make_knorm_cache(
     ``RotatingKVCache``, recurrent state) keep that cache. ``layout`` is
     each ``L2NormKVCache``'s storage order (``"slots"`` or ``"temporal"``).
 
+    Without a plain ``KVCache`` left (no ``skip_layers``), the
+    ``L2NormKVCache``s are linked by one ``MaskPlan``, so that short blocks
+    attend exactly as single steps would (docs/spec.md §8): speculative
+    decoding then gives the tokens of ordinary decoding.
+
     ``skip_layers`` needs a model that gives each layer a mask fitting its own
     row count. A model that builds one array mask from one layer's cache and
     shares it across layers (in mlx-lm 0.32 gemma2 and deepseek_v3, among
@@ -452,12 +578,20 @@ def make_knorm_cache(
                 f"hold at most budget={budget} rows, so the mask fits only one of them. "
                 "Use skip_layers=() with this model."
             )
-    return [
+    caches = [
         L2NormKVCache(budget=budget, n_sink=n_sink, recent=recent, keep=keep, layout=layout)
         if replace
         else cache
         for replace, cache in zip(compress, caches)
     ]
+    # The model gives one mask to every layer: a segment mask fits only if
+    # no plain KVCache layer can receive it.
+    if not any(type(cache) is KVCache for cache in caches):
+        plan = MaskPlan()
+        for cache in caches:
+            if isinstance(cache, L2NormKVCache):
+                cache._mask_plan = plan
+    return caches
 
 
 def _register_with_mlx_lm() -> None:
