@@ -220,3 +220,40 @@ def test_emulator_replay_past_its_key_width_raises():
         mx.eval(op(mx.ones((2, 8))))
         with pytest.raises(ValueError, match=r"supports D <= 512, got D = 1024"):
             mx.eval(op(mx.ones((2, 1024))))
+
+
+# Gradients and vmap: not defined, and the same answer on every backend
+# (docs/spec.md §6): the primitives define none, the fallback declares none.
+# (The cache's step: tests/test_cache_validation.py.)
+
+
+def transform_cases():
+    rng = np.random.default_rng(7)
+    gather_in = gather_arrays(2, 5, 2, 8, 8, {}, 1)
+    step_in = step_arrays(2, 6, 1, 8, 8, {}, 2)
+    keys = mx.array(rng.standard_normal((2, 3, 8)).astype(np.float32))
+    return {
+        "key_norms": (lambda k: norms(k), [keys]),
+        "protected_topk_gather": (lambda k: gather(k, *gather_in[1:])[0], [gather_in[0]]),
+        "evict_and_fill": (lambda k: mlx_knorm.evict_and_fill(k, *step_in[1:], **STEP_CONFIG)[0], [step_in[0]]),
+    }
+
+
+TRANSFORMS = {
+    "grad": lambda f, x: mx.grad(lambda a: f(a).astype(mx.float32).sum())(x),
+    "value_and_grad": lambda f, x: mx.value_and_grad(lambda a: f(a).astype(mx.float32).sum())(x),
+    "vjp": lambda f, x: mx.vjp(f, [x], [mx.ones_like(f(x))]),
+    "jvp": lambda f, x: mx.jvp(f, [x], [mx.ones_like(x)]),
+    "vmap": lambda f, x: mx.vmap(f)(mx.stack([x, x])),
+}
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("op", ["key_norms", "protected_topk_gather", "evict_and_fill"])
+def test_no_transform_is_defined_on_any_backend(op, transform, backend):
+    with mlx_knorm.use_backend(backend):
+        fn, (x,) = transform_cases()[op]
+        mx.eval(fn(x))  # the plain call works
+        with pytest.raises(ValueError, match="vmap" if transform == "vmap" else "[vj]p"):
+            mx.eval(TRANSFORMS[transform](fn, x))

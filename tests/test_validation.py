@@ -9,8 +9,11 @@ import numpy as np
 import pytest
 
 import mlx_knorm
-from conftest import ALL_BACKENDS
+from conftest import ALL_BACKENDS, requires_emulator
 from mlx_knorm import _native
+from mlx_knorm.ops.evict_and_fill import evict_and_fill_unchecked
+from mlx_knorm.ops.key_norms import key_norms_unchecked
+from mlx_knorm.ops.protected_topk_gather import protected_topk_gather_unchecked
 
 
 def good(n=2, n_prior=5, s=3, d=8, dtype=mx.float16):
@@ -285,3 +288,83 @@ def test_failed_step_leaves_buffers_untouched(backend):
     with mlx_knorm.use_backend(backend), pytest.raises(ValueError):
         mlx_knorm.evict_and_fill(**{**args, "capacity": 3})
     assert np.array_equal(before, np.array(args["keys"]))
+
+
+# The fallback refuses what the primitives refuse, also where a caller ran
+# its own checks and skips the op's Python checks (the state API, the cache).
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize(
+    "change, fragment, error",
+    [(c, f, ValueError) for c, f in STEP_VALUE_ERRORS] + [(c, f, TypeError) for c, f in STEP_DTYPE_ERRORS],
+)
+def test_unchecked_step_refuses_what_the_primitive_refuses(backend, change, fragment, error):
+    args = {**good_step(), **change}
+    with mlx_knorm.use_backend(backend), pytest.raises(error, match=re.escape(fragment)):
+        mx.eval(evict_and_fill_unchecked(**args))
+
+
+UNCHECKED_GATHER_ERRORS = [
+    (dict(new_values=mx.ones((2, 4, 8), mx.float16)), ValueError, "keys/values mismatch in N or rows"),
+    (dict(prior_values=mx.ones((2, 5, 7), mx.float16)), ValueError, "prior vs new mismatch in N or D"),
+    (dict(prior_norms=mx.zeros((2, 4))), ValueError, "prior_norms must be [N, n_prior]"),
+    (dict(new_norms=mx.zeros((2, 2))), ValueError, "new_norms must be [N, S]"),
+    (dict(budget=0), ValueError, "budget must be >= 1"),
+    (dict(n_sink=3, recent=3), ValueError, "must be < budget"),
+    (dict(keep="middle"), ValueError, "keep must be 'low' or 'high'"),
+    (dict(new_keys=mx.ones((2, 3, 8), mx.int32)), TypeError, "new_keys must be float16, bfloat16 or float32"),
+    (dict(prior_norms=mx.zeros((2, 5), mx.float16)), TypeError, "prior_norms must be float32"),
+]
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("change, error, fragment", UNCHECKED_GATHER_ERRORS)
+def test_unchecked_gather_refuses_what_the_primitive_refuses(backend, change, error, fragment):
+    args = {**good(), "new_norms": mx.zeros((2, 3)), **change}
+    order = ("prior_keys", "prior_values", "prior_norms", "new_keys", "new_values", "new_norms",
+             "budget", "n_sink", "recent", "keep")
+    with mlx_knorm.use_backend(backend), pytest.raises(error, match=re.escape(fragment)):
+        mx.eval(protected_topk_gather_unchecked(*(args[name] for name in order)))
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_unchecked_key_norms_refuses_what_the_primitive_refuses(backend):
+    with mlx_knorm.use_backend(backend), pytest.raises(TypeError, match="keys must be float16"):
+        mx.eval(key_norms_unchecked(mx.zeros((2, 8), mx.int32)))
+
+
+@requires_emulator
+def test_the_metal_width_limit_names_the_argument():
+    with mlx_knorm.use_backend("metal-emulator"):
+        with pytest.raises(ValueError, match=r"keys: the Metal key-norm kernel supports D <= 512, got D = 513"):
+            mlx_knorm.key_norms(mx.zeros((2, 513)))
+        with pytest.raises(ValueError, match=r"new_keys: the Metal key-norm kernel supports D <= 512, got D = 513"):
+            mlx_knorm.evict_and_fill(**{**good_step(), "keys": mx.zeros((2, 6, 513), mx.float16),
+                                        "new_keys": mx.ones((2, 1, 513), mx.float16)})
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("rows", [1, 6])
+def test_inputs_that_are_slices_of_larger_buffers(backend, rows):
+    """Evaluated views that are not row-contiguous (what a cache's state
+    gives, sliced from its buffers) are valid inputs on every backend and
+    give what their copies give (mx.as_strided, which pins the fallbacks'
+    shapes, refuses some such views)."""
+    rng = np.random.default_rng(3)
+    whole = [mx.array(rng.standard_normal(shape).astype(np.float32)) for shape in ((2, 9, 8), (2, 9, 3), (2, 9))]
+    whole.append(mx.array(np.stack([rng.permutation(9) for _ in range(2)]).astype(np.int32)))
+    mx.eval(whole)
+    views = [w[:, :rows] for w in whole]
+    mx.eval(views)
+    copies = [mx.array(np.array(v)) for v in views]
+    config = dict(filled=rows, offset=9, capacity=rows, budget=5, n_sink=1, recent=1, keep="low", layout="slots")
+    new = [mx.ones((2, 1, 8)), mx.ones((2, 1, 3))]
+    with mlx_knorm.use_backend(backend):
+        for got, want in zip(mlx_knorm.evict_and_fill(*views, *new, **{**config, "capacity": rows + 1}),
+                             mlx_knorm.evict_and_fill(*copies, *new, **{**config, "capacity": rows + 1})):
+            assert mx.array_equal(got[:, : min(rows, 5) + 1], want[:, : min(rows, 5) + 1]).item()
+        got = mlx_knorm.protected_topk_gather(*views[:3], *new, mx.ones((2, 1)), 5, 1, 1, "low")
+        want = mlx_knorm.protected_topk_gather(*copies[:3], *new, mx.ones((2, 1)), 5, 1, 1, "low")
+        assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+        assert mx.array_equal(mlx_knorm.key_norms(views[2]), mlx_knorm.key_norms(copies[2])).item()

@@ -1,8 +1,10 @@
-// Runs a primitive's kernel on the CPU stream: the shared tail of every
-// eval_cpu, as dispatch_on_gpu (common/metal_dispatch.h) is of every
-// eval_gpu. The kernel is the op's CPU kernel (csrc/<op>/cpu.cpp) or, with
+// Runs a primitive's kernel after the work queued on its CPU stream: the
+// shared tail of every eval_cpu (run_on_cpu), as dispatch_on_gpu
+// (common/metal_dispatch.h) is of every eval_gpu. The kernel is the op's CPU
+// kernel (csrc/<op>/cpu.cpp), run on the stream's thread, or, with
 // Executor::MetalEmulator, its Metal kernel through the emulator
-// (csrc/<op>/emulated.cpp).
+// (csrc/<op>/emulated.cpp), run on the evaluating thread so that its
+// failures raise from eval_cpu (docs/spec.md §8 "A failed evaluation").
 #pragma once
 
 #include <utility>
@@ -10,6 +12,7 @@
 
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/stream.h"
 
 #include "common/executor.h"
 
@@ -54,6 +57,28 @@ void dispatch_on_cpu(
                     out_refs = std::move(out_refs)]() mutable {
     kernel(in_refs, out_refs);
   });
+}
+
+// Runs kernel(inputs, outputs) after the work already queued on the CPU
+// stream. The CPU kernels go onto the stream's thread. The Metal emulator,
+// which can fail (its threads may not start; its dispatches run on staged
+// copies and reach the buffers only when all have run, run_plan.cpp), runs
+// on the evaluating thread once the stream has drained: its failures then
+// raise from eval_cpu, where MLX keeps the graph to run again. Test-only,
+// so the wait costs nothing that matters.
+template <typename Kernel>
+void run_on_cpu(
+    mlx::core::Stream stream,
+    Executor executor,
+    const std::vector<mlx::core::array>& inputs,
+    std::vector<mlx::core::array>& outputs,
+    Kernel kernel) {
+  if (executor == Executor::MetalEmulator) {
+    mlx::core::synchronize(stream);
+    kernel(inputs, outputs);
+    return;
+  }
+  dispatch_on_cpu(stream, inputs, outputs, std::move(kernel));
 }
 
 } // namespace mlx_knorm

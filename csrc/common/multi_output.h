@@ -1,9 +1,19 @@
-// What the multi-output primitives (protected_topk_gather, evict_and_fill)
-// share around their kernels: building their outputs, and letting an output
-// take over a donated input's buffer (docs/spec.md §7).
+// What the primitives share around their kernels' outputs: building the
+// outputs of the multi-output ones (protected_topk_gather, evict_and_fill),
+// letting an output take over a donated input's buffer (docs/spec.md §7),
+// and allocating the rest (allocate_output, key_norms' too).
+//
+// Failures (docs/spec.md §8 "A failed evaluation"): MLX 0.32 keeps an array
+// and its inputs for another evaluation when eval_cpu/eval_gpu raises, but
+// not when a kernel raises on the stream's thread (the array is already
+// marked evaluated and its inputs dropped). So everything here that can fail
+// does so on the evaluating thread, before the first write, and leaves the
+// graph as MLX gave it.
 #pragma once
 
 #include <memory>
+#include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -32,43 +42,99 @@ inline std::vector<mlx::core::array> make_outputs(
       std::move(shapes), std::move(dtypes), primitive, dense);
 }
 
+// A fresh buffer for `out`. MLX's CPU allocator returns no memory when
+// malloc fails (its own ops then write through a null pointer): raise
+// instead, before anything is written.
+inline void allocate_output(mlx::core::array& out) {
+  const size_t bytes = out.nbytes();
+  auto data = mlx::core::allocator::malloc(bytes);
+  if (bytes > 0 && data.buffer().ptr() == nullptr) {
+    throw std::runtime_error(
+        "mlx_knorm: cannot allocate " + std::to_string(bytes) + " bytes for an output");
+  }
+  out.set_data(std::move(data));
+  prefer_huge_pages(out.data<void>(), bytes);
+}
+
 // Every sibling output holds its own copy of the input list until MLX
 // detaches them right after eval; with several outputs no input would ever
 // look donatable. Dropping the siblings' copies (never for tracers, whose
 // graph is still needed) leaves is_donatable() counting only real outside
-// references: the caller's arrays, other consumers.
-inline void release_sibling_inputs(
-    const std::vector<mlx::core::array>& inputs,
-    std::vector<mlx::core::array>& outputs) {
-  for (auto& out : outputs) {
-    if (&out.inputs() != &inputs && !out.is_tracer()) {
-      out.inputs().clear();
+// references: the caller's arrays, other consumers. If evaluation raises
+// before keep(), the copies are put back, so that MLX, which keeps the
+// graph for another evaluation, can run any of the siblings again.
+class LentSiblingInputs {
+ public:
+  LentSiblingInputs(
+      const std::vector<mlx::core::array>& inputs,
+      std::vector<mlx::core::array>& outputs)
+      : inputs_(inputs), outputs_(&outputs), lent_(outputs.size(), false) {
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      auto& out = outputs[i];
+      if (&out.inputs() != &inputs && !out.is_tracer()) {
+        out.inputs().clear();
+        lent_[i] = true;
+      }
     }
   }
-}
+  LentSiblingInputs(LentSiblingInputs&& other) noexcept
+      : inputs_(other.inputs_),
+        outputs_(std::exchange(other.outputs_, nullptr)),
+        lent_(std::move(other.lent_)) {}
+  LentSiblingInputs(const LentSiblingInputs&) = delete;
+  LentSiblingInputs& operator=(const LentSiblingInputs&) = delete;
+  LentSiblingInputs& operator=(LentSiblingInputs&&) = delete;
+
+  // Nothing after this raises: MLX detaches the outputs itself.
+  void keep() {
+    outputs_ = nullptr;
+  }
+
+  ~LentSiblingInputs() {
+    if (outputs_ == nullptr) {
+      return;
+    }
+    for (size_t i = 0; i < outputs_->size(); ++i) {
+      if (lent_[i]) {
+        (*outputs_)[i].inputs() = inputs_;
+      }
+    }
+  }
+
+ private:
+  const std::vector<mlx::core::array>& inputs_;
+  std::vector<mlx::core::array>* outputs_;
+  std::vector<bool> lent_;
+};
 
 // Output i shares input i's buffer when allowed(i) and nothing else holds
 // that buffer, the shapes and dtypes agree and the buffer holds exactly the
 // array (row-contiguous, no broadcast); otherwise it gets a fresh buffer.
+// The fresh buffers are allocated first, so a failed allocation leaves every
+// input as it was. The caller keep()s the result once nothing can raise.
 template <typename Allowed>
-void take_over_or_allocate(
+[[nodiscard]] LentSiblingInputs take_over_or_allocate(
     const std::vector<mlx::core::array>& inputs,
     std::vector<mlx::core::array>& outputs,
     Allowed allowed) {
-  release_sibling_inputs(inputs, outputs);
+  LentSiblingInputs lent(inputs, outputs);
+  std::vector<bool> take_over(outputs.size(), false);
   for (size_t i = 0; i < outputs.size(); ++i) {
-    auto& out = outputs[i];
-    const bool take_over = i < inputs.size() && allowed(i) &&
+    const auto& out = outputs[i];
+    take_over[i] = i < inputs.size() && allowed(i) &&
         inputs[i].is_donatable() && inputs[i].shape() == out.shape() &&
         inputs[i].dtype() == out.dtype() &&
         inputs[i].data_size() == inputs[i].size();
-    if (take_over) {
-      out.copy_shared_buffer(inputs[i]);
-    } else {
-      out.set_data(mlx::core::allocator::malloc(out.nbytes()));
-      prefer_huge_pages(out.data<void>(), out.nbytes());
+    if (!take_over[i]) {
+      allocate_output(outputs[i]);
     }
   }
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (take_over[i]) {
+      outputs[i].copy_shared_buffer(inputs[i]);
+    }
+  }
+  return lent;
 }
 
 } // namespace mlx_knorm

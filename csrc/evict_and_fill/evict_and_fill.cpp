@@ -230,7 +230,7 @@ void EvictAndFill::check_inputs(const EvictAndFillInputs& in) {
       (executor_ == Executor::MetalEmulator || stream().device == mx::Device::gpu)) {
     // The Metal kernel takes the new rows' norms with the key-norm kernel's
     // code.
-    check_metal_key_norms_shape(in.new_rows[0]);
+    check_metal_key_norms_shape(in.new_rows[0], first_new.c_str());
   }
 }
 
@@ -259,26 +259,27 @@ std::vector<mx::Shape> EvictAndFill::output_shapes(
   return shapes;
 }
 
-void EvictAndFill::prepare_eval(
+LentSiblingInputs EvictAndFill::prepare_eval(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
   check_inputs(EvictAndFillInputs::from(inputs, config_));
   check_row_contiguous(inputs, name());
   // Every output may take over its input's buffer; the kernels then write
   // only the rows that move.
-  take_over_or_allocate(inputs, outputs, [](size_t) { return true; });
+  return take_over_or_allocate(inputs, outputs, [](size_t) { return true; });
 }
 
 void EvictAndFill::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  prepare_eval(inputs, outputs);
+  auto lent = prepare_eval(inputs, outputs);
   auto kernel = cpu_kernel(executor_, &evict_and_fill_cpu,
                            KNORM_EMULATED_KERNEL(evict_and_fill_emulated));
-  dispatch_on_cpu(stream(), inputs, outputs, [kernel, config = config_](
+  run_on_cpu(stream(), executor_, inputs, outputs, [kernel, config = config_](
       const std::vector<mx::array>& in, std::vector<mx::array>& out) {
     kernel(EvictAndFillInputs::from(in, config), out, config);
   });
+  lent.keep();
 }
 
 } // namespace mlx_knorm

@@ -32,6 +32,8 @@ namespace mlx_knorm {
 
 namespace mx = mlx::core;
 
+class LentSiblingInputs;  // common/multi_output.h
+
 enum class Layout { Slots, Temporal };
 
 Layout parse_layout(const std::string& layout);
@@ -164,8 +166,9 @@ class EvictAndFill : public mx::Primitive {
   // What eval_cpu and eval_gpu do before their kernels: the checks again (a
   // replayed compiled graph reaches eval without the op), and a buffer for
   // each output, its input's where donation allows (docs/spec.md §7): one
-  // rule for the CPU kernel, the emulator and the GPU.
-  void prepare_eval(
+  // rule for the CPU kernel, the emulator and the GPU. The caller keep()s
+  // the result once nothing can raise (common/multi_output.h).
+  [[nodiscard]] LentSiblingInputs prepare_eval(
       const std::vector<mx::array>& inputs,
       std::vector<mx::array>& outputs);
 

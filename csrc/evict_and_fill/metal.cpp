@@ -4,16 +4,18 @@
 #include "evict_and_fill/evict_and_fill.h"
 
 #include "common/metal_dispatch.h"
+#include "common/multi_output.h"
 
 namespace mlx_knorm {
 
 void EvictAndFill::eval_gpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  prepare_eval(inputs, outputs);
+  auto lent = prepare_eval(inputs, outputs);
   dispatch_on_gpu(
       evict_and_fill_plan(EvictAndFillInputs::from(inputs, config_), outputs, config_),
       inputs, outputs, stream());
+  lent.keep();
 }
 
 } // namespace mlx_knorm

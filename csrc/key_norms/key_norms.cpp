@@ -1,6 +1,7 @@
 #include "key_norms/key_norms.h"
 
 #include "common/cpu_dispatch.h"
+#include "common/multi_output.h"
 #include "common/validation.h"
 
 namespace mlx_knorm {
@@ -24,7 +25,7 @@ void KeyNorms::check_inputs(const std::vector<mx::array>& inputs) {
   }
   if (executor_ == Executor::MetalEmulator ||
       stream().device == mx::Device::gpu) {
-    check_metal_key_norms_shape(keys);
+    check_metal_key_norms_shape(keys, "keys");
   }
 }
 
@@ -44,14 +45,14 @@ std::vector<mx::Shape> KeyNorms::output_shapes(
 void KeyNorms::prepare_eval(const std::vector<mx::array>& inputs, mx::array& out) {
   check_inputs(inputs);
   check_row_contiguous(inputs, name());
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+  allocate_output(out);
 }
 
 void KeyNorms::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   prepare_eval(inputs, out);
   auto kernel = cpu_kernel(executor_, &key_norms_cpu, KNORM_EMULATED_KERNEL(key_norms_emulated));
   std::vector<mx::array> outputs{out};
-  dispatch_on_cpu(stream(), inputs, outputs, [kernel](
+  run_on_cpu(stream(), executor_, inputs, outputs, [kernel](
       const std::vector<mx::array>& in, std::vector<mx::array>& norms) {
     kernel(in[0], norms[0]);
   });

@@ -69,8 +69,9 @@ void key_norm_rows(
 void key_norms_emulated(const mx::array& keys, mx::array& norms);
 
 // plan.cpp: the shapes the Metal kernel takes (throws std::invalid_argument
-// otherwise; checked when the op is built) and its launch plan.
-void check_metal_key_norms_shape(const mx::array& keys);
+// naming the argument `name` otherwise; checked when the op is built) and
+// its launch plan.
+void check_metal_key_norms_shape(const mx::array& keys, const char* name);
 LaunchPlan key_norms_plan(const mx::array& keys, const mx::array& norms);
 
 } // namespace mlx_knorm

@@ -35,21 +35,21 @@ uint32_t squares_per_lane(int64_t dim) {
 
 } // namespace
 
-void check_metal_key_norms_shape(const mx::array& keys) {
+void check_metal_key_norms_shape(const mx::array& keys, const char* name) {
   const int64_t dim = keys.shape(-1);
   if (dim > kKeyNormsMaxDim) {
     throw std::invalid_argument(
-        "mlx_knorm: the Metal key-norm kernel supports D <= " +
+        std::string("mlx_knorm: ") + name + ": the Metal key-norm kernel supports D <= " +
         std::to_string(kKeyNormsMaxDim) + ", got D = " + std::to_string(dim));
   }
   if (key_rows(keys) > kMaxRows) {
     throw std::invalid_argument(
-        "mlx_knorm: the Metal key-norm kernel supports < 2^32 rows");
+        std::string("mlx_knorm: ") + name + ": the Metal key-norm kernel supports < 2^32 rows");
   }
 }
 
 LaunchPlan key_norms_plan(const mx::array& keys, const mx::array& norms) {
-  check_metal_key_norms_shape(keys);
+  check_metal_key_norms_shape(keys, "keys");
   const int64_t rows = static_cast<int64_t>(norms.size());
   LaunchPlan plan;
   plan.source = "key_norms";

@@ -40,27 +40,15 @@ struct StagedArray {
   bool output = false;
 };
 
-// Binds plan slots to the emulator's buffer table: [[buffer(i)]] is
-// buffers[i]: the staged copy of an array, a constant or a block of them, with what the
-// emulator checks against the kernel's signature. An output that is its
-// input's buffer (in place) shares the input's copy; outputs are copied back
-// after the dispatch. Holds plans to the rule eval_gpu depends on
-// (common/launch_plan.h): an array slot is marked empty exactly when its
-// array has no elements, since Metal would see no buffer there. A
-// placeholder is bound with a null pointer, so a kernel that touches one
-// faults.
-struct EmulatorBinder {
-  const std::string& kernel;
-  std::vector<EmulatedBuffer> buffers;
-  // Constants need stable addresses for the duration of the dispatch.
-  std::vector<uint32_t> constants;
+// The staged copies of one op's dispatches: the device memory they share.
+// A later dispatch reads what an earlier one wrote there, and the outputs
+// reach the arrays only once every dispatch has run, so a dispatch that
+// fails (its threads cannot start) leaves every array as it was: a donated
+// input still holds the rows a retried evaluation reads (docs/spec.md §8).
+struct Staging {
   std::vector<StagedArray> staged;
 
-  EmulatorBinder(const std::string& kernel, size_t n_slots)
-      : kernel(kernel), buffers(n_slots), constants(n_slots) {
-    staged.reserve(n_slots);
-  }
-
+  // An output that is its input's buffer (in place) shares the input's copy.
   StagedArray& stage(const mx::array& a) {
     char* data = const_cast<char*>(a.data<char>());
     const size_t bytes = a.nbytes();
@@ -83,13 +71,39 @@ struct EmulatorBinder {
     return staged.back();
   }
 
+  void copy_back() const {
+    for (const StagedArray& s : staged) {
+      if (s.output && s.bytes > 0) {
+        std::memcpy(s.data, s.bound, s.bytes);
+      }
+    }
+  }
+};
+
+// Binds plan slots to the emulator's buffer table: [[buffer(i)]] is
+// buffers[i]: the staged copy of an array, a constant or a block of them,
+// with what the emulator checks against the kernel's signature. Holds plans
+// to the rule eval_gpu depends on (common/launch_plan.h): an array slot is
+// marked empty exactly when its array has no elements (or there is none),
+// since Metal would see no buffer there. A placeholder is bound with a null
+// pointer, so a kernel that touches one faults.
+struct EmulatorBinder {
+  const std::string& kernel;
+  Staging& staging;
+  std::vector<EmulatedBuffer> buffers;
+  // Constants need stable addresses for the duration of the dispatch.
+  std::vector<uint32_t> constants;
+
+  EmulatorBinder(const std::string& kernel, Staging& staging, size_t n_slots)
+      : kernel(kernel), staging(staging), buffers(n_slots), constants(n_slots) {}
+
   void input(int idx, const mx::array& a, const std::string& element) {
     check_marked(idx, &a, false);
-    buffers[idx] = {stage(a).bound, element, EmulatedBuffer::Access::Read};
+    buffers[idx] = {staging.stage(a).bound, element, EmulatedBuffer::Access::Read};
   }
   void output(int idx, mx::array& a, const std::string& element) {
     check_marked(idx, &a, false);
-    StagedArray& s = stage(a);
+    StagedArray& s = staging.stage(a);
     s.output = true;
     buffers[idx] = {s.bound, element, EmulatedBuffer::Access::Write};
   }
@@ -124,15 +138,17 @@ struct EmulatorBinder {
           " elements there");
     }
   }
-
-  void copy_back() const {
-    for (const StagedArray& s : staged) {
-      if (s.output && s.bytes > 0) {
-        std::memcpy(s.data, s.bound, s.bytes);
-      }
-    }
-  }
 };
+
+void run_dispatch(
+    const LaunchPlan& plan,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs,
+    Staging& staging) {
+  EmulatorBinder binder(plan.kernel, staging, plan.buffers.size());
+  bind_slots(plan, inputs, outputs, binder);
+  run_emulated_kernel(plan.kernel, plan.groups, plan.group_size, binder.buffers);
+}
 
 } // namespace
 
@@ -140,20 +156,19 @@ void run_emulated_plan(
     const LaunchPlan& plan,
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  EmulatorBinder binder(plan.kernel, plan.buffers.size());
-  bind_slots(plan, inputs, outputs, binder);
-  run_emulated_kernel(plan.kernel, plan.groups, plan.group_size, binder.buffers);
-  binder.copy_back();
+  Staging staging;
+  run_dispatch(plan, inputs, outputs, staging);
+  staging.copy_back();
 }
 
-// Each dispatch stages the arrays afresh, so it reads what the ones before it
-// wrote back. An output read as an earlier one must have been bound as an
-// output by a dispatch that ran before, or the kernel would read memory
-// nothing wrote.
+// The dispatches share one staging, as a GPU's dispatches share its memory.
+// An output read as an earlier one must have been bound as an output by a
+// dispatch that ran before, or the kernel would read memory nothing wrote.
 void run_emulated_plan(
     const LaunchPlans& plans,
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
+  Staging staging;
   std::vector<bool> written(outputs.size(), false);
   for (const LaunchPlan& plan : plans) {
     for (const BufferSlot& slot : plan.buffers) {
@@ -164,13 +179,14 @@ void run_emulated_plan(
             std::to_string(slot.array) + " before any dispatch writes it");
       }
     }
-    run_emulated_plan(plan, inputs, outputs);
+    run_dispatch(plan, inputs, outputs, staging);
     for (const BufferSlot& slot : plan.buffers) {
       if (plan.groups > 0 && slot.kind == BufferSlot::Kind::Output && slot.array >= 0) {
         written.at(slot.array) = true;
       }
     }
   }
+  staging.copy_back();
 }
 
 } // namespace mlx_knorm

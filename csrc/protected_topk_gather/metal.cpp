@@ -4,16 +4,18 @@
 #include "protected_topk_gather/protected_topk_gather.h"
 
 #include "common/metal_dispatch.h"
+#include "common/multi_output.h"
 
 namespace mlx_knorm {
 
 void ProtectedTopKGather::eval_gpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  prepare_eval(inputs, outputs);
+  auto lent = prepare_eval(inputs, outputs);
   dispatch_on_gpu(
       protected_topk_gather_plan(GatherInputs::from(inputs), outputs, config_),
       inputs, outputs, stream());
+  lent.keep();
 }
 
 } // namespace mlx_knorm

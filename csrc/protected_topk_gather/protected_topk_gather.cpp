@@ -103,7 +103,7 @@ std::vector<mx::Shape> ProtectedTopKGather::output_shapes(
       {n_heads, kept}};
 }
 
-void ProtectedTopKGather::prepare_eval(
+LentSiblingInputs ProtectedTopKGather::prepare_eval(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
   check_inputs(GatherInputs::from(inputs));
@@ -112,19 +112,20 @@ void ProtectedTopKGather::prepare_eval(
   // (inputs 0-2) when nothing else holds it and the shape is unchanged (a
   // step from a full cache): the kernels then move only the rows after the
   // first evicted one (docs/spec.md §7).
-  take_over_or_allocate(inputs, outputs, [](size_t i) { return i < 3; });
+  return take_over_or_allocate(inputs, outputs, [](size_t i) { return i < 3; });
 }
 
 void ProtectedTopKGather::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  prepare_eval(inputs, outputs);
+  auto lent = prepare_eval(inputs, outputs);
   auto kernel = cpu_kernel(executor_, &protected_topk_gather_cpu,
                            KNORM_EMULATED_KERNEL(protected_topk_gather_emulated));
-  dispatch_on_cpu(stream(), inputs, outputs, [kernel, config = config_](
+  run_on_cpu(stream(), executor_, inputs, outputs, [kernel, config = config_](
       const std::vector<mx::array>& in, std::vector<mx::array>& out) {
     kernel(GatherInputs::from(in), out, config);
   });
+  lent.keep();
 }
 
 } // namespace mlx_knorm

@@ -23,6 +23,8 @@ namespace mlx_knorm {
 
 namespace mx = mlx::core;
 
+class LentSiblingInputs;  // common/multi_output.h
+
 // The primitive's inputs, in its input order: a prior state [N, n_prior, *]
 // and a new block [N, S, *] of keys, values and float32 norms.
 struct GatherInputs {
@@ -92,8 +94,9 @@ class ProtectedTopKGather : public mx::Primitive {
   // What eval_cpu and eval_gpu do before their kernels: the checks again (a
   // replayed compiled graph reaches eval without the op), and a buffer for
   // each output, its prior's where donation allows: one rule for the CPU
-  // kernel, the emulator and the GPU.
-  void prepare_eval(
+  // kernel, the emulator and the GPU. The caller keep()s the result once
+  // nothing can raise (common/multi_output.h).
+  [[nodiscard]] LentSiblingInputs prepare_eval(
       const std::vector<mx::array>& inputs,
       std::vector<mx::array>& outputs);
 

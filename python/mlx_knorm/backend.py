@@ -147,6 +147,25 @@ def resolve(stream, key_dim: int | None = None) -> str:
     return "kernel" if has_kernel and fits else "fallback"
 
 
+def check_key_width(key_dim: int, name: str, stream=None) -> None:
+    """Keys that the backend chosen for ``stream`` can take: the Metal
+    key-norm kernel (on a GPU, or through the emulator) holds at most
+    ``metal_key_norms_max_dim`` squares per row. The ops raise the same
+    in C++ under their argument names; callers that pass rows on under
+    another name (the cache's ``keys`` become the step's ``new_keys``) check
+    here first, under theirs."""
+    backend = resolve(stream, key_dim=key_dim)
+    on_metal = backend == "metal-emulator" or (
+        backend == "kernel" and _device_of(stream).type == mx.DeviceType.gpu
+    )
+    limit = _native.ext.metal_key_norms_max_dim if on_metal else None
+    if limit is not None and key_dim > limit:
+        raise ValueError(
+            f"mlx_knorm: {name}: the Metal key-norm kernel supports D <= {limit}, "
+            f"got D = {key_dim}"
+        )
+
+
 def _metal_kernel_library() -> dict | None:
     """Where the Metal kernels come from, in builds that have them: the
     prebuilt ``mlx_knorm.metallib`` or the ``.metal`` sources compiled at

@@ -54,9 +54,9 @@ import mlx.nn as nn
 from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
-from .cache_state import check_state
+from .cache_state import StateError, check_block, check_state, parse_meta_state
 from .ops.evict_and_fill import check_layout, evict_and_fill_unchecked
-from .validation import INT32_MAX, check_config, check_int
+from .validation import check_config, check_int
 
 DEFAULT_BUDGET = 512
 DEFAULT_N_SINK = 4
@@ -109,22 +109,30 @@ class L2NormKVCache(_BaseCache):
         def pick(value, field, default):
             return value if value is not None else getattr(config, field, default)
 
-        self.budget, self.n_sink, self.recent, self.keep = check_config(
+        # An empty state, through the one check every change takes.
+        self.state = (
+            None, None, None, None, 0,
             pick(budget, "knorm_budget", DEFAULT_BUDGET),
             pick(n_sink, "knorm_n_sink", DEFAULT_N_SINK),
             pick(recent, "knorm_recent", DEFAULT_RECENT),
             pick(keep, "knorm_keep", DEFAULT_KEEP),
+            layout,
         )
-        self.layout = check_layout(layout)
-        self._clear()
 
-    def _clear(self) -> None:
+    def _load(self, checked) -> None:
+        """Take a state that passed ``check_state``: the only way anything
+        but a step changes the cache."""
+        self.budget, self.n_sink, self.recent, self.keep = checked.config
+        self.layout = checked.layout
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.norms: mx.array | None = None
         self.slot_positions: mx.array | None = None
         self.filled = 0
-        self.offset = 0
+        self.offset = checked.offset
+        if checked.rows is not None:
+            self._set_buffers(checked.rows)
+            self.filled = checked.rows[0].shape[2]
 
     def _buffers(self) -> list:
         return [self.keys, self.values, self.norms, self.slot_positions]
@@ -137,11 +145,15 @@ class L2NormKVCache(_BaseCache):
 
         The returned arrays are views of the occupied slots: what this step
         attends to (nothing of it is evicted yet). The eviction that the new
-        rows cause is applied by the next step.
+        rows cause is applied by the next step. A block that does not fit
+        raises naming the argument and changes nothing, on the first call
+        as on later ones (cache_state.check_block).
         """
-        batch, heads, steps, key_dim = keys.shape
         previous = self._buffers()
-        if self.keys is None:
+        stored = None if self.keys is None else (self.keys, self.values)
+        check_block(keys, values, stored, self.offset)
+        batch, heads, steps, key_dim = keys.shape
+        if stored is None:
             dtype = _storage_dtype(keys, values)
             buffers = [
                 mx.zeros((batch, heads, 0, key_dim), dtype),
@@ -150,13 +162,7 @@ class L2NormKVCache(_BaseCache):
                 mx.zeros((batch, heads, 0), mx.int32),
             ]
         else:
-            self._check_block(keys, values)
             buffers = previous
-        if self.offset + steps > INT32_MAX:
-            raise ValueError(
-                f"mlx_knorm: L2NormKVCache positions are int32: offset {self.offset} + "
-                f"{steps} new tokens must be < 2**31"
-            )
         kept = self.size()
         capacity = self._capacity(kept + steps, buffers[0].shape[2])
         # The op writes in place only if it holds the buffers' last reference.
@@ -178,18 +184,6 @@ class L2NormKVCache(_BaseCache):
         self.offset += steps
         return self._occupied(self.keys), self._occupied(self.values)
 
-    def _check_block(self, keys: mx.array, values: mx.array) -> None:
-        batch, heads, _, key_dim = self.keys.shape
-        value_dim = self.values.shape[-1]
-        if keys.shape[:2] != (batch, heads) or keys.shape[-1] != key_dim or values.shape != (
-            *keys.shape[:3], value_dim
-        ):
-            raise ValueError(
-                f"mlx_knorm: L2NormKVCache holds [B, H, rows, D] = [{batch}, {heads}, rows, "
-                f"{key_dim}] keys and [..., {value_dim}] values; got keys {list(keys.shape)} "
-                f"and values {list(values.shape)}"
-            )
-
     def _capacity(self, needed: int, current: int) -> int:
         """Slots for the next buffers: the current ones when they fit and are
         not larger than a decode step at the budget needs (then the step can
@@ -204,20 +198,22 @@ class L2NormKVCache(_BaseCache):
         """Slots ``[0, filled)`` of a ``[B, H, capacity, D]`` buffer (a view)."""
         return buffer if buffer.shape[2] == self.filled else buffer[..., : self.filled, :]
 
-    def _kept_rows(self) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
-        """The kept rows once the pending eviction is applied, in temporal
-        order: keys, values, norms, positions ``[B, H, kept, ...]``.
-        Computed out of place; the buffers are not touched."""
+    def _kept_rows(self, config=None) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
+        """The kept rows once the pending eviction is applied, under
+        ``config`` (``(budget, n_sink, recent, keep)``, the cache's own by
+        default), in temporal order: keys, values, norms, positions
+        ``[B, H, kept, ...]``. Computed out of place; the buffers are not
+        touched."""
         if self.keys is None:
             return None
-        kept = self.size()
+        budget, n_sink, recent, keep = config or (self.budget, self.n_sink, self.recent, self.keep)
+        kept = min(self.filled, budget)
         buffers = self._buffers()
         if kept < self.filled:
             no_rows = [mx.zeros((*b.shape[:2], 0, b.shape[3]), b.dtype) for b in buffers[:2]]
             rows = evict_and_fill_unchecked(
                 *buffers, *no_rows, filled=self.filled, offset=self.offset, capacity=kept,
-                budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
-                layout="temporal",
+                budget=budget, n_sink=n_sink, recent=recent, keep=keep, layout="temporal",
             )
         else:
             rows = [b[:, :, :kept] for b in buffers]
@@ -289,14 +285,7 @@ class L2NormKVCache(_BaseCache):
         """Load a saved state after checking every field against the others
         and the configuration (cache_state.check_state); nothing changes if
         a check fails."""
-        checked = check_state(v)
-        self.budget, self.n_sink, self.recent, self.keep = checked.config
-        self.layout = checked.layout
-        self._clear()
-        self.offset = checked.offset
-        if checked.rows is not None:
-            self._set_buffers(checked.rows)
-            self.filled = checked.rows[0].shape[2]
+        self._load(check_state(v))
 
     @property
     def meta_state(self) -> tuple[str, ...]:
@@ -306,10 +295,31 @@ class L2NormKVCache(_BaseCache):
 
     @meta_state.setter
     def meta_state(self, v) -> None:
-        budget, n_sink, recent, keep, layout = v
-        config = check_config(int(budget), int(n_sink), int(recent), keep)
-        self.layout = check_layout(layout)
-        self.budget, self.n_sink, self.recent, self.keep = config
+        """A new configuration and layout for the stored rows
+        (docs/spec.md §8): the rows are evicted under the new configuration
+        and stored in temporal order, a state that must pass the load
+        check. One the rows cannot satisfy raises naming the field, and
+        nothing changes."""
+        budget, n_sink, recent, keep, layout = parse_meta_state(v)
+        config = check_config(budget, n_sink, recent, keep)
+        layout = check_layout(layout)
+        if "offset" not in vars(self):
+            # Made by from_state's cls.__new__ with no state set yet: empty.
+            self.state = (None, None, None, None, 0, *config, layout)
+            return
+        if (config, layout) == ((self.budget, self.n_sink, self.recent, self.keep), self.layout):
+            return
+        rows = self._kept_rows(config) or (None,) * 4
+        try:
+            checked = check_state((*rows, self.offset, *config, layout))
+        except StateError as err:
+            setting = err.setting or err.field
+            value = dict(zip(("budget", "n_sink", "recent"), config)).get(setting, "this value")
+            raise ValueError(
+                f"mlx_knorm: L2NormKVCache meta_state field '{setting}': the stored rows "
+                f"cannot satisfy {setting}={value} ({err}); the cache is unchanged"
+            ) from err
+        self._load(checked)
 
     def _fp16_bytes(self, tokens: int) -> int:
         # The reference's accounting: K + V at 2 bytes per element, all B*H

@@ -20,7 +20,7 @@ from ..validation import (
     dtype_name,
     shape_mismatch,
 )
-from .common import on_stream, run_native, shape_pinned
+from .common import on_stream, run_native, shape_pinned, without_transforms
 from .key_norms import fallback as key_norms_fallback
 from .protected_topk_gather import score_order_key
 
@@ -62,14 +62,12 @@ def evict_and_fill(
     axes (``[B, H, C, D_k]``, as a model's cache holds them), the same in
     every array.
     """
+    arrays = keys, values, norms, positions, new_keys, new_values
     config = check_step(
-        keys, values, norms, positions, new_keys, new_values,
-        filled=filled, offset=offset, capacity=capacity, budget=budget,
+        *arrays, filled=filled, offset=offset, capacity=capacity, budget=budget,
         n_sink=n_sink, recent=recent, keep=keep, layout=layout,
     )
-    return evict_and_fill_unchecked(
-        keys, values, norms, positions, new_keys, new_values, **config, stream=stream
-    )
+    return _run(resolve(stream, key_dim=keys.shape[-1]), arrays, config, stream)
 
 
 def check_layout(layout) -> str:
@@ -162,21 +160,26 @@ def evict_and_fill_unchecked(
     keys, values, norms, positions, new_keys, new_values,
     *, filled, offset, capacity, budget, n_sink, recent, keep, layout="slots", stream=None,
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """``evict_and_fill`` for callers that checked their configuration
-    already (the cache, through ``check_step`` or ``check_config``): no
-    Python checks. The native op still checks every shape relation it relies
-    on."""
+    """``evict_and_fill`` for callers that checked their arguments already
+    (the cache): the native op checks every relation it relies on again in
+    C++, so only the fallback runs ``check_step``, and every backend refuses
+    the same calls (docs/spec.md §6)."""
+    arrays = keys, values, norms, positions, new_keys, new_values
+    config = dict(
+        filled=filled, offset=offset, capacity=capacity, budget=budget,
+        n_sink=n_sink, recent=recent, keep=keep, layout=layout,
+    )
     backend = resolve(stream, key_dim=keys.shape[-1])
     if backend == "fallback":
+        config = check_step(*arrays, **config)
+    return _run(backend, arrays, config, stream)
+
+
+def _run(backend: str, arrays, config: dict, stream) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    if backend == "fallback":
         with on_stream(stream):
-            return fallback(
-                keys, values, norms, positions, new_keys, new_values,
-                filled, offset, capacity, budget, n_sink, recent, keep, layout,
-            )
-    return tuple(run_native(
-        backend, "evict_and_fill", keys, values, norms, positions, new_keys, new_values,
-        filled, offset, capacity, budget, n_sink, recent, keep, layout, stream=stream,
-    ))
+            return fallback(*arrays, **config)
+    return tuple(run_native(backend, "evict_and_fill", *arrays, **config, stream=stream))
 
 
 def position_order_key(positions: mx.array) -> mx.array:
@@ -227,9 +230,10 @@ def source_slots(keep: mx.array, kept: int, layout: str) -> mx.array:
     return mx.where(hole, moved_in, slot[:kept])
 
 
+@without_transforms("evict_and_fill")
 def fallback(
     keys, values, norms, positions, new_keys, new_values,
-    filled, offset, capacity, budget, n_sink, recent, keep, layout,
+    *, filled, offset, capacity, budget, n_sink, recent, keep, layout,
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """The pure-MLX step, bit-identical to the kernels on slots
     ``[0, kept + S)``; later slots are zeros here. Runs on one head axis."""

@@ -7,7 +7,7 @@ import mlx.core as mx
 
 from ..backend import resolve
 from ..validation import check_floating
-from .common import on_stream, run_native, shape_pinned
+from .common import on_stream, run_native, shape_pinned, without_transforms
 
 _SMALLEST_NORMAL = 2.0**-126
 _CANONICAL_NAN_BITS = 0x7FC00000
@@ -16,7 +16,7 @@ _CANONICAL_NAN_BITS = 0x7FC00000
 def key_norms(keys: mx.array, *, stream=None) -> mx.array:
     """float32 L2 norm of each row of ``keys [..., D]``, docs/spec.md §2 exactly."""
     check_keys(keys)
-    return key_norms_unchecked(keys, stream)
+    return _run(resolve(stream, key_dim=keys.shape[-1]), keys, stream)
 
 
 def check_keys(keys) -> None:
@@ -27,14 +27,22 @@ def check_keys(keys) -> None:
 
 def key_norms_unchecked(keys: mx.array, stream=None) -> mx.array:
     """``key_norms`` for callers that checked ``keys`` already (the state API,
-    the cache): one check per step."""
+    the cache): the native op checks again in C++, so only the fallback runs
+    the Python checks, and every backend refuses the same calls."""
     backend = resolve(stream, key_dim=keys.shape[-1])
+    if backend == "fallback":
+        check_keys(keys)
+    return _run(backend, keys, stream)
+
+
+def _run(backend: str, keys: mx.array, stream) -> mx.array:
     if backend == "fallback":
         with on_stream(stream):
             return fallback(keys)
     return run_native(backend, "key_norms", keys, stream=stream)
 
 
+@without_transforms("key_norms")
 def fallback(keys: mx.array) -> mx.array:
     """The pure-MLX norm, bit-identical to the kernels: docs/spec.md §2
     literally, in the pinned halving order (never ``mx.sum``, whose order

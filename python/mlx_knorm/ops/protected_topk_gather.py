@@ -19,7 +19,7 @@ from ..validation import (
     dtype_name,
     shape_mismatch,
 )
-from .common import on_stream, run_native, shape_pinned
+from .common import on_stream, run_native, shape_pinned, without_transforms
 
 _SIGN = 0x80000000
 _NAN_KEY = 0xFFFFFFFF
@@ -58,22 +58,27 @@ def protected_topk_gather(
     budget)``. ``new_keys``/``new_values`` must have the dtypes of
     ``prior_keys``/``prior_values``.
     """
-    budget, n_sink, recent, keep = check_config(budget, n_sink, recent, keep)
-    check_block(prior_keys, prior_values, prior_norms, new_keys, new_values)
-    check_new_norms(new_norms, new_keys)
+    inputs = GatherInputs(prior_keys, prior_values, prior_norms, new_keys, new_values, new_norms)
+    config = check_gather(inputs, budget, n_sink, recent, keep)
+    return _run(resolve(stream), inputs, config, stream)
+
+
+def check_gather(inputs: GatherInputs, budget, n_sink, recent, keep) -> tuple[int, int, int, str]:
+    """Every check of docs/spec.md §6 for one call; returns the configuration
+    as converted."""
+    config = check_config(budget, n_sink, recent, keep)
+    check_block(*inputs[:5])
+    check_new_norms(inputs.new_norms, inputs.new_keys)
     for name, new, prior in (
-        ("new_keys", new_keys, prior_keys),
-        ("new_values", new_values, prior_values),
+        ("new_keys", inputs.new_keys, inputs.prior_keys),
+        ("new_values", inputs.new_values, inputs.prior_values),
     ):
         if new.dtype != prior.dtype:
             raise TypeError(
                 f"mlx_knorm: {name} dtype {dtype_name(new.dtype)} must equal "
                 f"prior dtype {dtype_name(prior.dtype)}"
             )
-    return protected_topk_gather_unchecked(
-        prior_keys, prior_values, prior_norms, new_keys, new_values, new_norms,
-        budget, n_sink, recent, keep, stream,
-    )
+    return config
 
 
 def check_block(prior_keys, prior_values, prior_norms, new_keys, new_values) -> None:
@@ -126,26 +131,36 @@ def protected_topk_gather_unchecked(
     budget, n_sink, recent, keep, stream=None,
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """``protected_topk_gather`` for callers that checked their arguments
-    already (the state API, the cache): one check per step."""
+    already (the state API): the native op checks again in C++, so only the
+    fallback runs ``check_gather``, and every backend refuses the same calls
+    (docs/spec.md §6)."""
     inputs = GatherInputs(prior_keys, prior_values, prior_norms, new_keys, new_values, new_norms)
+    config = budget, n_sink, recent, keep
     backend = resolve(stream)
     if backend == "fallback":
+        config = check_gather(inputs, *config)
+    return _run(backend, inputs, config, stream)
+
+
+def _run(backend: str, inputs: GatherInputs, config, stream) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    if backend == "fallback":
+        budget, n_sink, recent, keep = config
         with on_stream(stream):
-            return fallback(inputs, budget, n_sink, recent, keep)
-    return tuple(run_native(
-        backend, "protected_topk_gather", *inputs, budget, n_sink, recent, keep, stream=stream
-    ))
+            return fallback(*inputs, budget=budget, n_sink=n_sink, recent=recent, keep=keep)
+    return tuple(run_native(backend, "protected_topk_gather", *inputs, *config, stream=stream))
 
 
+@without_transforms("protected_topk_gather")
 def fallback(
-    inputs: GatherInputs, budget: int, n_sink: int, recent: int, keep: str
+    prior_keys, prior_values, prior_norms, new_keys, new_values, new_norms,
+    *, budget: int, n_sink: int, recent: int, keep: str,
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """The pure-MLX op, bit-identical to the kernels. Rows are selected by
     unique (score, index) keys, so any correct partition algorithm picks
     exactly the rows the kernels pick."""
-    keys = mx.concatenate([inputs.prior_keys, inputs.new_keys], axis=1)
-    values = mx.concatenate([inputs.prior_values, inputs.new_values], axis=1)
-    norms = mx.concatenate([shape_pinned(inputs.prior_norms), inputs.new_norms], axis=1)
+    keys = mx.concatenate([prior_keys, new_keys], axis=1)
+    values = mx.concatenate([prior_values, new_values], axis=1)
+    norms = mx.concatenate([shape_pinned(prior_norms), new_norms], axis=1)
     indices = selected_rows(norms, budget, n_sink, recent, keep)
     rows = indices[:, :, None]
     return (
