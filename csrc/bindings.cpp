@@ -34,14 +34,17 @@ mlx_knorm::Executor executor_for(bool emulate) {
 // list of them (Python's tuple form).
 using Payloads = std::variant<mx::array, std::vector<mx::array>>;
 
-struct PayloadList {
-  std::vector<mx::array> arrays;
+// How one of them was given: its array count, and whether as a list.
+struct PayloadGroup {
+  size_t count;
   bool listed;
 };
 
-PayloadList payload_list(const Payloads& p, const char* name) {
+// Appends the arrays of `p` to `out`.
+PayloadGroup append_payloads(const Payloads& p, const char* name, mlx_knorm::PayloadArrays& out) {
   if (const auto* a = std::get_if<mx::array>(&p)) {
-    return {{*a}, false};
+    out.push_back(*a);
+    return {1, false};
   }
   const auto& list = std::get<std::vector<mx::array>>(p);
   if (list.empty()) {
@@ -49,18 +52,21 @@ PayloadList payload_list(const Payloads& p, const char* name) {
         std::string("mlx_knorm: ") + name +
         " must be an mlx.core.array or a non-empty tuple of them, got an empty sequence");
   }
-  return {list, true};
+  for (const mx::array& a : list) {
+    out.push_back(a);
+  }
+  return {list.size(), true};
 }
 
 // The new rows take the structure of the buffers they join.
 void check_structure(
-    const PayloadList& fresh,
+    const PayloadGroup& fresh,
     const char* fresh_name,
-    const PayloadList& stored,
+    const PayloadGroup& stored,
     const char* stored_name) {
-  if (fresh.listed != stored.listed || fresh.arrays.size() != stored.arrays.size()) {
-    auto describe = [](const PayloadList& p) {
-      return p.listed ? "a tuple of " + std::to_string(p.arrays.size()) + " arrays"
+  if (fresh.listed != stored.listed || fresh.count != stored.count) {
+    auto describe = [](const PayloadGroup& g) {
+      return g.listed ? "a tuple of " + std::to_string(g.count) + " arrays"
                       : std::string("an array");
     };
     throw std::invalid_argument(
@@ -171,10 +177,12 @@ NB_MODULE(_ext, m) {
          const std::optional<mx::array>& valid,
          bool emulate,
          mx::StreamOrDevice s) {
-        const PayloadList k = payload_list(keys, "keys");
-        const PayloadList v = payload_list(values, "values");
-        const PayloadList nk = payload_list(new_keys, "new_keys");
-        const PayloadList nv = payload_list(new_values, "new_values");
+        mlx_knorm::PayloadArrays rows;
+        mlx_knorm::PayloadArrays new_rows;
+        const PayloadGroup k = append_payloads(keys, "keys", rows);
+        const PayloadGroup v = append_payloads(values, "values", rows);
+        const PayloadGroup nk = append_payloads(new_keys, "new_keys", new_rows);
+        const PayloadGroup nv = append_payloads(new_values, "new_values", new_rows);
         check_structure(nk, "new_keys", k, "keys");
         check_structure(nv, "new_values", v, "values");
         mlx_knorm::EvictAndFillConfig config{
@@ -183,14 +191,11 @@ NB_MODULE(_ext, m) {
             offset,
             capacity,
             mlx_knorm::parse_layout(layout),
-            {static_cast<int>(k.arrays.size()), static_cast<int>(v.arrays.size()), k.listed,
-             v.listed},
+            {static_cast<int>(k.count), static_cast<int>(v.count), k.listed, v.listed},
             new_norms.has_value(),
             valid.has_value()};
-        mlx_knorm::EvictAndFillInputs inputs{
-            k.arrays, norms, positions, nk.arrays, new_norms, valid};
-        inputs.rows.insert(inputs.rows.end(), v.arrays.begin(), v.arrays.end());
-        inputs.new_rows.insert(inputs.new_rows.end(), nv.arrays.begin(), nv.arrays.end());
+        const mlx_knorm::EvictAndFillInputs inputs{
+            std::move(rows), norms, positions, std::move(new_rows), new_norms, valid};
         return mlx_knorm::evict_and_fill(inputs, config, executor_for(emulate), s);
       },
       "keys"_a,

@@ -145,8 +145,10 @@ __attribute__((target("avx2"))) int64_t worst_slot_avx2(
   int64_t s = 0;
   for (; s + 8 <= filled; s += 8) {
     // score_order_key of common/selection.h, lane by lane; keep="high"
-    // scores by -norm, a flip of the sign bit. A NaN lane becomes all ones,
-    // then kNanScoreKey (its lowest bit cleared).
+    // scores by -norm, a flip of the sign bit. A NaN lane becomes all ones:
+    // with ranges, then kNanScoreKey (its lowest bit cleared) below the
+    // padding's key; without, it stays (no row is padding, and the tail
+    // below keys NaN the same way), which spares the scan two operations.
     __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(norms + s));
     if constexpr (kKeepHigh) {
       bits = _mm256_xor_si256(bits, sign);
@@ -155,9 +157,11 @@ __attribute__((target("avx2"))) int64_t worst_slot_avx2(
     bits = _mm256_andnot_si256(_mm256_cmpeq_epi32(magnitude, zero), bits);
     const __m256i negative = _mm256_srai_epi32(bits, 31);
     const __m256i is_nan = _mm256_cmpgt_epi32(magnitude, infinity);
-    const __m256i score = _mm256_xor_si256(
-        _mm256_or_si256(_mm256_xor_si256(bits, _mm256_or_si256(negative, sign)), is_nan),
-        _mm256_srli_epi32(is_nan, 31));
+    __m256i score =
+        _mm256_or_si256(_mm256_xor_si256(bits, _mm256_or_si256(negative, sign)), is_nan);
+    if constexpr (kRanges) {
+      score = _mm256_xor_si256(score, _mm256_srli_epi32(is_nan, 31));
+    }
     const __m256i p =
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(positions + s));
     // Evictable: sink_end <= p < protect_from; protected rows score 0.
@@ -199,8 +203,14 @@ __attribute__((target("avx2"))) int64_t worst_slot_avx2(
     }
   }
   for (; s < filled; ++s) {
-    const int64_t r = static_cast<int64_t>(
-        rank(norms[s], positions[s]) ^ (uint64_t(1) << 63));
+    uint64_t key = rank(norms[s], positions[s]);
+    if constexpr (!kRanges) {
+      // NaN keyed all ones, as in the lanes.
+      if ((key >> 32) == kNanScoreKey) {
+        key |= uint64_t(1) << 32;
+      }
+    }
+    const int64_t r = static_cast<int64_t>(key ^ (uint64_t(1) << 63));
     if (r >= worst_rank) {
       worst_rank = r;
       worst = s;

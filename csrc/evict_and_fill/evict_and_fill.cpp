@@ -65,7 +65,9 @@ EvictAndFillInputs EvictAndFillInputs::from(
 }
 
 std::vector<mx::array> EvictAndFillInputs::to_vector() const {
-  std::vector<mx::array> out = rows;
+  std::vector<mx::array> out;
+  out.reserve(rows.size() + new_rows.size() + 4);
+  out.insert(out.end(), rows.begin(), rows.end());
   out.push_back(norms);
   out.push_back(positions);
   out.insert(out.end(), new_rows.begin(), new_rows.end());
@@ -94,6 +96,7 @@ std::vector<mx::array> evict_and_fill(
   auto primitive = std::make_shared<EvictAndFill>(stream, config, executor);
   primitive->check_inputs(inputs);
   std::vector<mx::Dtype> dtypes;
+  dtypes.reserve(inputs.rows.size() + 2);
   for (const mx::array& r : inputs.rows) {
     dtypes.push_back(r.dtype());
   }
@@ -117,23 +120,43 @@ void EvictAndFill::check_inputs(const EvictAndFillInputs& in) {
         "mlx_knorm: keys and values take at most " + std::to_string(kEvictMaxPayloads) +
         " payload arrays together, got " + std::to_string(m));
   }
-  const std::string first = groups.name(0);
+  // The checks below test their condition first and name the arguments
+  // (strings) only to report a failure: this runs three times per step.
+  auto name = [&](int i) { return groups.name(i); };
+  auto new_name = [&](int i) { return groups.name(i, true); };
+  auto leading_equal = [](const mx::array& a, const mx::array& b, int axes) {
+    for (int i = 0; i < axes; ++i) {
+      if (a.shape(i) != b.shape(i)) {
+        return false;
+      }
+    }
+    return true;
+  };
+  auto floating = [](const mx::array& a) {
+    return a.dtype() == mx::float16 || a.dtype() == mx::bfloat16 || a.dtype() == mx::float32;
+  };
   const mx::array& keys = in.rows[0];
+  const mx::array& new_keys = in.new_rows[0];
   if (keys.ndim() < 3) {
     throw std::invalid_argument(
-        "mlx_knorm: " + first + " must be [..., C, D_k] with at least one head axis, got rank " +
+        "mlx_knorm: " + name(0) + " must be [..., C, D_k] with at least one head axis, got rank " +
         std::to_string(keys.ndim()));
   }
   // Every array has the first payload's head axes; then one axis of slots
   // or new rows, and one of width for the payloads.
   const int heads = static_cast<int>(keys.ndim()) - 2;
+  const size_t payload_rank = static_cast<size_t>(heads) + 2;
   for (int i = 0; i < m; ++i) {
-    check_rank(in.rows[i], heads + 2, groups.name(i).c_str());
+    if (in.rows[i].ndim() != payload_rank) {
+      check_rank(in.rows[i], heads + 2, name(i).c_str());
+    }
   }
   check_rank(in.norms, heads + 1, "norms");
   check_rank(in.positions, heads + 1, "positions");
   for (int i = 0; i < m; ++i) {
-    check_rank(in.new_rows[i], heads + 2, groups.name(i, true).c_str());
+    if (in.new_rows[i].ndim() != payload_rank) {
+      check_rank(in.new_rows[i], heads + 2, new_name(i).c_str());
+    }
   }
   if (in.new_norms) {
     check_rank(*in.new_norms, heads + 1, "new_norms");
@@ -149,14 +172,19 @@ void EvictAndFill::check_inputs(const EvictAndFillInputs& in) {
           "mlx_knorm: new_norms is required when keys is a tuple: the norms are computed "
           "from new_keys only when it is one float16, bfloat16 or float32 array");
     }
-    check_floating(keys, first.c_str());
-    check_floating(in.new_rows[0], groups.name(0, true).c_str());
+    if (!floating(keys)) {
+      check_floating(keys, name(0).c_str());
+    }
+    if (!floating(new_keys)) {
+      check_floating(new_keys, new_name(0).c_str());
+    }
   }
   check_float32(in.norms, "norms");
   check_int32(in.positions, "positions");
   for (int i = 0; i < m; ++i) {
-    check_same_dtype(in.new_rows[i], groups.name(i, true).c_str(), in.rows[i],
-                     groups.name(i).c_str());
+    if (in.new_rows[i].dtype() != in.rows[i].dtype()) {
+      check_same_dtype(in.new_rows[i], new_name(i).c_str(), in.rows[i], name(i).c_str());
+    }
   }
   if (in.new_norms) {
     check_float32(*in.new_norms, "new_norms");
@@ -164,36 +192,36 @@ void EvictAndFill::check_inputs(const EvictAndFillInputs& in) {
   if (in.valid) {
     check_int32(*in.valid, "valid");
   }
-  const std::string first_new = groups.name(0, true);
   for (int i = 1; i < m; ++i) {
-    const std::string what = groups.name(0) + "/" + groups.name(i) + " mismatch in N or rows";
-    check_leading_axes(what.c_str(), first.c_str(), keys, groups.name(i).c_str(), in.rows[i],
-                       heads + 1);
-    check_leading_axes(what.c_str(), first_new.c_str(), in.new_rows[0],
-                       groups.name(i, true).c_str(), in.new_rows[i], heads + 1);
+    const bool rows_agree = leading_equal(keys, in.rows[i], heads + 1);
+    if (!rows_agree || !leading_equal(new_keys, in.new_rows[i], heads + 1)) {
+      const std::string what = name(0) + "/" + name(i) + " mismatch in N or rows";
+      if (!rows_agree) {
+        shape_mismatch(what.c_str(), name(0).c_str(), keys, name(i).c_str(), in.rows[i]);
+      }
+      shape_mismatch(what.c_str(), new_name(0).c_str(), new_keys, new_name(i).c_str(),
+                     in.new_rows[i]);
+    }
   }
   for (int i = 0; i < m; ++i) {
-    const std::string name = groups.name(i);
-    const std::string new_name = groups.name(i, true);
-    check_leading_axes("buffers vs new rows mismatch in N or D", name.c_str(), in.rows[i],
-                       new_name.c_str(), in.new_rows[i], heads);
-    if (in.rows[i].shape(-1) != in.new_rows[i].shape(-1)) {
-      shape_mismatch("buffers vs new rows mismatch in N or D", name.c_str(), in.rows[i],
-                     new_name.c_str(), in.new_rows[i]);
+    if (!leading_equal(in.rows[i], in.new_rows[i], heads) ||
+        in.rows[i].shape(-1) != in.new_rows[i].shape(-1)) {
+      shape_mismatch("buffers vs new rows mismatch in N or D", name(i).c_str(), in.rows[i],
+                     new_name(i).c_str(), in.new_rows[i]);
     }
   }
-  check_leading_axes("norms must be [N, C]", "norms", in.norms, first.c_str(), keys, heads + 1);
-  check_leading_axes("positions must be [N, C]", "positions", in.positions, first.c_str(), keys,
-                     heads + 1);
-  if (in.new_norms) {
-    check_leading_axes("new_norms must be [N, S]", "new_norms", *in.new_norms,
-                       first_new.c_str(), in.new_rows[0], heads + 1);
+  if (!leading_equal(in.norms, keys, heads + 1)) {
+    shape_mismatch("norms must be [N, C]", "norms", in.norms, name(0).c_str(), keys);
   }
-  if (in.valid) {
-    check_leading_axes("valid must be [N, 2]", "valid", *in.valid, first.c_str(), keys, heads);
-    if (in.valid->shape(-1) != 2) {
-      shape_mismatch("valid must be [N, 2]", "valid", *in.valid, first.c_str(), keys);
-    }
+  if (!leading_equal(in.positions, keys, heads + 1)) {
+    shape_mismatch("positions must be [N, C]", "positions", in.positions, name(0).c_str(), keys);
+  }
+  if (in.new_norms && !leading_equal(*in.new_norms, new_keys, heads + 1)) {
+    shape_mismatch("new_norms must be [N, S]", "new_norms", *in.new_norms, new_name(0).c_str(),
+                   new_keys);
+  }
+  if (in.valid && (!leading_equal(*in.valid, keys, heads) || in.valid->shape(-1) != 2)) {
+    shape_mismatch("valid must be [N, 2]", "valid", *in.valid, name(0).c_str(), keys);
   }
   check_selection_config(config_.selection);
   const int64_t filled = config_.filled;
@@ -230,7 +258,7 @@ void EvictAndFill::check_inputs(const EvictAndFillInputs& in) {
       (executor_ == Executor::MetalEmulator || stream().device == mx::Device::gpu)) {
     // The Metal kernel takes the new rows' norms with the key-norm kernel's
     // code.
-    check_metal_key_norms_shape(in.new_rows[0], first_new.c_str());
+    check_metal_key_norms_shape(in.new_rows[0], groups.name(0, true).c_str());
   }
 }
 
@@ -249,6 +277,7 @@ std::vector<mx::Shape> EvictAndFill::output_shapes(
   mx::Shape slots = in.norms.shape();
   slots.back() = static_cast<int>(config_.out_capacity);
   std::vector<mx::Shape> shapes;
+  shapes.reserve(in.rows.size() + 2);
   for (const mx::array& r : in.rows) {
     mx::Shape payload = slots;
     payload.push_back(r.shape(-1));

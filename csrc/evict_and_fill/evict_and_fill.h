@@ -23,6 +23,7 @@
 
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
+#include "mlx/small_vector.h"
 
 #include "common/executor.h"
 #include "common/launch_plan.h"
@@ -85,11 +86,15 @@ struct EvictAndFillConfig {
 // heads are the axes before C and S ([N], or [B, H] as a model's cache
 // holds them), the same in every array. Outputs: the payloads, norms and
 // positions with C_out slots, output i in place of input i.
+// Payload arrays held inline: a step builds and checks its inputs several
+// times, with no allocation for them.
+using PayloadArrays = mx::SmallVector<mx::array, kEvictMaxPayloads>;
+
 struct EvictAndFillInputs {
-  std::vector<mx::array> rows;
+  PayloadArrays rows;
   mx::array norms;
   mx::array positions;
-  std::vector<mx::array> new_rows;
+  PayloadArrays new_rows;
   std::optional<mx::array> new_norms;
   std::optional<mx::array> valid;
 

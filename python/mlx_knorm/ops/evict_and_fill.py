@@ -290,22 +290,24 @@ def evict_and_fill_unchecked(
     (the cache): the native op checks every relation it relies on again in
     C++, so only the fallback runs ``check_step``, and every backend refuses
     the same calls (docs/spec.md §6)."""
+    one_keys = type(keys) is mx.array
+    backend = resolve(stream, key_dim=keys.shape[-1] if new_norms is None and one_keys else None)
+    if (backend != "fallback" and one_keys and type(values) is mx.array and new_norms is None
+            and valid is None):
+        # The float cache's decode step: positional arguments (the binding
+        # matches keywords by name), the fewest Python operations.
+        return tuple(run_native(
+            backend, "evict_and_fill", keys, values, norms, positions, new_keys, new_values,
+            filled, offset, capacity, budget, n_sink, recent, keep, layout, stream=stream,
+        ))
     config = dict(
         filled=filled, offset=offset, capacity=capacity, budget=budget,
         n_sink=n_sink, recent=recent, keep=keep, layout=layout,
     )
-    key_dim = None if new_norms is not None or isinstance(keys, (tuple, list)) else keys.shape[-1]
-    backend = resolve(stream, key_dim=key_dim)
+    arrays = keys, values, norms, positions, new_keys, new_values
     if backend == "fallback":
-        step = check_step(
-            keys, values, norms, positions, new_keys, new_values,
-            **config, new_norms=new_norms, valid=valid,
-        )
-        return _run(backend, step, stream)
-    return _run_native(
-        backend, (keys, values, norms, positions, new_keys, new_values), config,
-        new_norms, valid, stream,
-    )
+        return _run(backend, check_step(*arrays, **config, new_norms=new_norms, valid=valid), stream)
+    return _run_native(backend, arrays, config, new_norms, valid, stream)
 
 
 def _run(backend: str, step: Step, stream) -> tuple[Rows, Rows, mx.array, mx.array]:
@@ -336,10 +338,8 @@ def _run(backend: str, step: Step, stream) -> tuple[Rows, Rows, mx.array, mx.arr
 def _run_native(backend: str, arrays, config: dict, new_norms, valid, stream):
     """The extension's op on the structured arguments; its flat outputs in
     their structure."""
-    flat = run_native(
-        backend, "evict_and_fill", *arrays, **config, new_norms=new_norms, valid=valid,
-        stream=stream,
-    )
+    given = {name: x for name, x in (("new_norms", new_norms), ("valid", valid)) if x is not None}
+    flat = run_native(backend, "evict_and_fill", *arrays, **config, **given, stream=stream)
     keys, values = arrays[0], arrays[1]
     n_keys = len(keys) if isinstance(keys, (tuple, list)) else 1
     rows = flat[:-2]
