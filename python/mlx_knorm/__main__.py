@@ -1,6 +1,8 @@
-"""Command line: ``python -m mlx_knorm [bench | info | eval | demo | convert | fetch]``.
+"""Command line: ``python -m mlx_knorm [bench | info | eval | demo | convert | fetch | generate | chat | cache-prompt | server]``.
 
-With no command it runs the quick benchmark suite.
+With no command it runs the quick benchmark suite. ``generate``, ``chat``,
+``cache-prompt`` and ``server`` are mlx-lm's commands with eviction caches
+(``mlx_knorm.commands``): they parse their own arguments.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import sys
 from .backend import backend_info, native_available
 from .bench import cli as bench_cli
 from .bench.cases import case_inputs, make_case
+from .commands import LM_COMMANDS, command_help
+from .commands import run as run_lm_command
 from .models.cli import register as register_models
 from .quality.cli import register as register_quality
 from .selfcheck import kernel_matches_fallback
@@ -34,8 +38,13 @@ def run_bench(args) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in LM_COMMANDS:
+        return run_lm_command(argv[0], argv[1:])
     parser = argparse.ArgumentParser(prog="mlx-knorm", description=__doc__)
     commands = parser.add_subparsers(dest="command")
+    for name in LM_COMMANDS:
+        commands.add_parser(name, help=command_help(name), add_help=False)
     bench_parser = commands.add_parser(
         "bench", help="kernel vs fallback vs reference vs memcpy (the default, with --quick)")
     bench_cli.add_arguments(bench_parser)

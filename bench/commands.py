@@ -1,0 +1,332 @@
+"""``mlx-knorm generate`` and ``mlx-knorm server`` next to what a user bounding
+the KV cache picks today: mlx-lm with a ``RotatingKVCache`` of the same size
+(README's command table; the issue's targets: decode tokens/s within 5%, peak
+memory within 5%).
+
+    python bench/commands.py --model DIR --json bench/results/commands-cpu.json
+
+Both sides run mlx-lm's own code. ``generate``: ``mlx_lm.generate``'s
+``main`` through ``mlx-knorm generate`` (``mlx_knorm.commands.generate``),
+called in this process, once with its eviction caches
+(``make_knorm_cache(budget, n_sink=4)``) and once with the model's
+``make_cache`` giving ``RotatingKVCache(max_size=budget, keep=4)`` per layer,
+which is what ``mlx_lm.generate --max-kv-size`` builds for a model without a
+``make_cache`` of its own (mlx-lm's llama has one, so there the flag is
+ignored). Decode tokens/s is mlx-lm's own ``Generation: ... tokens-per-sec``;
+peak memory is ``mx.get_peak_memory()`` over the call (the figure behind
+mlx-lm's ``Peak memory``, unrounded), reset before each call, so it holds
+the weights the call loads, the cache and the prefill's activations.
+``server``: two server processes, ``mlx-knorm server`` and the same server
+with the ``RotatingKVCache`` factory (``python bench/commands.py
+serve-baseline ...``), both serving one request at a time through mlx-lm's
+``_serve_single`` (mlx-lm would batch a RotatingKVCache; with one client
+that only changes the loop around the same steps), one client sending each
+the same streaming ``/v1/completions`` requests in turn. Decode tokens/s
+and peak memory are what each server logs for the request: mlx-lm's
+``Generation: ... tokens-per-sec`` and ``Peak memory`` of its
+``stream_generate`` (the client's own view of a stream is distorted by how
+the threads are scheduled on a busy machine).
+
+The two sides alternate in rounds, the order swapping each round, after an
+untimed warm-up round, in one warm process (no buffer-cache clearing);
+medians over rounds; minor page faults per call next to each figure. Each
+round's prompt is a different ``--prompt``-token slice of English prose
+(``pydoc_data.topics``), the same for both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import json
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models.cache import RotatingKVCache
+
+from mlx_knorm import __version__
+from mlx_knorm.backend import backend_info
+from mlx_knorm.bench.cache_report import package_version
+from mlx_knorm.bench.cli import native_missing, write_json
+from mlx_knorm.bench.report import machine, markdown_table, now, verdict
+from mlx_knorm.bench.timing import minor_faults, warm_up
+from mlx_knorm.commands import generate as generate_command
+from mlx_knorm.commands import server as server_command
+from mlx_knorm.commands.server import mlx_lm_server
+from mlx_knorm.commands.loading import load_model
+from mlx_knorm.quality import MODEL_DIR
+
+SIDES = ("mlx-knorm", "RotatingKVCache")
+MIN_TOKENS_PER_S_RATIO = 0.95
+MAX_PEAK_MEMORY_RATIO = 1.05
+START_TIMEOUT_S = 600
+REQUEST_TIMEOUT_S = 3600
+
+
+def rotating_cache(model, config) -> list:
+    """What ``make_prompt_cache(model, max_kv_size=budget)`` builds for a model
+    without its own ``make_cache``."""
+    return [RotatingKVCache(max_size=config.budget, keep=4) for _ in model.layers]
+
+
+FACTORIES = {"mlx-knorm": None, "RotatingKVCache": rotating_cache}
+
+
+def prompts(model: str, tokens: int, count: int) -> list[str]:
+    """``count`` texts of about ``tokens`` tokens each, different slices of one prose text."""
+    import pydoc_data.topics
+
+    _, tokenizer = load_model(model)[:2]
+    ids = tokenizer.encode("\n\n".join(pydoc_data.topics.topics.values()), add_special_tokens=False)
+    if len(ids) < tokens * count:
+        ids = ids * -(-tokens * count // len(ids))
+    texts = [tokenizer.decode(ids[i * tokens:(i + 1) * tokens]) for i in range(count)]
+    del tokenizer
+    gc.collect()
+    return texts
+
+
+# -- generate ---------------------------------------------------------------
+
+STAT = re.compile(r"^(Prompt|Generation): (\d+) tokens, ([0-9.]+) tokens-per-sec", re.M)
+
+
+def generate_once(side: str, args, prompt: str, max_tokens: int) -> dict:
+    argv = ["--model", args.model, "--prompt", prompt, "--max-tokens", str(max_tokens),
+            "--ignore-chat-template", "--budget", str(args.budget)]
+    out = io.StringIO()
+    gc.collect()  # nothing of the previous call left for this one's peak
+    mx.reset_peak_memory()
+    faults = minor_faults()
+    with contextlib.redirect_stdout(out):
+        status = generate_command.main(argv, cache_factory=FACTORIES[side])
+    faults = minor_faults() - faults
+    peak = mx.get_peak_memory()
+    if status != 0:
+        raise RuntimeError(f"mlx-knorm generate ({side}) exited {status}:\n{out.getvalue()}")
+    stats = {name: (int(n), float(tps)) for name, n, tps in STAT.findall(out.getvalue())}
+    return {"prompt_tokens": stats["Prompt"][0], "prompt_tokens_per_s": stats["Prompt"][1],
+            "generation_tokens": stats["Generation"][0], "tokens_per_s": stats["Generation"][1],
+            "peak_memory_bytes": peak, "faults": faults}
+
+
+# -- server -----------------------------------------------------------------
+
+LOGGED = re.compile(r"Prompt: (\d+) tokens, ([0-9.]+) tokens-per-sec; "
+                    r"Generation: (\d+) tokens, ([0-9.]+) tokens-per-sec; Peak memory: ([0-9.]+) GB")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, side: str, args, log_dir: Path):
+        self.port = free_port()
+        self.log_path = log_dir / f"server-{side}.log"
+        command = ([sys.executable, "-m", "mlx_knorm", "server"] if side == "mlx-knorm"
+                   else [sys.executable, str(Path(__file__).resolve()), "serve-baseline"])
+        self.log = open(self.log_path, "w")
+        self.process = subprocess.Popen(
+            [*command, "--model", args.model, "--budget", str(args.budget), "--port", str(self.port)],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{side} server exited:\n{self.log_path.read_text()}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5):
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{side} server did not start:\n{self.log_path.read_text()}")
+            time.sleep(0.5)
+
+    def faults(self) -> int:
+        """The server process's minor page faults so far (/proc/PID/stat field 10)."""
+        return int(Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+
+    def logged(self) -> list[tuple]:
+        """Every request's statistics the server has logged."""
+        self.log.flush()
+        return LOGGED.findall(self.log_path.read_text())
+
+    def request(self, prompt: str, max_tokens: int) -> dict:
+        before = len(self.logged())
+        body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions",
+                                         data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        faults = self.faults()
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+            response.read()
+        deadline = time.monotonic() + 30
+        while len(self.logged()) <= before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        prompt_tokens, prompt_tps, tokens, tps, peak = self.logged()[-1]
+        return {"prompt_tokens": int(prompt_tokens), "prompt_tokens_per_s": float(prompt_tps),
+                "generation_tokens": int(tokens), "tokens_per_s": float(tps),
+                "peak_memory_bytes": float(peak) * 1e9, "faults": self.faults() - faults}
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+# -- rounds and report ------------------------------------------------------
+
+def interleaved(run, texts: list[str], args) -> dict:
+    """``run(side, prompt, max_tokens)`` for both sides: an untimed warm-up
+    round on the last text, cut short, then ``args.rounds`` rounds, one text
+    each, the order swapping each round. No text is a prefix of another, so
+    no request continues another's cache."""
+    for side in SIDES:
+        run(side, texts[-1][: len(texts[-1]) // 8], 8)
+    results = {side: [] for side in SIDES}
+    for r in range(args.rounds):
+        for side in (SIDES if r % 2 == 0 else SIDES[::-1]):
+            print(f"  round {r + 1}/{args.rounds}: {side}", file=sys.stderr)
+            results[side].append(run(side, texts[r], args.tokens))
+    return results
+
+
+def summarize(runs: list[dict]) -> dict:
+    def median(key):
+        return statistics.median(r[key] for r in runs)
+
+    speeds = sorted(r["tokens_per_s"] for r in runs)
+    quartiles = statistics.quantiles(speeds, n=4, method="inclusive") if len(speeds) > 1 else [speeds[0]] * 3
+    return {"tokens_per_s": median("tokens_per_s"), "tokens_per_s_p25": quartiles[0],
+            "tokens_per_s_p75": quartiles[2], "peak_memory_bytes": median("peak_memory_bytes"),
+            "prompt_tokens": median("prompt_tokens"), "prompt_tokens_per_s": median("prompt_tokens_per_s"),
+            "generation_tokens": median("generation_tokens"), "faults_per_call": median("faults"),
+            "rounds": runs}
+
+
+def compare(results: dict) -> dict:
+    """Both sides' medians, and the targets judged on the median over rounds
+    of each round's ratio: a round's two calls run next to each other, so
+    the machine's drift between rounds (minutes apart) cancels."""
+    sides = {side: summarize(runs) for side, runs in results.items()}
+    pairs = list(zip(results["mlx-knorm"], results["RotatingKVCache"]))
+    ratios = {key: [ours[key] / theirs[key] for ours, theirs in pairs]
+              for key in ("tokens_per_s", "peak_memory_bytes")}
+    speed = statistics.median(ratios["tokens_per_s"])
+    memory = statistics.median(ratios["peak_memory_bytes"])
+    return {"sides": sides, "round_ratios": ratios, "targets": {
+        "tokens_per_s_ratio": verdict(speed, speed >= MIN_TOKENS_PER_S_RATIO, f">= {MIN_TOKENS_PER_S_RATIO:g}"),
+        "peak_memory_ratio": verdict(memory, memory <= MAX_PEAK_MEMORY_RATIO, f"<= {MAX_PEAK_MEMORY_RATIO:g}"),
+    }}
+
+
+def run(args) -> dict:
+    host, date = machine(), now()
+    warm_up()
+    texts = prompts(args.model, args.prompt, args.rounds + 1)
+    print("generate", file=sys.stderr)
+    generate = interleaved(lambda side, prompt, n: generate_once(side, args, prompt, n), texts, args)
+    report = {
+        "benchmark": "commands", "mlx_knorm_version": __version__, "mlx_version": mx.__version__,
+        "mlx_lm_version": package_version("mlx-lm"), "device": str(mx.default_device()),
+        "date": date, "command": " ".join(["python bench/commands.py", *args.argv]),
+        "machine": host, "backend": backend_info(), "warm_process": True, "model": args.model,
+        "prompt_tokens": args.prompt, "decode_tokens": args.tokens, "budget": args.budget,
+        "n_sink": 4, "rounds": args.rounds, "generate": compare(generate),
+    }
+    if not args.no_server:
+        print("server", file=sys.stderr)
+        log_dir = Path(args.log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        servers = {}
+        try:
+            for side in SIDES:
+                servers[side] = Server(side, args, log_dir)
+            serve = interleaved(lambda side, prompt, n: servers[side].request(prompt, n), texts, args)
+        finally:
+            for s in servers.values():
+                s.stop()
+        report["server"] = compare(serve)
+    return report
+
+
+def print_report(report: dict) -> None:
+    m = report["machine"]
+    print(f"mlx-knorm {report['mlx_knorm_version']} commands on {report['device']}: "
+          f"{m['cpu_model'] or m['processor']}, MLX {report['mlx_version']}, "
+          f"mlx-lm {report['mlx_lm_version']}, {report['date']}")
+    print(f"model {report['model']}; prompt {report['prompt_tokens']} tokens, "
+          f"{report['decode_tokens']} decoded, budget {report['budget']} (RotatingKVCache max_size "
+          f"{report['budget']}, keep 4); {report['rounds']} interleaved rounds, medians; "
+          "'vs RotatingKVCache' is the median over rounds of each round's ratio.")
+    header = ["command", "cache", "decode tokens/s [p25, p75]", "vs RotatingKVCache",
+              "peak MB", "vs RotatingKVCache", "prompt tokens/s", "faults/call"]
+    rows, targets = [], []
+    for part in ("generate", "server"):
+        if part not in report:
+            continue
+        sides, ratios = report[part]["sides"], report[part]["round_ratios"]
+        for side, s in sides.items():
+            ours = side == "mlx-knorm"
+            speed = f"{statistics.median(ratios['tokens_per_s']):.3f}x" if ours else "1"
+            memory = f"{statistics.median(ratios['peak_memory_bytes']):.3f}x" if ours else "1"
+            rows.append([part, side,
+                         f"{s['tokens_per_s']:.4g} [{s['tokens_per_s_p25']:.4g}, {s['tokens_per_s_p75']:.4g}]",
+                         speed, f"{s['peak_memory_bytes'] / 1e6:.1f}", memory,
+                         f"{s['prompt_tokens_per_s']:.4g}", f"{s['faults_per_call']:.0f}"])
+        targets += [(part, name, v) for name, v in report[part]["targets"].items()]
+    print(markdown_table(header, rows))
+    print("\nTargets (this run):")
+    for part, name, v in targets:
+        print(f"  {part} {name} {v['measured']:.3f} (target {v['target']}): {'met' if v['met'] else 'MISSED'}")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve-baseline"]:
+        # One request at a time, as mlx-knorm's server serves (see the docstring).
+        mlx_lm_server.ResponseGenerator._is_batchable = lambda self, args: False
+        return server_command.main(argv[1:], cache_factory=rotating_cache)
+    parser = argparse.ArgumentParser(prog="bench/commands.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(MODEL_DIR),
+                        help="any model mlx-knorm's commands load (default: the shipped byte-level model)")
+    parser.add_argument("--quick", action="store_true", help="prompt 1024 tokens, 32 decoded, 3 rounds")
+    parser.add_argument("--prompt", type=int, help="prompt tokens (default 4096)")
+    parser.add_argument("--tokens", type=int, help="decoded tokens per call (default 128)")
+    parser.add_argument("--rounds", type=int, help="timed rounds per side (default 5)")
+    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--no-server", action="store_true", help="time generate only")
+    parser.add_argument("--log-dir", default="build/bench-commands", help="the servers' logs")
+    parser.add_argument("--json", metavar="PATH", help="write the raw figures as JSON")
+    args = parser.parse_args(argv)
+    args.argv = argv
+    args.prompt = args.prompt or (1024 if args.quick else 4096)
+    args.tokens = args.tokens or (32 if args.quick else 128)
+    args.rounds = args.rounds or (3 if args.quick else 5)
+    if args.tokens < 2 or args.rounds < 1:
+        parser.error("--tokens must be at least 2 and --rounds at least 1")
+    if native_missing("bench/commands.py"):
+        return 1
+    report = run(args)
+    print_report(report)
+    write_json(report, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

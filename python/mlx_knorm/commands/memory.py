@@ -1,0 +1,60 @@
+"""The KV memory line the commands print next to mlx-lm's statistics.
+
+``kept``: the bytes every layer's cache holds now (``nbytes``: for an
+``L2NormKVCache`` its key, value, norm and position buffers, spare slot
+included; for mlx-lm's caches their buffers). ``full``: what the layers
+would hold had every token seen been kept, each layer's rows at the dtype
+that layer stores them in (a layer whose state does not grow with the
+context, such as a recurrent one, counts its ``nbytes`` in both).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlx_lm.models.cache import RotatingKVCache
+
+from ..cache import L2NormKVCache
+
+
+@dataclass(frozen=True)
+class KVMemory:
+    kept_bytes: int
+    full_bytes: int
+    tokens: int  # the context: tokens seen by the cache
+    budget: int | None  # rows kept per head by the eviction layers; None without any
+    window: int | None  # the largest RotatingKVCache's rows, if any
+
+
+def _full_bytes(cache) -> int:
+    keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
+    if isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == 4:
+        batch, heads, _, key_dim = keys.shape
+        row = key_dim * keys.itemsize + values.shape[-1] * values.itemsize
+        return cache.offset * batch * heads * row
+    return cache.nbytes
+
+
+def kv_memory(prompt_cache: list) -> KVMemory:
+    budgets = {c.budget for c in prompt_cache if isinstance(c, L2NormKVCache)}
+    return KVMemory(
+        kept_bytes=sum(c.nbytes for c in prompt_cache),
+        full_bytes=sum(_full_bytes(c) for c in prompt_cache),
+        tokens=max((getattr(c, "offset", 0) for c in prompt_cache), default=0),
+        budget=max(budgets) if budgets else None,
+        window=max((c.max_size for c in prompt_cache if isinstance(c, RotatingKVCache)), default=None),
+    )
+
+
+def kv_memory_line(prompt_cache: list) -> str:
+    """``KV cache: 0.562 MB kept, 4.719 MB for a full cache (4196 tokens, budget 512)``,
+    in mlx-lm's units (MB = 1e6 bytes, as its GB are 1e9)."""
+    m = kv_memory(prompt_cache)
+    if m.budget is not None:
+        budget = f"budget {m.budget}"
+    else:
+        budget = "no eviction" if m.window is None else f"window {m.window}"
+    return (f"KV cache: {m.kept_bytes / 1e6:.3f} MB kept, {m.full_bytes / 1e6:.3f} MB "
+            f"for a full cache ({m.tokens} tokens, {budget})")

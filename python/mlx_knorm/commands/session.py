@@ -1,0 +1,281 @@
+"""What the four commands share: the cache's flags on mlx-lm's own parser, the
+cache factory installed on every model loaded, and mlx-lm's ``main`` run with
+both in place.
+
+A ``Session`` is one run of one command. ``Session.run`` calls the mlx-lm
+module's ``main()`` with a few of that module's globals replaced for the
+duration of the call (``patched``):
+
+- ``argparse``: a stand-in whose ``ArgumentParser`` adds the cache's flags
+  to mlx-lm's parser when it parses, so ``--help`` lists mlx-lm's flags
+  (whatever its version defines) and ours, and checks ours;
+- ``load`` (and ``sharded_load``): ``loading.load_model``, then
+  ``install_cache`` with this session's factory, so every cache mlx-lm
+  builds for the model is ``make_knorm_cache(model, ...)``;
+- whatever the command itself needs to report memory (its module says).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import textwrap
+import threading
+import types
+from dataclasses import asdict, dataclass, replace
+from typing import Callable
+
+from ..cache import (
+    DEFAULT_BUDGET,
+    DEFAULT_KEEP,
+    DEFAULT_LAYOUT,
+    DEFAULT_N_SINK,
+    DEFAULT_RECENT,
+    make_knorm_cache,
+)
+from ..ops.evict_and_fill import LAYOUTS, check_layout
+from ..validation import KEEP_CHOICES, check_config, check_int
+from .loading import install_cache, load_model
+
+# The cache's settings: CacheConfig's fields, the commands' flags (--n-sink for
+# n_sink) and the server's request fields.
+CACHE_FIELDS = ("budget", "n_sink", "recent", "keep", "skip_layers", "layout")
+# mlx-lm's name for a bounded cache; here the same setting as --budget.
+BUDGET_ALIAS = "max_kv_size"
+# mlx-lm flags (by dest) that cannot work with eviction caches yet, and why;
+# a command given one stops at parse time.
+UNSUPPORTED = {
+    "kv_bits": "L2NormKVCache has no quantized form (no to_quantized), so mlx-lm would leave "
+               "its layers at full precision; drop --kv-bits",
+    "draft_model": "speculative decoding rewinds the cache after rejected drafts, and an "
+                   "evicting cache cannot rewind (evicted rows are gone); drop --draft-model",
+}
+
+
+class CommandError(Exception):
+    """A refusal the command prints as one line (``mlx-knorm NAME: ...``), exit status 1."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """``make_knorm_cache``'s settings, checked on construction (hashable, so
+    the server keys its prompt caches by it)."""
+
+    budget: int = DEFAULT_BUDGET
+    n_sink: int = DEFAULT_N_SINK
+    recent: int = DEFAULT_RECENT
+    keep: str = DEFAULT_KEEP
+    skip_layers: tuple[int, ...] = ()
+    layout: str = DEFAULT_LAYOUT
+
+    def __post_init__(self) -> None:
+        check_config(self.budget, self.n_sink, self.recent, self.keep)
+        check_layout(self.layout)
+        if not isinstance(self.skip_layers, (tuple, list)):
+            raise TypeError(
+                f"mlx_knorm: skip_layers must be a list of ints, got {type(self.skip_layers).__name__}")
+        object.__setattr__(self, "skip_layers",
+                           tuple(check_int(i, "skip_layers entry") for i in self.skip_layers))
+
+    def make_cache(self, model) -> list:
+        return make_knorm_cache(model, **asdict(self))
+
+    def describe(self) -> str:
+        skip = ",".join(map(str, self.skip_layers)) or "none"
+        return (f"budget {self.budget}, n_sink {self.n_sink}, recent {self.recent}, keep {self.keep}, "
+                f"skip_layers {skip}, layout {self.layout}")
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {text!r}") from None
+
+
+def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """The cache's flags, in a group of their own. Their defaults are None so
+    that a flag given can be told from one left out; ``resolve_cache_config``
+    fills in the defaults shown in the help."""
+    group = parser.add_argument_group(
+        "L2-norm KV-cache eviction (mlx-knorm)",
+        "Each attention layer keeps at most --budget rows per head: the --n-sink first\n"
+        "tokens, the --recent latest and, of the rest, those with the lowest key L2 norm\n"
+        "(--keep low). Sliding-window and recurrent layers keep the model's own cache.")
+    group.add_argument("--budget", type=int, default=None,
+                       help=f"rows kept per head in each layer (default: {DEFAULT_BUDGET}); "
+                            "--max-kv-size means the same")
+    alias = parser._option_string_actions.get("--max-kv-size")
+    if alias is None:
+        group.add_argument("--max-kv-size", type=int, default=None, help="the same as --budget")
+    else:
+        alias.help = "the same as --budget"
+    group.add_argument("--n-sink", type=int, default=None,
+                       help=f"first tokens always kept (default: {DEFAULT_N_SINK})")
+    group.add_argument("--recent", type=int, default=None,
+                       help=f"latest tokens always kept (default: {DEFAULT_RECENT})")
+    group.add_argument("--keep", choices=KEEP_CHOICES, default=None,
+                       help=f"keep the lowest or the highest key norms (default: {DEFAULT_KEEP})")
+    group.add_argument("--skip-layers", type=_layers, default=None, metavar="I,J,...",
+                       help="layers left uncompressed (a full KVCache), e.g. 0,1 as in the paper "
+                            "(default: none)")
+    group.add_argument("--layout", choices=LAYOUTS, default=None,
+                       help=f"storage order of the kept rows (default: {DEFAULT_LAYOUT}); "
+                            "'temporal' keeps temporal order")
+
+
+def given_cache_settings(namespace: argparse.Namespace) -> dict:
+    """The cache settings given on the command line, ``--max-kv-size`` as ``budget``."""
+    given = {f: getattr(namespace, f, None) for f in CACHE_FIELDS}
+    alias = getattr(namespace, BUDGET_ALIAS, None)
+    if given["budget"] is not None and alias is not None and given["budget"] != alias:
+        raise ValueError(f"--budget {given['budget']} and --max-kv-size {alias} are one setting; "
+                         "give one of them")
+    if given["budget"] is None:
+        given["budget"] = alias
+    return {f: v for f, v in given.items() if v is not None}
+
+
+def cache_config(settings: dict, base: CacheConfig | None = None) -> CacheConfig:
+    """``base`` (the defaults) with ``settings`` over it; a bad value raises
+    ``ValueError`` naming it (``TypeError``s become ``ValueError``s, which is
+    what mlx-lm's server answers with HTTP 400)."""
+    try:
+        return replace(base or CacheConfig(), **settings)
+    except (TypeError, ValueError) as e:
+        raise ValueError(str(e)) from None
+
+
+@contextlib.contextmanager
+def patched(module: types.ModuleType, **attributes):
+    """``module``'s globals replaced by ``attributes`` inside, restored after."""
+    previous = {name: getattr(module, name) for name in attributes}
+    try:
+        for name, value in attributes.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in previous.items():
+            setattr(module, name, value)
+
+
+class Session:
+    """One run of ``mlx-knorm NAME``: mlx-lm's ``module.main()`` with our flags and caches.
+
+    ``cache_factory(model, config)`` replaces ``config.make_cache(model)``
+    (the benchmark's baseline server uses it).
+    """
+
+    def __init__(self, name: str, module: types.ModuleType, description: str, *,
+                 cache_factory: Callable | None = None) -> None:
+        self.name, self.module, self.description = name, module, description
+        self.prog = f"mlx-knorm {name}"
+        self.cache_factory = cache_factory
+        self.config = CacheConfig()
+        self.given: dict = {}  # cache settings given on the command line
+        self.last_cache: list | None = None  # the latest cache the factory built
+        self._request = threading.local()
+
+    # -- the parser ---------------------------------------------------------
+
+    def argparse_module(self) -> types.SimpleNamespace:
+        """``argparse`` with an ``ArgumentParser`` that adds and checks our flags."""
+        session = self
+
+        class ArgumentParser(argparse.ArgumentParser):
+            def __init__(self, *args, **kwargs):
+                kwargs["prog"] = session.prog
+                kwargs["description"] = session.description
+                kwargs["formatter_class"] = argparse.RawDescriptionHelpFormatter
+                super().__init__(*args, **kwargs)
+                self._mlx_knorm_flags = False
+
+            def parse_known_args(self, args=None, namespace=None):
+                if not self._mlx_knorm_flags:
+                    self.description = f"{session.description}\n\n{session.flags_note(self)}"
+                    add_cache_arguments(self)
+                    for action in self._actions:
+                        if action.dest in UNSUPPORTED:
+                            action.help = f"{action.help} (not supported with eviction caches yet)"
+                    self._mlx_knorm_flags = True
+                namespace, rest = super().parse_known_args(args, namespace)
+                session.resolve(self, namespace)
+                return namespace, rest
+
+        return types.SimpleNamespace(**{**vars(argparse), "ArgumentParser": ArgumentParser})
+
+    def flags_note(self, parser: argparse.ArgumentParser) -> str:
+        """How mlx-lm's flags behave here, for the help's description."""
+        refused = [f"--{a.dest.replace('_', '-')}" for a in parser._actions if a.dest in UNSUPPORTED]
+        refused = f", and {' and '.join(refused)}, which eviction caches cannot serve yet" if refused else ""
+        return textwrap.fill(
+            f"Every flag of {self.module.__name__} works as there, but for --max-kv-size, which is "
+            f"the same as --budget{refused}. The cache's own flags are at the end.", width=80)
+
+    def resolve(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> None:
+        for dest, why in UNSUPPORTED.items():
+            if getattr(namespace, dest, None) is not None:
+                parser.error(f"--{dest.replace('_', '-')} is not supported with eviction caches yet: {why}")
+        try:
+            self.given = given_cache_settings(namespace)
+            self.config = cache_config(self.given)
+        except ValueError as e:
+            parser.error(str(e))
+
+    # -- caches ---------------------------------------------------------------
+
+    def current_config(self) -> CacheConfig:
+        """The settings for caches built now: a server request's own, else the command line's."""
+        return getattr(self._request, "config", None) or self.config
+
+    @contextlib.contextmanager
+    def request_config(self, config: CacheConfig):
+        """Caches built in this thread inside use ``config``."""
+        self._request.config = config
+        try:
+            yield
+        finally:
+            self._request.config = None
+
+    def make_cache(self, model) -> list:
+        config = self.current_config()
+        cache = self.cache_factory(model, config) if self.cache_factory else config.make_cache(model)
+        self.last_cache = cache
+        return cache
+
+    def wrap_loader(self, loader: Callable) -> Callable:
+        """``loader`` (``load_model``, or mlx-lm's ``sharded_load``), then our
+        caches for the model it returns first."""
+
+        def load(*args, **kwargs):
+            loaded = loader(*args, **kwargs)
+            install_cache(loaded[0], self.make_cache)
+            self.model_loaded(loaded[0])
+            return loaded
+
+        return load
+
+    def model_loaded(self, model) -> None:
+        """Called after each model load (the generate command checks its prompt cache here)."""
+
+    # -- running --------------------------------------------------------------
+
+    def run(self, argv: list[str], **patches) -> int:
+        """mlx-lm's ``main()`` on ``argv`` with our parser, loader and ``patches``;
+        returns the exit status."""
+        module = self.module
+        replaced = {"argparse": self.argparse_module(), "load": self.wrap_loader(load_model), **patches}
+        if hasattr(module, "sharded_load"):
+            replaced["sharded_load"] = self.wrap_loader(module.sharded_load)
+        argv_before = sys.argv
+        sys.argv = [self.prog, *argv]
+        try:
+            with patched(module, **replaced):
+                module.main()
+        except (CommandError, ValueError) as e:
+            print(f"{self.prog}: error: {e}", file=sys.stderr)
+            return 1
+        finally:
+            sys.argv = argv_before
+        return 0

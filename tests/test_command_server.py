@@ -1,0 +1,232 @@
+"""``mlx-knorm server`` started as a user starts it, on 127.0.0.1 on a free
+port, with real HTTP requests: streaming and not, several clients at once,
+bad requests (answered as a stock ``mlx_lm.server`` started next to it
+answers them), prefix reuse, memory past the budget. Each test module's
+servers are stopped by their process ids."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate
+
+from command_runs import MLX_KNORM, MLX_LM, command_env, kv_lines
+from mlx_knorm.quality import MODEL_DIR
+
+BUDGET = 128
+START_TIMEOUT_S = 120
+REQUEST_TIMEOUT_S = 120
+PROMPT = "import os\nimport sys\n\n\ndef main():\n    "
+LONG_PROMPT = '"""Helpers for reading configuration files."""\n\nimport os\n\n\n' * 10
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server process on a free port; ``stop()`` ends it by its pid."""
+
+    def __init__(self, command: list, env: dict, log_path):
+        self.port = free_port()
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.process = subprocess.Popen([str(c) for c in command] + ["--port", str(self.port)],
+                                        stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert self.process.poll() is None, f"server exited:\n{self.log_text()}"
+            try:
+                if self.get("/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"server did not start:\n{self.log_text()}"
+            time.sleep(0.2)
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def get(self, path: str):
+        with urllib.request.urlopen(self.url(path), timeout=REQUEST_TIMEOUT_S) as response:
+            return response.status, json.loads(response.read())
+
+    def post(self, path: str, body) -> tuple[int, bytes]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        request = urllib.request.Request(self.url(path), data=data,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def complete(self, path: str, body: dict) -> dict:
+        status, raw = self.post(path, body)
+        assert status == 200, raw
+        return json.loads(raw)
+
+    def stream(self, path: str, body: dict) -> list[dict]:
+        status, raw = self.post(path, {**body, "stream": True})
+        assert status == 200, raw
+        events = [line[len("data: "):] for line in raw.decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        return [json.loads(e) for e in events[:-1]]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return command_env(tmp_path_factory.mktemp("home"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, env):
+    s = Server([*MLX_KNORM, "server", "--model", MODEL_DIR, "--budget", BUDGET], env,
+               tmp_path_factory.mktemp("logs") / "mlx-knorm-server.log")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def stock_server(tmp_path_factory, env):
+    s = Server([*MLX_LM, "server", "--model", MODEL_DIR], env,
+               tmp_path_factory.mktemp("logs") / "mlx-lm-server.log")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def expected():
+    """What mlx_lm.generate answers to PROMPT (a full KVCache), greedy."""
+    model, tokenizer = load(str(MODEL_DIR))
+    return generate(model, tokenizer, PROMPT, max_tokens=40)
+
+
+def text_of(response: dict) -> str:
+    choice = response["choices"][0]
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+def test_models_lists_the_served_model(server):
+    status, body = server.get("/v1/models")
+    assert status == 200 and str(MODEL_DIR) in [m["id"] for m in body["data"]]
+
+
+def test_completions_within_the_budget_are_mlx_lm_generate_s(server, expected):
+    response = server.complete("/v1/completions", {"prompt": PROMPT, "max_tokens": 40})
+    assert text_of(response) == expected
+    assert response["usage"]["completion_tokens"] == 40
+    events = server.stream("/v1/completions", {"prompt": PROMPT, "max_tokens": 40})
+    assert "".join(e["choices"][0].get("text", "") for e in events) == expected
+
+
+def test_chat_completions_streaming_and_not(server):
+    body = {"messages": [{"role": "user", "content": "def test_"}], "max_tokens": 20}
+    whole = text_of(server.complete("/v1/chat/completions", body))
+    events = server.stream("/v1/chat/completions", body)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == whole
+    assert whole
+
+
+def test_several_clients_at_once_get_what_one_gets(server):
+    body = {"prompt": PROMPT, "max_tokens": 24}
+    alone = text_of(server.complete("/v1/completions", body))
+    results = [None] * 6
+
+    def client(i):
+        if i % 2:
+            events = server.stream("/v1/completions", body)
+            results[i] = "".join(e["choices"][0].get("text", "") for e in events)
+        else:
+            results[i] = text_of(server.complete("/v1/completions", body))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(REQUEST_TIMEOUT_S)
+    assert results == [alone] * len(results)
+
+
+BAD_REQUESTS = {
+    "invalid JSON": ("/v1/completions", b'{"prompt": "x", '),
+    "unknown model": ("/v1/completions", {"prompt": "x", "max_tokens": 4, "model": "no-such/model"}),
+    "negative max_tokens": ("/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}),
+    "not a JSON object": ("/v1/completions", b"[1, 2]"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_requests_get_mlx_lm_s_answer_and_the_server_keeps_serving(case, server, stock_server, expected):
+    path, body = BAD_REQUESTS[case]
+    ours, theirs = server.post(path, body), stock_server.post(path, body)
+    assert ours[0] == theirs[0] >= 400
+    assert json.loads(ours[1]) == json.loads(theirs[1])
+    assert text_of(server.complete("/v1/completions", {"prompt": PROMPT, "max_tokens": 40})) == expected
+
+
+@pytest.mark.parametrize("fields, why", [
+    ({"budget": 4}, "n_sink (4) + recent (0) must be < budget (4)"),
+    ({"budget": 16, "n_sink": 8, "recent": 8}, "n_sink (8) + recent (8) must be < budget (16)"),
+    ({"budget": "64"}, "budget must be an int"),
+    ({"keep": "middle"}, "keep must be 'low' or 'high'"),
+    ({"skip_layers": 1}, "skip_layers must be a list"),
+    ({"budget": 32, "max_kv_size": 48}, "are one setting"),
+])
+def test_bad_cache_fields_get_400_as_bad_parameters_do(fields, why, server, expected):
+    status, raw = server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, **fields})
+    assert status == 400 and why in json.loads(raw)["error"]
+    assert text_of(server.complete("/v1/completions", {"prompt": PROMPT, "max_tokens": 40})) == expected
+
+
+def test_a_skip_layer_the_model_lacks_is_an_error_and_the_server_keeps_serving(server, expected):
+    status, raw = server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "skip_layers": [9]})
+    assert status == 404 and "out of range for a model with 4 layers" in json.loads(raw)["error"]
+    assert text_of(server.complete("/v1/completions", {"prompt": PROMPT, "max_tokens": 40})) == expected
+
+
+def test_a_follow_up_reuses_the_conversation_s_cache_with_the_same_settings(server):
+    first = server.complete("/v1/completions", {"prompt": "class Test", "max_tokens": 16})
+    follow_up = "class Test" + text_of(first) + "\n    def "
+    again = server.complete("/v1/completions", {"prompt": follow_up, "max_tokens": 8})
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len("class Test") + 16
+    other = server.complete("/v1/completions", {"prompt": follow_up, "max_tokens": 8, "budget": 48})
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_past_the_budget_a_request_goes_on_and_memory_stays_at_the_budget(server):
+    before = len(kv_lines(server.log_text()))
+    for prompt in (LONG_PROMPT, LONG_PROMPT * 2):
+        response = server.complete("/v1/completions", {"prompt": prompt, "max_tokens": 30})
+        assert response["usage"]["completion_tokens"] == 30
+    deadline = time.monotonic() + 10
+    while len(kv_lines(server.log_text())) < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (kept_1, full_1, tokens_1, label_1), (kept_2, full_2, tokens_2, _) = kv_lines(server.log_text())[-2:]
+    assert (tokens_1, tokens_2) == (len(LONG_PROMPT) + 30, 2 * len(LONG_PROMPT) + 30)
+    assert kept_1 == kept_2 < full_1 < full_2 and label_1 == f"budget {BUDGET}"
+    assert "Peak memory:" in server.log_text()

@@ -1,0 +1,277 @@
+"""``mlx-knorm generate | chat | cache-prompt`` run as a user runs them: as
+subprocesses, on the shipped model and a tiny random-weight llama, next to
+mlx-lm's own commands with the same flags."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import sys
+
+import mlx.core as mx
+import pytest
+
+from command_runs import (
+    MLX_KNORM,
+    MLX_LM,
+    command_env,
+    kv_lines,
+    mlx_lm_stat,
+    run,
+    succeeded,
+    tiny_kv_bytes,
+    write_tiny_llama,
+)
+from mlx_knorm.__main__ import main as mlx_knorm_main
+from mlx_knorm.quality import MODEL_DIR
+
+SHIPPED_PROMPT = "import os\nimport sys\n\n\ndef main():\n    "
+# Sampling flags passed to both commands: they must reach mlx-lm's sampler alike.
+SAMPLING = ["--temp", "0.8", "--top-p", "0.9", "--seed", "3"]
+DOCUMENT = '"""Helpers for reading configuration files."""\n\nimport os\nimport sys\n\n\n' * 12
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return command_env(tmp_path_factory.mktemp("home"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+def mlx_lm_flags(command: str) -> set[str]:
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", _help(lambda: _mlx_lm_main(command))))
+
+
+def _mlx_lm_main(command: str) -> None:
+    import importlib
+
+    module = importlib.import_module(f"mlx_lm.{command.replace('-', '_')}")
+    argv = sys.argv
+    sys.argv = [f"mlx_lm.{command}", "--help"]
+    try:
+        module.main()
+    finally:
+        sys.argv = argv
+
+
+def _help(call) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stop:
+        call()
+    assert stop.value.code == 0
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "cache-prompt", "server"])
+def test_help_lists_every_mlx_lm_flag_and_the_cache_flags(command):
+    text = _help(lambda: mlx_knorm_main([command, "--help"]))
+    ours = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text))
+    assert mlx_lm_flags(command) <= ours
+    assert {"--budget", "--max-kv-size", "--n-sink", "--recent", "--keep", "--skip-layers", "--layout"} <= ours
+    assert text.startswith(f"usage: mlx-knorm {command}")
+    if command == "server":
+        assert "served one at a time" in text
+
+
+@pytest.mark.parametrize("model, prompt, flags", [
+    ("shipped", SHIPPED_PROMPT, []),
+    ("tiny", "hello there", []),
+    ("tiny", "hello there", SAMPLING),
+])
+def test_generate_within_the_budget_prints_what_mlx_lm_generate_prints(model, prompt, flags, tiny, env):
+    path = MODEL_DIR if model == "shipped" else tiny
+    args = ["--model", path, "--prompt", prompt, "--max-tokens", "60", *flags]
+    ours = succeeded(run([*MLX_KNORM, "generate", *args, "--budget", "512", "--verbose", "F"], env))
+    theirs = succeeded(run([*MLX_LM, "generate", *args, "--verbose", "F"], env))
+    assert ours.stdout == theirs.stdout
+    assert len(ours.stdout.strip()) > 0
+
+
+def test_generate_past_the_budget_goes_on_and_memory_stays_at_the_budget(tiny, env):
+    budget, runs = 48, []
+    for max_tokens in (60, 120):
+        out = succeeded(run([*MLX_KNORM, "generate", "--model", tiny, "--prompt", "hello there",
+                             "--max-tokens", max_tokens, "--max-kv-size", budget], env)).stdout
+        assert mlx_lm_stat(out, "Generation") == max_tokens
+        assert "Peak memory:" in out
+        [(kept, full, tokens, label)] = kv_lines(out)
+        assert tokens == mlx_lm_stat(out, "Prompt") + max_tokens > budget
+        assert label == f"budget {budget}"
+        runs.append((kept, full))
+    (kept_60, full_60), (kept_120, full_120) = runs
+    assert kept_60 == kept_120 == round(tiny_kv_bytes(budget) / 1e6, 3)
+    assert full_120 > full_60 > kept_60
+
+
+def test_skip_layers_keep_every_token_in_those_layers(tiny, env):
+    out = succeeded(run([*MLX_KNORM, "generate", "--model", tiny, "--prompt", "hello there",
+                         "--max-tokens", "120", "--budget", "48", "--skip-layers", "0,1"], env)).stdout
+    [(kept, _, tokens, _)] = kv_lines(out)
+    # Two evicting layers at the budget; two KVCaches of 256-slot steps.
+    per_layer = tiny_kv_bytes(48) / 4
+    kv_cache_layer = 4 * 256 * -(-tokens // 256) * 8 * 2 * 2
+    assert kept == round((2 * per_layer + 2 * kv_cache_layer) / 1e6, 3)
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "cache-prompt", "server"])
+@pytest.mark.parametrize("flags, why", [
+    (["--budget", "4"], "n_sink (4) + recent (0) must be < budget (4)"),
+    (["--budget", "64", "--max-kv-size", "32"], "are one setting"),
+    (["--n-sink", "-1"], "n_sink must be >= 0"),
+    (["--skip-layers", "0,x"], "expected comma-separated layer indices"),
+    (["--kv-bits", "4"], "--kv-bits is not supported with eviction caches yet"),
+])
+def test_bad_cache_flags_stop_the_command_before_it_loads_anything(command, flags, why, capsys):
+    if command == "chat" and flags[0] == "--kv-bits":
+        flags = ["--keep", "middle"]
+        why = "invalid choice: 'middle'"
+    with pytest.raises(SystemExit) as stop:
+        mlx_knorm_main([command, "--model", "no/such-model", "--prompt", "x",
+                        "--prompt-cache-file", "x.safetensors", *flags]
+                       if command == "cache-prompt" else [command, "--model", "no/such-model", *flags])
+    assert stop.value.code == 2
+    assert why in capsys.readouterr().err
+
+
+def test_draft_models_are_refused(capsys):
+    for command in ("generate", "server"):
+        with pytest.raises(SystemExit):
+            mlx_knorm_main([command, "--draft-model", str(MODEL_DIR)])
+        assert "--draft-model is not supported with eviction caches yet" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def prompt_caches(tmp_path_factory, env):
+    """The document cached by ``mlx-knorm cache-prompt`` (budget 64 and a budget it
+    fits in) and by ``mlx_lm.cache_prompt``, on the shipped model."""
+    where = tmp_path_factory.mktemp("prompt-caches")
+    files = {name: where / f"{name}.safetensors" for name in ("budget64", "budget4096", "mlx_lm")}
+    common = ["--model", MODEL_DIR, "--prompt", DOCUMENT]
+    out = succeeded(run([*MLX_KNORM, "cache-prompt", *common, "--budget", "64",
+                         "--prompt-cache-file", files["budget64"]], env)).stdout
+    succeeded(run([*MLX_KNORM, "cache-prompt", *common, "--budget", "4096",
+                   "--prompt-cache-file", files["budget4096"]], env))
+    succeeded(run([*MLX_LM, "cache_prompt", *common, "--prompt-cache-file", files["mlx_lm"]], env))
+    return files, out
+
+
+def test_cache_prompt_writes_mlx_lm_s_file_with_budget_rows(prompt_caches):
+    files, out = prompt_caches
+    ours, ours_meta = mx.load(str(files["budget64"]), return_metadata=True)
+    theirs, theirs_meta = mx.load(str(files["mlx_lm"]), return_metadata=True)
+    for key in ("0.model", "0.tokenizer_config"):
+        assert ours_meta[key] == theirs_meta[key]
+    layers = [v for k, v in ours_meta.items() if k.startswith("1.")]
+    assert layers == ["L2NormKVCache"] * 4
+    # Per layer: keys and values [1, 2 heads, 64 rows, 16], norms and positions [1, 2, 64].
+    for layer in range(4):
+        assert ours[f"{layer}.0"].shape == ours[f"{layer}.1"].shape == (1, 2, 64, 16)
+        assert ours[f"{layer}.2"].shape == ours[f"{layer}.3"].shape == (1, 2, 64)
+    [(_, _, tokens, label)] = kv_lines(out)
+    assert tokens == len(DOCUMENT) and label == "budget 64"
+    assert "Peak memory:" in out
+
+
+def test_generate_answers_from_a_prompt_cache_as_mlx_lm_does(prompt_caches, env):
+    files, _ = prompt_caches
+    args = ["--prompt", "def ", "--max-tokens", "40", "--verbose", "F"]
+    ours = succeeded(run([*MLX_KNORM, "generate", "--prompt-cache-file", files["budget4096"], *args], env))
+    theirs = succeeded(run([*MLX_LM, "generate", "--prompt-cache-file", files["mlx_lm"], *args], env))
+    assert ours.stdout == theirs.stdout and ours.stdout.strip()
+    # mlx_lm.cache_prompt's file (KVCache layers) is used as mlx-lm uses it.
+    stock = succeeded(run([*MLX_KNORM, "generate", "--prompt-cache-file", files["mlx_lm"], *args], env))
+    assert stock.stdout == theirs.stdout
+    # Past the budget: it answers from the 64 rows kept, and memory stays there.
+    small = succeeded(run([*MLX_KNORM, "generate", "--prompt-cache-file", files["budget64"],
+                           "--prompt", "def ", "--max-tokens", "40"], env)).stdout
+    assert mlx_lm_stat(small, "Generation") == 40
+    [(kept, _, tokens, label)] = kv_lines(small)
+    assert tokens == len(DOCUMENT) + 4 + 40 and label == "budget 64"
+
+
+def _tamper(source, target, arrays=None, metadata=None):
+    loaded, meta = mx.load(str(source), return_metadata=True)
+    loaded.update(arrays(loaded) if arrays else {})
+    meta.update(metadata or {})
+    mx.save_safetensors(str(target), loaded, meta)
+    return target
+
+
+@pytest.mark.parametrize("case", ["another model", "other model path", "norms", "truncated", "settings"])
+def test_generate_refuses_a_prompt_cache_that_does_not_fit(case, prompt_caches, tiny, env, tmp_path):
+    files, _ = prompt_caches
+    source, target, extra = files["budget64"], tmp_path / "bad.safetensors", []
+    if case == "another model":  # the metadata names the tiny llama, the rows are the shipped model's
+        bad, expect = _tamper(source, target, metadata={"0.model": str(tiny)}), "layer 0 holds 1 x 2 heads"
+    elif case == "other model path":  # mlx-lm's own check
+        bad, extra, expect = source, ["--model", tiny], "than that used to create the prompt cache"
+    elif case == "norms":
+        bad = _tamper(source, target, arrays=lambda a: {"1.2": a["1.2"] * 1.5})
+        expect = "field 'norms'"
+    elif case == "truncated":
+        target.write_bytes(source.read_bytes()[:-100])
+        bad, expect = target, "refusing --prompt-cache-file"
+    else:
+        bad, extra, expect = source, ["--budget", "32"], "keeps the settings it was made with"
+    result = run([*MLX_KNORM, "generate", "--prompt-cache-file", bad, "--prompt", "def ", *extra], env)
+    assert result.returncode == 1, result.stderr
+    assert expect in result.stderr
+    assert "==========" not in result.stdout and result.stdout == ""
+
+
+def _plain(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", text)
+
+
+def _strip(text: str) -> str:
+    """Chat output without colours, and without the lines whose figures vary
+    between runs (mlx-lm's speeds) or are ours (the KV memory line)."""
+    return "\n".join(line for line in _plain(text).splitlines()
+                     if "tok/s" not in line and "KV cache:" not in line)
+
+
+def test_chat_turns_are_mlx_lm_s_within_the_budget_and_go_on_past_it(tiny, env):
+    turns = "hello there\nand once more\nq\n"
+    args = ["--model", tiny, "--max-tokens", "24"]
+    ours = succeeded(run([*MLX_KNORM, "chat", *args, "--budget", "512"], env, stdin=turns)).stdout
+    theirs = succeeded(run([*MLX_LM, "chat", *args], env, stdin=turns)).stdout
+    assert _strip(ours) == _strip(theirs)
+    lines = kv_lines(ours)
+    assert len(lines) == 2 and lines[1][2] > lines[0][2]
+    # Past the budget: the second turn still answers; the cache stays at the budget.
+    small = succeeded(run([*MLX_KNORM, "chat", *args, "--budget", "32"], env, stdin=turns)).stdout
+    (kept_1, _, tokens_1, _), (kept_2, _, tokens_2, _) = kv_lines(small)
+    assert tokens_2 > tokens_1 > 32 and kept_1 == kept_2 == round(tiny_kv_bytes(32) / 1e6, 3)
+    assert len(re.findall(r"^ *24 tokens ·", _plain(small), re.M)) == 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # llama defines make_cache, qwen2 does not
+def test_install_cache_builds_the_factory_s_cache_from_the_model_s_own(arch):
+    import gc
+    import weakref
+
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from mlx_knorm.cache import L2NormKVCache, make_knorm_cache
+    from mlx_knorm.commands.loading import install_cache, model_cache
+    from tiny_models import tiny_model
+
+    model = tiny_model(arch)
+    install_cache(model, lambda m: make_knorm_cache(m, budget=8))
+    install_cache(model, lambda m: make_knorm_cache(m, budget=16, skip_layers=(0,)))
+    cache = make_prompt_cache(model, max_kv_size=32)
+    assert [type(c) for c in cache] == [KVCache] + [L2NormKVCache] * (len(model.layers) - 1)
+    assert {c.budget for c in cache[1:]} == {16}
+    assert [type(c) for c in model_cache(model)] == [KVCache] * len(model.layers)
+    # No reference cycle through make_cache: the weights go with the last reference.
+    alive = weakref.ref(model)
+    gc.disable()
+    try:
+        del model, cache
+        assert alive() is None
+    finally:
+        gc.enable()
