@@ -318,7 +318,7 @@ def test_constructor_forms_and_validation():
 
 
 def test_storage_dtype_follows_input():
-    for given, stored in [(mx.bfloat16, mx.bfloat16), (mx.float16, mx.float16), (mx.float32, mx.float16)]:
+    for given, stored in [(mx.bfloat16, mx.bfloat16), (mx.float16, mx.float16), (mx.float32, mx.float32)]:
         cache = L2NormKVCache(budget=4, n_sink=1)
         kv = mx.random.normal((2, KV_HEADS, 6, HEAD_DIM)).astype(given)
         keys, values = cache.update_and_fetch(kv, kv)

@@ -110,10 +110,10 @@ def segment_mask(lengths: list[int]) -> mx.array:
 
 
 def _storage_dtype(keys: mx.array, values: mx.array) -> mx.Dtype:
-    """bfloat16 models keep bfloat16 (no range loss); everything else is stored as float16."""
-    if keys.dtype == values.dtype == mx.bfloat16:
-        return mx.bfloat16
-    return mx.float16
+    """The model's own dtype, as ``KVCache`` stores it (a float32 model's
+    attention then runs on float32 rows, not on a mixed-dtype pair); keys and
+    values of different dtypes share the one that holds both exactly."""
+    return mx.result_type(keys.dtype, values.dtype)
 
 
 def _each(f, rows):
@@ -524,7 +524,7 @@ class L2NormKVCache(L2NormCacheBase):
 
     Storage, as ``KVCache``'s with its spare slots: ``keys``
     ``[B, H, capacity, D_k]`` and ``values [B, H, capacity, D_v]`` in the
-    storage dtype (bfloat16 for bfloat16 inputs, else float16), ``norms``
+    storage dtype (the inputs' dtype, as ``KVCache``'s), ``norms``
     (each key's float32 norm, taken once from the stored key) and
     ``slot_positions`` (int32 absolute positions) ``[B, H, capacity]``;
     slots ``[0, filled)`` are occupied, in storage order. ``state`` and

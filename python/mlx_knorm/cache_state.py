@@ -25,13 +25,17 @@ FIELDS = ("keys", "values", "norms", "positions", "offset", "budget", "n_sink", 
 QUANTIZATION_FIELDS = ("group_size", "bits")
 QUANTIZED_FIELDS = FIELDS + QUANTIZATION_FIELDS
 META_FIELDS = FIELDS[5:]
-STORAGE_DTYPES = (mx.float16, mx.bfloat16)
+STORAGE_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # What mx.quantize takes in its affine mode (MLX 0.32; tests/test_cache_quantized.py asks it).
 QUANTIZATION_BITS = (1, 2, 3, 4, 5, 6, 8)
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 # The storage dtypes' unit roundoff and half their smallest subnormal, for
 # the bound on a quantized row's norm (docs/spec.md §8).
-_ROUNDOFF = {mx.float16: (2.0**-11, 2.0**-25), mx.bfloat16: (2.0**-8, 2.0**-134)}
+_ROUNDOFF = {
+    mx.float16: (2.0**-11, 2.0**-25),
+    mx.bfloat16: (2.0**-8, 2.0**-134),
+    mx.float32: (2.0**-24, 2.0**-150),
+}
 
 
 class CheckedState(NamedTuple):
@@ -153,7 +157,7 @@ def _check_rows(keys: mx.array, kept: int, field: str = "keys") -> None:
 def _check_shapes_and_dtypes(keys, values, kept: int) -> None:
     _check_rows(keys, kept)
     if keys.dtype not in STORAGE_DTYPES:
-        raise StateError("keys", f"must be float16 or bfloat16, got {dtype_name(keys.dtype)}")
+        raise StateError("keys", f"must be float16, bfloat16 or float32, got {dtype_name(keys.dtype)}")
     check_key_width(keys.shape[-1], "L2NormKVCache state field 'keys'")
     if values.ndim != 4 or values.shape[:3] != keys.shape[:3]:
         raise StateError("values", f"shape {list(values.shape)} does not fit keys {list(keys.shape)}")
@@ -169,7 +173,7 @@ def _check_quantized_shapes_and_dtypes(keys, values, kept: int, group_size: int,
     row_shape = keys[0].shape[:3]
     dtype = keys[1].dtype
     if dtype not in STORAGE_DTYPES:
-        raise StateError("keys[1]", f"scales must be float16 or bfloat16, got {dtype_name(dtype)}")
+        raise StateError("keys[1]", f"scales must be float16, bfloat16 or float32, got {dtype_name(dtype)}")
     for field, (packed, scales, biases) in (("keys", keys), ("values", values)):
         for i, a in enumerate((packed, scales, biases)):
             if a.ndim != 4 or a.shape[:3] != row_shape:
