@@ -35,7 +35,7 @@ class GenerateSession(Session):
         self.loaded_prompt_cache = None
 
     def load_prompt_cache(self, file_name, return_metadata=False):
-        cache, metadata = load_checked(self.mlx_lm_load_prompt_cache, file_name)
+        cache, metadata = load_checked(self.mlx_lm_load_prompt_cache, file_name, self.kv_quantization)
         self.prompt_cache_file, self.loaded_prompt_cache = file_name, cache
         return (cache, metadata) if return_metadata else cache
 
