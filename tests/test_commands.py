@@ -25,6 +25,7 @@ from command_runs import (
     write_tiny_llama,
 )
 from mlx_knorm.__main__ import main as mlx_knorm_main
+from mlx_knorm.commands.session import SKIP_LAYERS_WITH_DRAFT
 from mlx_knorm.quality import MODEL_DIR
 
 SHIPPED_PROMPT = "import os\nimport sys\n\n\ndef main():\n    "
@@ -193,10 +194,12 @@ def test_a_model_drafting_for_itself_is_the_target_once_and_the_draft_once(env):
 def test_skip_layers_are_the_target_s_not_the_draft_s(tmp_path, env):
     # Layer 3 of the 4-layer target; the 2-layer draft's cache evicts in every layer.
     draft = write_tiny_llama(tmp_path / "draft", num_hidden_layers=2)
-    out = succeeded(run([*MLX_KNORM, "generate", "--model", MODEL_DIR, "--prompt", SHIPPED_PROMPT,
-                         "--max-tokens", "60", "--budget", "32", "--skip-layers", "3", "--draft-model", draft],
-                        env)).stdout
-    assert mlx_lm_stat(out, "Generation") == 60
+    result = succeeded(run([*MLX_KNORM, "generate", "--model", MODEL_DIR, "--prompt", SHIPPED_PROMPT,
+                            "--max-tokens", "60", "--budget", "32", "--skip-layers", "3",
+                            "--draft-model", draft], env))
+    assert mlx_lm_stat(result.stdout, "Generation") == 60
+    # Not linked, the target's verify blocks attend as blocks: the command says so.
+    assert SKIP_LAYERS_WITH_DRAFT in result.stderr.replace("\n", " ")
 
 
 @pytest.fixture(scope="module")

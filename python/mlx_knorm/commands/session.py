@@ -53,6 +53,13 @@ CACHE_FIELDS = ("budget", "n_sink", "recent", "keep", "skip_layers", "layout")
 BUDGET_ALIAS = "max_kv_size"
 
 
+# Why speculative output is exact only without skip_layers (docs/commands.md).
+SKIP_LAYERS_WITH_DRAFT = (
+    "with --skip-layers the target's layers cannot attend a verify block as single steps "
+    "would (its KVCache layers share the block's mask), so once a prompt passes the budget "
+    "--draft-model's output can differ from the output without a draft")
+
+
 class CommandError(Exception):
     """A refusal the command prints as one line (``mlx-knorm NAME: ...``), exit status 1."""
 
@@ -223,6 +230,8 @@ class Session:
             self.config = cache_config(self.given)
         except ValueError as e:
             parser.error(str(e))
+        if self.draft_path is not None and self.config.skip_layers:
+            print(f"{self.prog}: warning: {SKIP_LAYERS_WITH_DRAFT}", file=sys.stderr)
 
     # -- caches ---------------------------------------------------------------
 
