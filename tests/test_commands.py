@@ -251,6 +251,18 @@ def test_generate_answers_from_a_prompt_cache_as_mlx_lm_does(prompt_caches, env)
     assert tokens == len(DOCUMENT) + 4 + 40 and label == "budget 64"
 
 
+def test_a_draft_model_answers_from_a_prompt_cache_what_decoding_without_one_gives(prompt_caches, tiny, env):
+    # The file holds the target's layers; the draft starts afresh (mlx-lm's
+    # own command fails here: it finds no draft layers in the file).
+    files, _ = prompt_caches
+    args = ["--prompt-cache-file", files["budget64"], "--prompt", "def ", "--max-tokens", "40"]
+    plain = succeeded(run([*MLX_KNORM, "generate", *args], env)).stdout
+    drafted = succeeded(run([*MLX_KNORM, "generate", *args, "--draft-model", tiny], env)).stdout
+    assert drafted.split("==========")[1] == plain.split("==========")[1]
+    [(_, _, tokens, label)] = kv_lines(drafted)
+    assert label == "budget 64" and tokens == kv_lines(plain)[0][2] - 1
+
+
 def _tamper(source, target, arrays=None, metadata=None):
     loaded, meta = mx.load(str(source), return_metadata=True)
     loaded.update(arrays(loaded) if arrays else {})

@@ -283,7 +283,9 @@ class Session:
             if draft:
                 self.add_draft(model)
             install_cache(model, self.make_cache)
-            if not draft:
+            if draft:
+                self.draft_loaded(model)
+            else:
                 self._target_loaded = True
                 self.model_loaded(model)
             return loaded
@@ -292,6 +294,9 @@ class Session:
 
     def model_loaded(self, model) -> None:
         """Called after each model load but a draft's (the generate command checks its prompt cache here)."""
+
+    def draft_loaded(self, model) -> None:
+        """Called after a draft model's load (the generate command gives it a cache next to a prompt cache's)."""
 
     # -- running --------------------------------------------------------------
 
