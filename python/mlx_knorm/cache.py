@@ -695,7 +695,9 @@ def make_knorm_cache(
     Without a plain ``KVCache`` left (no ``skip_layers``), the
     ``L2NormKVCache``s are linked by one ``MaskPlan``, so that short blocks
     attend exactly as single steps would (docs/spec.md §8): speculative
-    decoding then gives the tokens of ordinary decoding.
+    decoding then gives the tokens of ordinary decoding. The caches of a
+    model split by ``pipeline()`` are not linked: a rank cannot tell
+    whether another rank holds a ``KVCache`` layer.
 
     ``skip_layers`` needs a model that gives each layer a mask fitting its own
     row count. A model that builds one array mask from one layer's cache and
@@ -747,7 +749,10 @@ def make_knorm_cache(
         else cache
         for replace, cache in zip(compress, caches)
     ]
-    link_prompt_cache(caches)
+    # A pipeline rank sees only its own layers' caches: another rank may hold
+    # a KVCache layer, which would leave the whole model unlinked (§8).
+    if getattr(getattr(model, "model", None), "pipeline_size", 1) == 1:
+        link_prompt_cache(caches)
     return caches
 
 
