@@ -164,3 +164,32 @@ def test_decode_e2e_program_on_a_tiny_prompt(tmp_path):
         f"{layout}_{what}" for layout in ("slots", "temporal")
         for what in ("tokens_per_s_ratio", "peak_memory_ratio")
     }
+
+
+def test_commands_program_counts_drafts_as_mlx_lm_proposes_them():
+    drafted_tokens = runpy.run_path(str(BENCH / "commands.py"))["drafted_tokens"]
+    # 3 drafts accepted, then the target's token; none accepted; 1 of the
+    # last 2 (max_tokens 8 leaves 2 to propose), the target's token.
+    assert drafted_tokens([True, True, True, False, False, True, False], 3) == 3 + 3 + 2
+    # Stopped at max_tokens inside the accepted drafts: no target token.
+    assert drafted_tokens([True, True], 3) == 2
+
+
+def test_commands_program_compares_draft_models_and_kv_bits(tmp_path):
+    from command_runs import WIDE_HEAD_DIM, write_tiny_llama
+
+    small = ["--prompt", "48", "--tokens", "12", "--rounds", "1", "--budget", "16", "--log-dir", str(tmp_path)]
+    _, report = run_program("commands.py", ["--compare", "draft", "--draft-bits", "2", *small], tmp_path)
+    cases = report["draft"]["cases"]
+    assert list(cases) == ["no draft", "self draft", "2-bit-rounded draft"]
+    assert all(c["same_text_as_no_draft"] for c in cases.values())
+    assert cases["self draft"]["acceptance_rate"] == 1.0 and cases["no draft"]["acceptance_rate"] == 0
+    wide = write_tiny_llama(tmp_path / "wide", head_dim=WIDE_HEAD_DIM)
+    _, report = run_program("commands.py", ["--compare", "kv-bits", "--model", str(wide), *small], tmp_path)
+    kv = {name: c["kv_kept_bytes"] for name, c in report["kv_bits"]["cases"].items()}
+    # 4 layers x 4 heads x 17 slots: float16 rows of 64, or packed with a
+    # float16 scale and bias; in the memory line's MB of 3 decimals.
+    slots = 4 * 4 * 17
+    for name, row in (("eviction float", 128), ("eviction 8-bit", 64 + 4), ("eviction 4-bit", 32 + 4)):
+        assert kv[name] / 1e6 == pytest.approx(round(slots * (2 * row + 8) / 1e6, 3))
+    assert kv["full 4-bit"] < kv["full 8-bit"] < kv["full float"]

@@ -16,17 +16,22 @@ wrappers for the duration of ``main``:
   its settings (model-dependent checks such as ``skip_layers`` against the
   layer count fail there, before the response starts, as mlx-lm reports a
   failed model load) and resets the peak memory for the request's report.
-- ``LRUPromptCache``: prefix reuse keyed by model *and* cache settings, so a
-  request never continues a cache made with other settings. Each request's
-  cache is inserted once it is done, and then its statistics are logged as
-  ``mlx_lm.generate`` prints them (from the last ``GenerationResponse``,
-  which a wrapped ``stream_generate`` keeps), with the KV memory line.
+- ``LRUPromptCache``: ``mlx_knorm.lru.LRUPromptCache`` (mlx-lm's class,
+  which asks a cache's ``trimmable()`` before it trims it to a shorter
+  prompt or drops the entries it could stand in for), keyed by model *and*
+  cache settings, so a request never continues a cache made with other
+  settings. Each request's cache is inserted once it is done, and then its
+  statistics are logged as ``mlx_lm.generate`` prints them (from the last
+  ``GenerationResponse``, which a wrapped ``stream_generate`` keeps), with
+  the KV memory line.
 - ``scan_cache_dir``: ``/v1/models`` lists the served model even where no
   Hugging Face cache directory exists (mlx-lm's handler would fail there).
 
-Caches that cannot be trimmed are reused only when a stored sequence is a
-prefix of the new prompt (a follow-up turn: the conversation so far is the
-stored prompt plus its answer). ``L2NormKVCache`` has no ``merge``, so
+A cached conversation is reused for a prompt that continues it (a
+follow-up turn: the conversation so far is the stored prompt plus its
+answer), or for one that leaves it only within what its caches can trim
+exactly (what no eviction has ranked yet). A draft model's cache evicts
+too, without ``skip_layers``. ``L2NormKVCache`` has no ``merge``, so
 mlx-lm's server finds the model not batchable and serves one request at a
 time (``_serve_single``); once the cache can merge, mlx-lm batches it.
 """
@@ -41,6 +46,7 @@ import types
 import mlx.core as mx
 from huggingface_hub.utils import CacheNotFound
 
+from ..lru import LRUPromptCache as TrimAwareLRUPromptCache
 from .memory import kv_memory_line
 from .session import BUDGET_ALIAS, CACHE_FIELDS, Session, cache_config
 
@@ -116,12 +122,19 @@ class ServerSession(Session):
                     mx.reset_peak_memory()
                     super()._serve_single(request, stream)
 
-        class LRUPromptCache(mlx_lm_server.LRUPromptCache):
+        class ModelProvider(mlx_lm_server.ModelProvider):
+            def _load(self, model_path, adapter_path=None, draft_model_path=None):
+                session.loading_models(draft_model_path)
+                super()._load(model_path, adapter_path, draft_model_path)
+
+        class LRUPromptCache(TrimAwareLRUPromptCache):
             def fetch_nearest_cache(self, model, tokens):
                 return super().fetch_nearest_cache((model, session.current_config()), tokens)
 
             def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
-                logging.info(f"{session.statistics()}; {kv_memory_line(prompt_cache)}")
+                # The target's layers (a draft model's follow them).
+                target = prompt_cache[: len(session.last_cache or prompt_cache)]
+                logging.info(f"{session.statistics()}; {kv_memory_line(target)}")
                 super().insert_cache((model, session.current_config()), tokens, prompt_cache,
                                      cache_type=cache_type)
 
@@ -144,6 +157,7 @@ class ServerSession(Session):
         return {
             "_run_http_server": functools.partial(mlx_lm_server._run_http_server, handler_class=APIHandler),
             "ResponseGenerator": ResponseGenerator,
+            "ModelProvider": ModelProvider,
             "LRUPromptCache": LRUPromptCache,
             "scan_cache_dir": scan_cache_dir,
             "stream_generate": stream_generate,
