@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import mlx_knorm
 from conftest import EMULATOR_SETTINGS, NATIVE_BACKENDS, assert_bitwise_equal, requires_emulator
 from generators import fill, fill_bits, fill_norms, evict_and_fill_cases
-from spec_oracle import step_sources
+from spec_oracle import evict_and_fill_sources
 
 OUTPUTS = ("keys", "values", "norms", "positions")
 
@@ -73,7 +73,7 @@ def assert_matches_oracle(out, arrays, config):
     spec = {k: config[k] for k in ("filled", "offset", "budget", "n_sink", "recent", "keep", "layout")}
     valid = config.get("valid")
     sources = mx.array(
-        [step_sources(norms[n].tolist(), positions[n].tolist(), **spec,
+        [evict_and_fill_sources(norms[n].tolist(), positions[n].tolist(), **spec,
                       valid=None if valid is None else tuple(valid[n].tolist()))
          for n in range(n_heads)],
         dtype=mx.int32,
@@ -552,3 +552,47 @@ def test_evict_and_fill_six_payloads_of_every_width_and_none_of_width_zero(backe
         config = config_for(budget=budget, capacity=budget + 2, layout=layout,
                             new_norms=fill_norms(rng, (2, 2), "special"))
         assert_matches_oracle(evict_and_fill_on(backend, arrays, config), arrays, config)
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
+def test_evict_and_fill_inputs_that_are_views_of_one_buffer(backend):
+    """new_norms and new_keys sliced from the stored norms and keys: views
+    that start where those start, of other sizes. Every backend reads them
+    as the arrays they are."""
+    rng = np.random.default_rng(5)
+    keys, values = fill(rng, (1, 4, 8), "normal", "float32"), fill(rng, (1, 4, 8), "normal", "float32")
+    norms = mx.array([[0.5, 3.0, 1.0, 2.0]])
+    positions = mx.array([[0, 1, 2, 3]], mx.int32)
+    config = dict(filled=4, offset=4, capacity=4, budget=3, n_sink=0, recent=0, keep="low")
+    with mlx_knorm.use_backend(backend):
+        out = mlx_knorm.evict_and_fill(keys, values, norms, positions, keys[:, :1], values[:, :1],
+                                       new_norms=norms[:, :1], **config)
+        mx.eval(out)
+    with mlx_knorm.use_backend("fallback"):
+        want = mlx_knorm.evict_and_fill(keys, values, norms, positions, mx.array(keys[:, :1]),
+                                        mx.array(values[:, :1]), new_norms=mx.array([[0.5]]), **config)
+    for name, got, expected in zip(OUTPUTS, out, want):
+        assert_bitwise_equal(got, expected, name)
+    assert out[2].tolist() == [[0.5, 2.0, 1.0, 0.5]]
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
+@pytest.mark.parametrize("field", ["valid", "new_norms", "norms"])
+def test_evict_and_fill_unchecked_names_an_argument_that_is_no_array(backend, field):
+    """The cache's entry point skips the op's checks but not this one: a
+    list where an array belongs is a TypeError naming it on every backend."""
+    from mlx_knorm.ops.evict_and_fill import evict_and_fill_unchecked
+
+    arrays = dict(keys=mx.zeros((2, 5, 4)), values=mx.zeros((2, 5, 3)), norms=mx.zeros((2, 5)),
+                  positions=mx.zeros((2, 5), mx.int32), new_keys=mx.zeros((2, 1, 4)),
+                  new_values=mx.zeros((2, 1, 3)))
+    extra = {}
+    if field == "norms":
+        arrays["norms"] = [[0.0] * 5] * 2
+    else:
+        extra[field] = [[0, 9], [0, 9]]
+        if field == "valid":
+            extra["new_norms"] = mx.zeros((2, 1))
+    with mlx_knorm.use_backend(backend), pytest.raises(TypeError, match=f"'?{field}'? must be an mlx.core.array"):
+        evict_and_fill_unchecked(*arrays.values(), filled=5, offset=5, capacity=6, budget=4, n_sink=1,
+                                 recent=1, keep="low", **extra)

@@ -284,9 +284,11 @@ def evict_and_fill_unchecked(
     C++, so only the fallback runs ``check_step``, and every backend refuses
     the same calls (docs/spec.md §6)."""
     one_keys = type(keys) is mx.array
-    backend = resolve(stream, key_dim=keys.shape[-1] if new_norms is None and one_keys else None)
-    if (backend != "fallback" and one_keys and type(values) is mx.array and new_norms is None
-            and valid is None):
+    key_dim = keys.shape[-1] if new_norms is None and one_keys and keys.ndim else None
+    backend = resolve(stream, key_dim=key_dim)
+    if (backend != "fallback" and one_keys and type(values) is mx.array and type(norms) is mx.array
+            and type(positions) is mx.array and type(new_keys) is mx.array
+            and type(new_values) is mx.array and new_norms is None and valid is None):
         # The float cache's decode step: positional arguments (the binding
         # matches keywords by name), the fewest Python operations.
         return tuple(run_native(
@@ -300,6 +302,13 @@ def evict_and_fill_unchecked(
     arrays = keys, values, norms, positions, new_keys, new_values
     if backend == "fallback":
         return _run(backend, check_step(*arrays, **config, new_norms=new_norms, valid=valid), stream)
+    # The primitive checks every relation; what it cannot name is an
+    # argument that is no array at all.
+    for x, name in ((keys, "keys"), (values, "values"), (new_keys, "new_keys"), (new_values, "new_values")):
+        _payload_group(x, name)
+    for x, name in ((norms, "norms"), (positions, "positions"), (new_norms, "new_norms"), (valid, "valid")):
+        if x is not None or name in ("norms", "positions"):
+            check_array(x, name)
     return _run_native(backend, arrays, config, new_norms, valid, stream)
 
 
