@@ -260,6 +260,16 @@ void EvictAndFill::check_inputs(const EvictAndFillInputs& in) {
     // code.
     check_metal_key_norms_shape(in.new_rows[0], groups.name(0, true).c_str());
   }
+  if (executor_ == Executor::MetalEmulator || stream().device == mx::Device::gpu) {
+    // The Metal kernels count a payload row's bytes in 32 bits.
+    for (int i = 0; i < in.payloads(); ++i) {
+      if (in.row_bytes(i) > static_cast<size_t>(kInt32Max)) {
+        throw std::invalid_argument(
+            "mlx_knorm: " + groups.name(i) + ": the Metal kernels move rows of < 2^31 bytes, got " +
+            std::to_string(in.row_bytes(i)));
+      }
+    }
+  }
 }
 
 bool EvictAndFill::is_equivalent(const mx::Primitive& other) const {
