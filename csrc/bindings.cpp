@@ -3,6 +3,7 @@
 // are shared with MLX's module.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/filesystem.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
@@ -27,6 +28,52 @@ namespace {
 mlx_knorm::Executor executor_for(bool emulate) {
   return emulate ? mlx_knorm::Executor::MetalEmulator
                  : mlx_knorm::Executor::Native;
+}
+
+// evict_and_fill's keys, values, new_keys and new_values: one array or a
+// list of them (Python's tuple form).
+using Payloads = std::variant<mx::array, std::vector<mx::array>>;
+
+// How one of them was given: its array count, and whether as a list.
+struct PayloadGroup {
+  size_t count;
+  bool listed;
+};
+
+// Appends the arrays of `p` to `out`.
+PayloadGroup append_payloads(const Payloads& p, const char* name, mlx_knorm::PayloadArrays& out) {
+  if (const auto* a = std::get_if<mx::array>(&p)) {
+    out.push_back(*a);
+    return {1, false};
+  }
+  const auto& list = std::get<std::vector<mx::array>>(p);
+  if (list.empty()) {
+    throw mlx_knorm::dtype_error(
+        std::string("mlx_knorm: ") + name +
+        " must be an mlx.core.array or a non-empty tuple of them, got an empty sequence");
+  }
+  for (const mx::array& a : list) {
+    out.push_back(a);
+  }
+  return {list.size(), true};
+}
+
+// The new rows take the structure of the buffers they join.
+void check_structure(
+    const PayloadGroup& fresh,
+    const char* fresh_name,
+    const PayloadGroup& stored,
+    const char* stored_name) {
+  if (fresh.listed != stored.listed || fresh.count != stored.count) {
+    auto describe = [](const PayloadGroup& g) {
+      return g.listed ? "a tuple of " + std::to_string(g.count) + " arrays"
+                      : std::string("an array");
+    };
+    throw std::invalid_argument(
+        std::string("mlx_knorm: ") + fresh_name + " must have the structure of " +
+        stored_name + ": " + stored_name + " is " + describe(stored) + ", " + fresh_name +
+        " " + describe(fresh));
+  }
 }
 
 } // namespace
@@ -112,12 +159,12 @@ NB_MODULE(_ext, m) {
 
   m.def(
       "evict_and_fill",
-      [](const mx::array& keys,
-         const mx::array& values,
+      [](const Payloads& keys,
+         const Payloads& values,
          const mx::array& norms,
          const mx::array& positions,
-         const mx::array& new_keys,
-         const mx::array& new_values,
+         const Payloads& new_keys,
+         const Payloads& new_values,
          int64_t filled,
          int64_t offset,
          int64_t capacity,
@@ -126,19 +173,30 @@ NB_MODULE(_ext, m) {
          int recent,
          const std::string& keep,
          const std::string& layout,
+         const std::optional<mx::array>& new_norms,
+         const std::optional<mx::array>& valid,
          bool emulate,
          mx::StreamOrDevice s) {
+        mlx_knorm::PayloadArrays rows;
+        mlx_knorm::PayloadArrays new_rows;
+        const PayloadGroup k = append_payloads(keys, "keys", rows);
+        const PayloadGroup v = append_payloads(values, "values", rows);
+        const PayloadGroup nk = append_payloads(new_keys, "new_keys", new_rows);
+        const PayloadGroup nv = append_payloads(new_values, "new_values", new_rows);
+        check_structure(nk, "new_keys", k, "keys");
+        check_structure(nv, "new_values", v, "values");
         mlx_knorm::EvictAndFillConfig config{
             {budget, n_sink, recent, mlx_knorm::parse_keep(keep)},
             filled,
             offset,
             capacity,
-            mlx_knorm::parse_layout(layout)};
-        return mlx_knorm::evict_and_fill(
-            {keys, values, norms, positions, new_keys, new_values},
-            config,
-            executor_for(emulate),
-            s);
+            mlx_knorm::parse_layout(layout),
+            {static_cast<int>(k.count), static_cast<int>(v.count), k.listed, v.listed},
+            new_norms.has_value(),
+            valid.has_value()};
+        const mlx_knorm::EvictAndFillInputs inputs{
+            std::move(rows), norms, positions, std::move(new_rows), new_norms, valid};
+        return mlx_knorm::evict_and_fill(inputs, config, executor_for(emulate), s);
       },
       "keys"_a,
       "values"_a,
@@ -155,9 +213,15 @@ NB_MODULE(_ext, m) {
       "keep"_a,
       "layout"_a,
       nb::kw_only(),
+      "new_norms"_a = nb::none(),
+      "valid"_a = nb::none(),
       "emulate_metal"_a = false,
       "stream"_a = nb::none(),
-      "One cache step of docs/spec.md §4: (keys, values, norms, positions).");
+      "One cache step of docs/spec.md §4 on payloads moved as raw bits: keys "
+      "and values (and new_keys, new_values) are each an array or a list of "
+      "arrays; new_norms (float32 [..., S]) replaces the norms computed from "
+      "new_keys; valid (int32 [..., 2]) gives each head's real positions "
+      "[lo, hi). Returns [*keys, *values, norms, positions], flat.");
 
   m.def(
       "metal_kernel_source",

@@ -1,29 +1,36 @@
 // EvictAndFill on the GPU: one cache step of docs/spec.md section 4 for
 // every head, one threadgroup of kEvictGroupSize threads per head:
+//   rank        per head from its valid range (padding rows last) or, without
+//               ranges, every row real (knorm_evict_head);
 //   selection   nothing leaves (filled <= budget); one row leaves (a decode
 //               step): SIMD-group and threadgroup reductions of the 64-bit
 //               rank; several leave: the radix select of knorm_kernels.h,
 //               on ranks kept in threadgroup memory where they fit;
 //   compaction  slot layout: the kept rows at or past `kept` fill the holes
 //               below it, both in slot order; temporal layout: a stable
-//               compaction, chunk by chunk;
-//   fill        the new rows with their norms (knorm_row_norm) and
-//               positions.
+//               compaction, chunk by chunk; every payload, the norms and
+//               the positions alike;
+//   fill        the new rows with their norms (given, or knorm_row_norm of
+//               the first payload) and positions.
 // With few heads and many new rows, the launch plan leaves the fill to a
 // second dispatch, knorm_fill_new_rows, which spreads the new rows of each
 // head over threadgroups of kSplitRows rows (fill_new = 0 here), and drops
 // this one where it would do nothing: no stored rows, or none leaving with
 // every output in place.
-// An output bound to its input's buffer (a bit of in_place) is updated in
-// place: only the rows that move are written. The temporal compaction then
-// moves rows in waves (every thread reads its share of a wave into
-// registers, a barrier, then all write), so that no row is overwritten
-// before it is read. K/V rows move in the units of knorm_copy_bits that the
-// launch plan chose. All offsets into K/V buffers are 64-bit.
+// Payloads are raw bytes (uchar), up to kEvictMaxPayloads of them at fixed
+// [[buffer(i)]], each moving in the units of knorm_copy_bytes that the
+// launch plan chose for it (KnormEvictParams); slots of payloads past the
+// step's count are bound to placeholders and never read. An output bound to
+// its input's buffer (a bit of in_place) is updated in place: only the rows
+// that move are written. The temporal compaction then moves rows in waves
+// (every thread reads its share of a wave into registers, a barrier, then
+// all write), so that no row is overwritten before it is read. All offsets
+// into payload buffers are 64-bit.
 //
-// Instantiated in evict_and_fill.metal; launched by the plans of
-// csrc/evict_and_fill/plan.cpp. Compiles as Metal Shading Language and,
-// through csrc/metal_emulator/metal_emulator.h, as C++.
+// Instantiated in evict_and_fill.metal, once per source of the new rows'
+// norms (the first payload's float type, or KnormGivenNorms); launched by
+// the plans of csrc/evict_and_fill/plan.cpp. Compiles as Metal Shading
+// Language and, through csrc/metal_emulator/metal_emulator.h, as C++.
 #ifndef MLX_KNORM_METAL_EVICT_AND_FILL_H
 #define MLX_KNORM_METAL_EVICT_AND_FILL_H
 
@@ -44,12 +51,15 @@ constant constexpr uint kKeepAll = 0;
 constant constexpr uint kEvictOne = 1;
 constant constexpr uint kEvictMany = 2;
 
-// One head's stored rows and the protection rule.
+// One head's stored rows and its rank rule (docs/spec.md section 4 steps
+// 0-1).
 struct KnormEvictHead {
   uint filled;
   uint kept;
-  int n_sink;        // positions below are protected
-  int protect_from;  // offset - recent: positions at or above are protected
+  int first_real;    // real rows: first_real <= p <= last_real
+  int last_real;
+  int sink_end;      // real positions below are protected
+  int protect_from;  // real positions at or above are protected
   bool keep_high;
   device const float* norms;
   device const int* positions;
@@ -57,15 +67,64 @@ struct KnormEvictHead {
   threadgroup const ulong* cached_ranks;
 };
 
-// docs/spec.md section 4 step 1 as one 64-bit key: the score key, or 0 for
-// a protected row (no score key is 0), then the position. Equal keys rank
-// by slot, lower first.
+inline int knorm_clamp_to_int(long v) {
+  const long lowest = long(as_type<int>(0x80000000u));
+  const long highest = long(0x7FFFFFFF);
+  return int(v < lowest ? lowest : (v > highest ? highest : v));
+}
+
+// The rank rule of one head, as EvictionRank::of of common/selection.h:
+// without valid ranges every row is real, the sinks are the positions below
+// n_sink and the window starts at offset - recent; with (lo, hi) the real
+// rows are [lo, hi), the sinks [lo, lo + n_sink) and the window starts at
+// min(offset, hi) - recent. Bounds past int are clamped, which changes no
+// real row's protection.
+inline KnormEvictHead knorm_evict_head(
+    constant KnormEvictParams& params,
+    device const int* valid,
+    uint head,
+    device const float* norms,
+    device const int* positions,
+    threadgroup const ulong* cached_ranks) {
+  KnormEvictHead h;
+  h.filled = params.filled;
+  h.kept = params.kept;
+  h.keep_high = params.keep_high != 0;
+  h.norms = norms;
+  h.positions = positions;
+  h.cached = false;
+  h.cached_ranks = cached_ranks;
+  const long offset = long(params.offset);
+  const long recent = long(params.recent);
+  if (params.has_valid == 0) {
+    h.first_real = as_type<int>(0x80000000u);
+    h.last_real = 0x7FFFFFFF;
+    h.sink_end = int(params.n_sink);
+    h.protect_from = knorm_clamp_to_int(offset - recent);
+    return h;
+  }
+  const long lo = long(valid[2 * ulong(head)]);
+  const long hi = long(valid[2 * ulong(head) + 1]);
+  // No real row when hi <= lo.
+  h.first_real = hi > lo ? int(lo) : 0x7FFFFFFF;
+  h.last_real = hi > lo ? int(hi - 1) : as_type<int>(0x80000000u);
+  h.sink_end = knorm_clamp_to_int(lo + long(params.n_sink));
+  h.protect_from = knorm_clamp_to_int((offset < hi ? offset : hi) - recent);
+  return h;
+}
+
+// docs/spec.md section 4 step 1 as one 64-bit key: the score key, 0 for a
+// protected row (no score key is 0) or kPaddingScoreKey for a padding row
+// (every score key is below it), then the position. Equal keys rank by
+// slot, lower first.
 inline ulong knorm_rank_of(KnormEvictHead stored, uint s) {
   const int p = stored.positions[s];
-  const bool protect = p < stored.n_sink || p >= stored.protect_from;
-  const ulong score =
-      protect ? ulong(0) : ulong(knorm_score_key(stored.norms[s], stored.keep_high));
-  return (score << 32) | ulong(as_type<uint>(p) ^ 0x80000000u);
+  uint score = kPaddingScoreKey;
+  if (p >= stored.first_real && p <= stored.last_real) {
+    const bool protect = p < stored.sink_end || p >= stored.protect_from;
+    score = protect ? 0u : knorm_score_key(stored.norms[s], stored.keep_high);
+  }
+  return (ulong(score) << 32) | ulong(as_type<uint>(p) ^ 0x80000000u);
 }
 
 inline ulong knorm_eviction_rank(KnormEvictHead stored, uint s) {
@@ -196,33 +255,46 @@ inline uint knorm_equal_below(
   return count;
 }
 
-// One head's rows of the four inputs and the four outputs. Bit i of
-// in_place: output i is input i's buffer.
-template <typename K, typename V>
+// One head's rows of the stored buffers and of the outputs: the payloads
+// (raw bytes), norms and positions. Bit i of in_place: output i (payload i,
+// then the norms at bit `payloads`, the positions after) is input i's
+// buffer.
 struct KnormEvictBuffers {
-  device const K* keys;
-  device const V* values;
+  device const uchar* rows[kEvictMaxPayloads];
+  device uchar* out_rows[kEvictMaxPayloads];
   device const float* norms;
   device const int* positions;
-  device K* out_keys;
-  device V* out_values;
   device float* out_norms;
   device int* out_positions;
-  uint key_dim;
-  uint value_dim;
-  uint key_unit;  // bytes of the units K and V rows move in (knorm_copy_bits)
-  uint value_unit;
+  uint payloads;
+  uint row_bytes[kEvictMaxPayloads];
+  uint row_unit[kEvictMaxPayloads];
   uint in_place;
+
+  bool payload_in_place(uint i) const {
+    return ((in_place >> i) & 1u) != 0;
+  }
+  bool norms_in_place() const {
+    return ((in_place >> payloads) & 1u) != 0;
+  }
+  bool positions_in_place() const {
+    return ((in_place >> (payloads + 1)) & 1u) != 0;
+  }
+  bool all_in_place() const {
+    return in_place == (1u << (payloads + 2)) - 1u;
+  }
 };
 
 // Row src of every input to row dst of its output, by the lanes of one SIMD
 // group; the bits move as they are.
-template <typename K, typename V>
-inline void knorm_move_row(KnormEvictBuffers<K, V> b, uint src, uint dst, uint lane) {
-  knorm_copy_bits(b.keys + ulong(src) * b.key_dim, b.out_keys + ulong(dst) * b.key_dim,
-                  b.key_dim, b.key_unit, lane, kSimdWidth);
-  knorm_copy_bits(b.values + ulong(src) * b.value_dim, b.out_values + ulong(dst) * b.value_dim,
-                  b.value_dim, b.value_unit, lane, kSimdWidth);
+inline void knorm_move_row(KnormEvictBuffers b, uint src, uint dst, uint lane) {
+  for (uint i = 0; i < kEvictMaxPayloads; ++i) {
+    if (i < b.payloads) {
+      const ulong bytes = b.row_bytes[i];
+      knorm_copy_bytes(b.rows[i] + src * bytes, b.out_rows[i] + dst * bytes, b.row_bytes[i],
+                       b.row_unit[i], lane, kSimdWidth);
+    }
+  }
   if (lane == 0) {
     b.out_norms[dst] = b.norms[src];
     b.out_positions[dst] = b.positions[src];
@@ -232,11 +304,10 @@ inline void knorm_move_row(KnormEvictBuffers<K, V> b, uint src, uint dst, uint l
 // The temporal layout: kept slots, in slot order, to [0, kept), one chunk
 // of kEvictGroupSize slots at a time. src holds a chunk's kept slots, which
 // go to kept_before onwards.
-template <typename K, typename V>
 inline void knorm_compact_temporal(
     KnormEvictHead stored,
     KnormEviction ev,
-    KnormEvictBuffers<K, V> b,
+    KnormEvictBuffers b,
     threadgroup uint* src,
     threadgroup uint* simd_totals,
     uint tid,
@@ -245,7 +316,7 @@ inline void knorm_compact_temporal(
   // With every output in place, rows before the one evicted slot stay: a
   // decode step starts at its chunk.
   uint base = 0;
-  if (ev.mode == kEvictOne && b.in_place == 0xFu) {
+  if (ev.mode == kEvictOne && b.all_in_place()) {
     base = ev.evicted / kEvictGroupSize * kEvictGroupSize;
   }
   uint kept_before = base;
@@ -266,20 +337,18 @@ inline void knorm_compact_temporal(
     const bool any_moves = knorm_block_scan<kEvictGroupSize>(
         moves ? 1u : 0u, simd_totals, lane, simd_group).total != 0;
     const uint n = at.total;
-    if ((b.in_place & 1u) == 0 || any_moves) {
-      knorm_move_kv_rows<kEvictGroupSize>(b.keys, b.out_keys, (b.in_place & 1u) != 0, src,
-                                          kept_before, n, b.key_dim, b.key_unit, tid);
+    for (uint i = 0; i < kEvictMaxPayloads; ++i) {
+      if (i < b.payloads && (!b.payload_in_place(i) || any_moves)) {
+        knorm_move_byte_rows<kEvictGroupSize>(b.rows[i], b.out_rows[i], b.payload_in_place(i), src,
+                                              kept_before, n, b.row_bytes[i], b.row_unit[i], tid);
+      }
     }
-    if ((b.in_place & 2u) == 0 || any_moves) {
-      knorm_move_kv_rows<kEvictGroupSize>(b.values, b.out_values, (b.in_place & 2u) != 0, src,
-                                          kept_before, n, b.value_dim, b.value_unit, tid);
-    }
-    if ((b.in_place & 4u) == 0 || any_moves) {
-      knorm_move_rows<kEvictGroupSize>(b.norms, b.out_norms, (b.in_place & 4u) != 0, src,
+    if (!b.norms_in_place() || any_moves) {
+      knorm_move_rows<kEvictGroupSize>(b.norms, b.out_norms, b.norms_in_place(), src,
                                        kept_before, n, 1u, tid);
     }
-    if ((b.in_place & 8u) == 0 || any_moves) {
-      knorm_move_rows<kEvictGroupSize>(b.positions, b.out_positions, (b.in_place & 8u) != 0, src,
+    if (!b.positions_in_place() || any_moves) {
+      knorm_move_rows<kEvictGroupSize>(b.positions, b.out_positions, b.positions_in_place(), src,
                                        kept_before, n, 1u, tid);
     }
     kept_before += n;
@@ -294,11 +363,10 @@ inline void knorm_compact_temporal(
 // into the i-th hole. Holes are written only after every scan has passed
 // them, and movers are never written, so the scans read the rows as they
 // were.
-template <typename K, typename V>
 inline void knorm_fill_holes(
     KnormEvictHead stored,
     KnormEviction ev,
-    KnormEvictBuffers<K, V> b,
+    KnormEvictBuffers b,
     threadgroup uint* holes,
     threadgroup uint* movers,
     threadgroup uint* simd_totals,
@@ -366,73 +434,113 @@ inline void knorm_fill_holes(
   }
 }
 
-// Step 3 for new rows [begin, end) of one head (new_keys, new_values and
-// the outputs start at its rows): one SIMD group per row, its bits, its
-// norm (knorm_row_norm) and its position; row j goes to slot kept + j.
-template <typename K, typename V>
+// The new rows' norms come from the first payload, read as K (float16,
+// bfloat16 or float32: knorm_row_norm), or are given: KnormGivenNorms.
+struct KnormGivenNorms {};
+
+template <typename K>
+inline float knorm_new_norm(device const uchar* key, uint key_bytes, device const float*, uint,
+                            uint lane) {
+  // Sized for the widest key the kernel takes: the padding past P leaves
+  // the pinned sum as it is (knorm_row_norm), and a new row's norm is a
+  // small part of a step.
+  return knorm_row_norm<kKeyNormsMaxDim / kSimdWidth>(
+      reinterpret_cast<device const K*>(key), key_bytes / uint(sizeof(K)), lane);
+}
+
+template <>
+inline float knorm_new_norm<KnormGivenNorms>(device const uchar*, uint, device const float* given,
+                                             uint j, uint) {
+  return given[j];
+}
+
+// One head's new rows and where they go: the outputs start at the head's
+// slots, new_rows and new_norms at its new rows.
+struct KnormFillBuffers {
+  device const uchar* new_rows[kEvictMaxPayloads];
+  device const float* new_norms;
+  device uchar* out_rows[kEvictMaxPayloads];
+  device float* out_norms;
+  device int* out_positions;
+};
+
+// Step 3 for new rows [begin, end) of one head: one SIMD group per row, its
+// payloads' bits, its norm and its position; row j goes to slot kept + j.
+template <typename K>
 inline void knorm_fill_rows(
-    device const K* new_keys,
-    device const V* new_values,
-    device K* out_keys,
-    device V* out_values,
-    device float* out_norms,
-    device int* out_positions,
-    uint key_dim,
-    uint value_dim,
-    uint key_unit,
-    uint value_unit,
-    uint kept,
-    uint offset,
+    constant KnormEvictParams& params,
+    KnormFillBuffers f,
     uint begin,
     uint end,
     uint lane,
     uint simd_group) {
   for (uint j = begin + simd_group; j < end; j += kEvictSimdGroups) {
-    device const K* key = new_keys + ulong(j) * key_dim;
-    device const V* value = new_values + ulong(j) * value_dim;
-    const uint dst = kept + j;
-    knorm_copy_bits(key, out_keys + ulong(dst) * key_dim, key_dim, key_unit, lane, kSimdWidth);
-    knorm_copy_bits(value, out_values + ulong(dst) * value_dim, value_dim, value_unit, lane,
-                    kSimdWidth);
-    // Sized for the widest key the kernel takes: the padding past P leaves
-    // the pinned sum as it is (knorm_row_norm), and a new row's norm is a
-    // small part of a step.
-    const float norm = knorm_row_norm<kKeyNormsMaxDim / kSimdWidth>(key, key_dim, lane);
+    const uint dst = params.kept + j;
+    for (uint i = 0; i < kEvictMaxPayloads; ++i) {
+      if (i < params.payloads) {
+        const ulong bytes = params.row_bytes[i];
+        knorm_copy_bytes(f.new_rows[i] + j * bytes, f.out_rows[i] + dst * bytes,
+                         params.row_bytes[i], params.row_unit[i], lane, kSimdWidth);
+      }
+    }
+    const float norm = knorm_new_norm<K>(f.new_rows[0] + j * ulong(params.row_bytes[0]),
+                                         params.row_bytes[0], f.new_norms, j, lane);
     if (lane == 0) {
-      out_norms[dst] = norm;
-      out_positions[dst] = int(offset + j);
+      f.out_norms[dst] = norm;
+      f.out_positions[dst] = int(params.offset + j);
     }
   }
 }
 
-template <typename K, typename V>
+// The fill's buffers of one head: `base` at the start of each buffer, the
+// head's new rows starting at row new_row, its output slots at out_row.
+inline KnormFillBuffers knorm_fill_buffers_at(
+    constant KnormEvictParams& params,
+    KnormFillBuffers base,
+    ulong new_row,
+    ulong out_row) {
+  KnormFillBuffers f = base;
+  for (uint i = 0; i < kEvictMaxPayloads; ++i) {
+    if (i < params.payloads) {
+      f.new_rows[i] = base.new_rows[i] + new_row * params.row_bytes[i];
+      f.out_rows[i] = base.out_rows[i] + out_row * params.row_bytes[i];
+    }
+  }
+  if (params.norms_given != 0) {
+    f.new_norms = base.new_norms + new_row;
+  }
+  f.out_norms = base.out_norms + out_row;
+  f.out_positions = base.out_positions + out_row;
+  return f;
+}
+
+template <typename K>
 [[kernel]] void knorm_evict_and_fill(
-    device const K* keys KNORM_BUFFER(0),
-    device const V* values KNORM_BUFFER(1),
-    device const float* norms KNORM_BUFFER(2),
-    device const int* positions KNORM_BUFFER(3),
-    device const K* new_keys KNORM_BUFFER(4),
-    device const V* new_values KNORM_BUFFER(5),
-    device K* out_keys KNORM_BUFFER(6),
-    device V* out_values KNORM_BUFFER(7),
-    device float* out_norms KNORM_BUFFER(8),
-    device int* out_positions KNORM_BUFFER(9),
-    constant uint& slots KNORM_BUFFER(10),
-    constant uint& out_slots KNORM_BUFFER(11),
-    constant uint& n_new KNORM_BUFFER(12),
-    constant uint& key_dim KNORM_BUFFER(13),
-    constant uint& value_dim KNORM_BUFFER(14),
-    constant uint& filled KNORM_BUFFER(15),
-    constant uint& kept KNORM_BUFFER(16),
-    constant uint& offset KNORM_BUFFER(17),
-    constant uint& n_sink KNORM_BUFFER(18),
-    constant uint& protect_from KNORM_BUFFER(19),
-    constant uint& keep_high KNORM_BUFFER(20),
-    constant uint& temporal KNORM_BUFFER(21),
-    constant uint& in_place KNORM_BUFFER(22),
-    constant uint& key_unit KNORM_BUFFER(23),
-    constant uint& value_unit KNORM_BUFFER(24),
-    constant uint& fill_new KNORM_BUFFER(25),
+    device const uchar* rows_0 KNORM_BUFFER(0),
+    device const uchar* rows_1 KNORM_BUFFER(1),
+    device const uchar* rows_2 KNORM_BUFFER(2),
+    device const uchar* rows_3 KNORM_BUFFER(3),
+    device const uchar* rows_4 KNORM_BUFFER(4),
+    device const uchar* rows_5 KNORM_BUFFER(5),
+    device const float* norms KNORM_BUFFER(6),
+    device const int* positions KNORM_BUFFER(7),
+    device const uchar* new_rows_0 KNORM_BUFFER(8),
+    device const uchar* new_rows_1 KNORM_BUFFER(9),
+    device const uchar* new_rows_2 KNORM_BUFFER(10),
+    device const uchar* new_rows_3 KNORM_BUFFER(11),
+    device const uchar* new_rows_4 KNORM_BUFFER(12),
+    device const uchar* new_rows_5 KNORM_BUFFER(13),
+    device const float* new_norms KNORM_BUFFER(14),
+    device const int* valid KNORM_BUFFER(15),
+    device uchar* out_rows_0 KNORM_BUFFER(16),
+    device uchar* out_rows_1 KNORM_BUFFER(17),
+    device uchar* out_rows_2 KNORM_BUFFER(18),
+    device uchar* out_rows_3 KNORM_BUFFER(19),
+    device uchar* out_rows_4 KNORM_BUFFER(20),
+    device uchar* out_rows_5 KNORM_BUFFER(21),
+    device float* out_norms KNORM_BUFFER(22),
+    device int* out_positions KNORM_BUFFER(23),
+    constant KnormEvictParams& params KNORM_BUFFER(24),
     uint head KNORM_ATTRIBUTE(threadgroup_position_in_grid),
     uint tid KNORM_ATTRIBUTE(thread_position_in_threadgroup),
     uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
@@ -447,16 +555,25 @@ template <typename K, typename V>
   KNORM_THREADGROUP_ARRAY(uint, second_list, kEvictQueue);
   KNORM_THREADGROUP_ARRAY(ulong, cached_ranks, kEvictCachedRanks);
 
-  const ulong in_row = ulong(head) * slots;
-  const ulong out_row = ulong(head) * out_slots;
-  KnormEvictHead stored = {
-      filled, kept, int(n_sink), as_type<int>(protect_from), keep_high != 0,
-      norms + in_row, positions + in_row, false, cached_ranks};
-  const KnormEvictBuffers<K, V> b = {
-      keys + in_row * key_dim, values + in_row * value_dim, norms + in_row,
-      positions + in_row, out_keys + out_row * key_dim,
-      out_values + out_row * value_dim, out_norms + out_row,
-      out_positions + out_row, key_dim, value_dim, key_unit, value_unit, in_place};
+  const uint filled = params.filled;
+  const uint kept = params.kept;
+  const ulong in_row = ulong(head) * params.slots;
+  const ulong out_row = ulong(head) * params.out_slots;
+  KnormEvictHead stored = knorm_evict_head(
+      params, valid, head, norms + in_row, positions + in_row, cached_ranks);
+  KnormEvictBuffers b = {
+      {rows_0, rows_1, rows_2, rows_3, rows_4, rows_5},
+      {out_rows_0, out_rows_1, out_rows_2, out_rows_3, out_rows_4, out_rows_5},
+      norms + in_row, positions + in_row, out_norms + out_row, out_positions + out_row,
+      params.payloads, {}, {}, params.in_place};
+  for (uint i = 0; i < kEvictMaxPayloads; ++i) {
+    b.row_bytes[i] = params.row_bytes[i];
+    b.row_unit[i] = params.row_unit[i];
+    if (i < params.payloads) {
+      b.rows[i] += in_row * params.row_bytes[i];
+      b.out_rows[i] += out_row * params.row_bytes[i];
+    }
+  }
 
   // docs/spec.md section 4 step 1.
   KnormEviction ev = {kKeepAll, 0u, {ulong(0), 0u, 0u}};
@@ -480,22 +597,21 @@ template <typename K, typename V>
   }
 
   // Step 2.
-  if (temporal != 0) {
+  if (params.temporal != 0) {
     knorm_compact_temporal(stored, ev, b, first_list, simd_totals, tid, lane, simd_group);
   } else {
     // Outputs not updated in place start as a copy of the rows below kept.
-    if ((in_place & 1u) == 0) {
-      knorm_copy_bits(b.keys, b.out_keys, ulong(kept) * key_dim, key_unit, tid, kEvictGroupSize);
+    for (uint i = 0; i < kEvictMaxPayloads; ++i) {
+      if (i < b.payloads && !b.payload_in_place(i)) {
+        knorm_copy_bytes(b.rows[i], b.out_rows[i], ulong(kept) * b.row_bytes[i], b.row_unit[i],
+                         tid, kEvictGroupSize);
+      }
     }
-    if ((in_place & 2u) == 0) {
-      knorm_copy_bits(b.values, b.out_values, ulong(kept) * value_dim, value_unit, tid,
-                      kEvictGroupSize);
-    }
-    if ((in_place & 4u) == 0) {
+    if (!b.norms_in_place()) {
       knorm_copy_bits(b.norms, b.out_norms, ulong(kept), uint(sizeof(float)), tid,
                       kEvictGroupSize);
     }
-    if ((in_place & 8u) == 0) {
+    if (!b.positions_in_place()) {
       knorm_copy_bits(b.positions, b.out_positions, ulong(kept), uint(sizeof(int)), tid,
                       kEvictGroupSize);
     }
@@ -515,47 +631,58 @@ template <typename K, typename V>
   threadgroup_barrier(mem_flags::mem_device);
 
   // Step 3, unless knorm_fill_new_rows does it.
-  if (fill_new != 0) {
-    const ulong new_row = ulong(head) * n_new;
-    knorm_fill_rows(new_keys + new_row * key_dim, new_values + new_row * value_dim, b.out_keys,
-                    b.out_values, b.out_norms, b.out_positions, key_dim, value_dim, key_unit,
-                    value_unit, kept, offset, 0u, n_new, lane, simd_group);
+  if (params.fill_new != 0) {
+    const KnormFillBuffers base = {
+        {new_rows_0, new_rows_1, new_rows_2, new_rows_3, new_rows_4, new_rows_5},
+        new_norms,
+        {out_rows_0, out_rows_1, out_rows_2, out_rows_3, out_rows_4, out_rows_5},
+        out_norms,
+        out_positions};
+    knorm_fill_rows<K>(params, knorm_fill_buffers_at(params, base, ulong(head) * params.n_new,
+                                                     out_row),
+                       0u, params.n_new, lane, simd_group);
   }
 }
 
 // Step 3 of a cache step whose steps 1-2 ran before (knorm_evict_and_fill
 // with fill_new = 0): threadgroup g writes new rows [b * kSplitRows, +
 // kSplitRows) of head g / groups_per_head, b = g % groups_per_head.
-template <typename K, typename V>
+template <typename K>
 [[kernel]] void knorm_fill_new_rows(
-    device const K* new_keys KNORM_BUFFER(0),
-    device const V* new_values KNORM_BUFFER(1),
-    device K* out_keys KNORM_BUFFER(2),
-    device V* out_values KNORM_BUFFER(3),
-    device float* out_norms KNORM_BUFFER(4),
-    device int* out_positions KNORM_BUFFER(5),
-    constant uint& out_slots KNORM_BUFFER(6),
-    constant uint& n_new KNORM_BUFFER(7),
-    constant uint& key_dim KNORM_BUFFER(8),
-    constant uint& value_dim KNORM_BUFFER(9),
-    constant uint& kept KNORM_BUFFER(10),
-    constant uint& offset KNORM_BUFFER(11),
-    constant uint& key_unit KNORM_BUFFER(12),
-    constant uint& value_unit KNORM_BUFFER(13),
-    constant uint& groups_per_head KNORM_BUFFER(14),
+    device const uchar* new_rows_0 KNORM_BUFFER(0),
+    device const uchar* new_rows_1 KNORM_BUFFER(1),
+    device const uchar* new_rows_2 KNORM_BUFFER(2),
+    device const uchar* new_rows_3 KNORM_BUFFER(3),
+    device const uchar* new_rows_4 KNORM_BUFFER(4),
+    device const uchar* new_rows_5 KNORM_BUFFER(5),
+    device const float* new_norms KNORM_BUFFER(6),
+    device uchar* out_rows_0 KNORM_BUFFER(7),
+    device uchar* out_rows_1 KNORM_BUFFER(8),
+    device uchar* out_rows_2 KNORM_BUFFER(9),
+    device uchar* out_rows_3 KNORM_BUFFER(10),
+    device uchar* out_rows_4 KNORM_BUFFER(11),
+    device uchar* out_rows_5 KNORM_BUFFER(12),
+    device float* out_norms KNORM_BUFFER(13),
+    device int* out_positions KNORM_BUFFER(14),
+    constant KnormEvictParams& params KNORM_BUFFER(15),
     uint group KNORM_ATTRIBUTE(threadgroup_position_in_grid),
     uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
     uint simd_group KNORM_ATTRIBUTE(simdgroup_index_in_threadgroup)) {
-  const uint head = group / groups_per_head;
-  const uint begin = (group % groups_per_head) * kSplitRows;
+  const uint n_new = params.n_new;
+  const uint head = group / params.groups_per_head;
+  const uint begin = (group % params.groups_per_head) * kSplitRows;
   // begin < n_new; begin + kSplitRows may not fit in a uint.
   const uint end = n_new - begin > kSplitRows ? begin + kSplitRows : n_new;
-  const ulong new_row = ulong(head) * n_new;
-  const ulong out_row = ulong(head) * out_slots;
-  knorm_fill_rows(new_keys + new_row * key_dim, new_values + new_row * value_dim,
-                  out_keys + out_row * key_dim, out_values + out_row * value_dim,
-                  out_norms + out_row, out_positions + out_row, key_dim, value_dim, key_unit,
-                  value_unit, kept, offset, begin, end, lane, simd_group);
+  const KnormFillBuffers base = {
+      {new_rows_0, new_rows_1, new_rows_2, new_rows_3, new_rows_4, new_rows_5},
+      new_norms,
+      {out_rows_0, out_rows_1, out_rows_2, out_rows_3, out_rows_4, out_rows_5},
+      out_norms,
+      out_positions};
+  knorm_fill_rows<K>(
+      params,
+      knorm_fill_buffers_at(params, base, ulong(head) * n_new, ulong(head) * params.out_slots),
+      begin, end, lane, simd_group);
 }
 
 #endif // MLX_KNORM_METAL_EVICT_AND_FILL_H

@@ -80,6 +80,50 @@ KNORM_CONSTANT uint32_t kSplitHeads = 256;
 // head).
 KNORM_CONSTANT uint32_t kEvictGroupSize = 256;
 
+// Order keys of docs/spec.md section 4's rank (the high 32 bits of a row's
+// 64-bit rank; the position's order key is the low 32): 0 for a protected
+// row, a score's key (common/selection.h, knorm_kernels.h) for an
+// evictable one, kNanScoreKey for a NaN score, kPaddingScoreKey for a
+// padding row. Every other score key lies in [0x007FFFFF, 0xFF800000].
+KNORM_CONSTANT uint32_t kNanScoreKey = 0xFFFFFFFEu;
+KNORM_CONSTANT uint32_t kPaddingScoreKey = 0xFFFFFFFFu;
+
+// Payload buffers an evict-and-fill step moves (docs/spec.md section 4):
+// a quantized cache's packed keys, scales and biases and the same for the
+// values. Each takes three fixed [[buffer(i)]] (stored rows, new rows,
+// output), which keeps the kernel within Metal's 31 buffer arguments with
+// room to spare.
+KNORM_CONSTANT uint32_t kEvictMaxPayloads = 6;
+
+// The constants of the evict-and-fill kernels, bound as one block at their
+// last [[buffer(i)]] (csrc/evict_and_fill/plan.cpp fills it). Signed
+// values (protect_from, lo and hi of the ranges) travel as their bits.
+struct KnormEvictParams {
+  uint32_t slots;      // C: slots of the stored buffers
+  uint32_t out_slots;  // C_out
+  uint32_t n_new;      // S
+  uint32_t filled;
+  uint32_t kept;
+  uint32_t offset;
+  uint32_t n_sink;
+  uint32_t recent;
+  uint32_t keep_high;
+  uint32_t temporal;
+  // Bit i: output i (payloads, then norms, then positions) is input i's
+  // buffer.
+  uint32_t in_place;
+  uint32_t payloads;  // M
+  uint32_t norms_given;  // new_norms is bound (else the norms are computed)
+  uint32_t has_valid;    // valid is bound (else every row is real)
+  // 1: knorm_evict_and_fill writes the new rows; 0: knorm_fill_new_rows
+  // does, over groups_per_head threadgroups per head.
+  uint32_t fill_new;
+  uint32_t groups_per_head;
+  uint32_t row_bytes[kEvictMaxPayloads];  // bytes of one row of payload i
+  // Bytes of the units payload i's rows move in (knorm_copy_bytes).
+  uint32_t row_unit[kEvictMaxPayloads];
+};
+
 #if !defined(__METAL_VERSION__) && !defined(KNORM_METAL_EMULATOR)
 } // namespace mlx_knorm
 #endif

@@ -9,11 +9,12 @@
 
 #include "knorm_defines.h"
 
-// score -> uint32 with a < b iff key(a) < key(b); -0 == +0; NaN after +inf.
-// keep="high" ranks by -norm, a flip of the sign bit. No score maps to 0.
+// score -> uint32 with a < b iff key(a) < key(b); -0 == +0; NaN after +inf,
+// as kNanScoreKey. keep="high" ranks by -norm, a flip of the sign bit. No
+// score maps to 0 or to kPaddingScoreKey (knorm_defines.h).
 inline uint knorm_score_key(float norm, bool keep_high) {
   if (isnan(norm)) {
-    return 0xFFFFFFFFu;
+    return kNanScoreKey;
   }
   uint bits = as_type<uint>(norm);
   if (keep_high) {
@@ -156,22 +157,13 @@ inline KnormCut<Key> knorm_radix_select(
   return out;
 }
 
-// K/V rows move as raw bits (docs/spec.md section 5), never through float
-// arithmetic: in units of 16 bytes (uint4), 8 (uint2) or one element's bits,
-// as the launch plan chose (`unit`, in bytes) so that the row width and
-// every row start are multiples of the unit.
+// Rows move as raw bits (docs/spec.md section 5), never through float
+// arithmetic: in units of 16 bytes (uint4), 8 (uint2), 4, 2 or 1, as the
+// launch plan chose (`unit`, in bytes; row_unit_bytes of
+// common/launch_plan.h) so that the row width and every row start are
+// multiples of the unit.
 static_assert(sizeof(uint4) == kRowUnitWide && sizeof(uint2) == kRowUnitNarrow,
               "row units are one uint4 or one uint2");
-template <uint kBytes>
-struct KnormBits;
-template <>
-struct KnormBits<2> {
-  typedef ushort type;
-};
-template <>
-struct KnormBits<4> {
-  typedef uint type;
-};
 
 // Units first, first + stride, ... below count.
 template <typename U, typename Index>
@@ -186,8 +178,34 @@ inline void knorm_copy_units(
   }
 }
 
-// The `count` elements (whole rows) at src to dst in `unit`-byte units,
+// The `bytes` bytes (whole rows) at src to dst in `unit`-byte units,
 // shared by `stride` threads, this one being number `first`.
+template <typename Index>
+inline void knorm_copy_bytes(
+    device const uchar* src,
+    device uchar* dst,
+    Index bytes,
+    uint unit,
+    uint first,
+    uint stride) {
+  if (unit == kRowUnitWide) {
+    knorm_copy_units(reinterpret_cast<device const uint4*>(src), reinterpret_cast<device uint4*>(dst),
+                     bytes / Index(kRowUnitWide), first, stride);
+  } else if (unit == kRowUnitNarrow) {
+    knorm_copy_units(reinterpret_cast<device const uint2*>(src), reinterpret_cast<device uint2*>(dst),
+                     bytes / Index(kRowUnitNarrow), first, stride);
+  } else if (unit == 4) {
+    knorm_copy_units(reinterpret_cast<device const uint*>(src), reinterpret_cast<device uint*>(dst),
+                     bytes / Index(4), first, stride);
+  } else if (unit == 2) {
+    knorm_copy_units(reinterpret_cast<device const ushort*>(src),
+                     reinterpret_cast<device ushort*>(dst), bytes / Index(2), first, stride);
+  } else {
+    knorm_copy_units(src, dst, bytes, first, stride);
+  }
+}
+
+// The `count` elements (whole rows) at src to dst, as knorm_copy_bytes.
 template <typename T, typename Index>
 inline void knorm_copy_bits(
     device const T* src,
@@ -196,20 +214,8 @@ inline void knorm_copy_bits(
     uint unit,
     uint first,
     uint stride) {
-  if (unit == kRowUnitWide) {
-    knorm_copy_units(
-        reinterpret_cast<device const uint4*>(src), reinterpret_cast<device uint4*>(dst),
-        count / Index(kRowUnitWide / sizeof(T)), first, stride);
-  } else if (unit == kRowUnitNarrow) {
-    knorm_copy_units(
-        reinterpret_cast<device const uint2*>(src), reinterpret_cast<device uint2*>(dst),
-        count / Index(kRowUnitNarrow / sizeof(T)), first, stride);
-  } else {
-    typedef typename KnormBits<sizeof(T)>::type Bits;
-    knorm_copy_units(
-        reinterpret_cast<device const Bits*>(src), reinterpret_cast<device Bits*>(dst),
-        count, first, stride);
-  }
+  knorm_copy_bytes(reinterpret_cast<device const uchar*>(src), reinterpret_cast<device uchar*>(dst),
+                   count * Index(sizeof(T)), unit, first, stride);
 }
 
 // Bytes each thread holds in one wave of an in-place compaction
@@ -269,8 +275,41 @@ inline void knorm_move_rows(
   }
 }
 
-// knorm_move_rows for K or V rows of `dim` elements, in `unit`-byte units
-// (knorm_copy_bits).
+// knorm_move_rows for rows of `row_bytes` bytes, in `unit`-byte units
+// (knorm_copy_bytes).
+template <uint kGroupSize>
+inline void knorm_move_byte_rows(
+    device const uchar* in,
+    device uchar* out,
+    bool overlapping,
+    threadgroup const uint* src,
+    uint dst_begin,
+    uint n,
+    uint row_bytes,
+    uint unit,
+    uint tid) {
+  if (unit == kRowUnitWide) {
+    knorm_move_rows<kGroupSize>(
+        reinterpret_cast<device const uint4*>(in), reinterpret_cast<device uint4*>(out),
+        overlapping, src, dst_begin, n, row_bytes / kRowUnitWide, tid);
+  } else if (unit == kRowUnitNarrow) {
+    knorm_move_rows<kGroupSize>(
+        reinterpret_cast<device const uint2*>(in), reinterpret_cast<device uint2*>(out),
+        overlapping, src, dst_begin, n, row_bytes / kRowUnitNarrow, tid);
+  } else if (unit == 4) {
+    knorm_move_rows<kGroupSize>(
+        reinterpret_cast<device const uint*>(in), reinterpret_cast<device uint*>(out),
+        overlapping, src, dst_begin, n, row_bytes / 4, tid);
+  } else if (unit == 2) {
+    knorm_move_rows<kGroupSize>(
+        reinterpret_cast<device const ushort*>(in), reinterpret_cast<device ushort*>(out),
+        overlapping, src, dst_begin, n, row_bytes / 2, tid);
+  } else {
+    knorm_move_rows<kGroupSize>(in, out, overlapping, src, dst_begin, n, row_bytes, tid);
+  }
+}
+
+// knorm_move_byte_rows for K or V rows of `dim` elements.
 template <uint kGroupSize, typename T>
 inline void knorm_move_kv_rows(
     device const T* in,
@@ -282,20 +321,9 @@ inline void knorm_move_kv_rows(
     uint dim,
     uint unit,
     uint tid) {
-  if (unit == kRowUnitWide) {
-    knorm_move_rows<kGroupSize>(
-        reinterpret_cast<device const uint4*>(in), reinterpret_cast<device uint4*>(out),
-        overlapping, src, dst_begin, n, dim / uint(kRowUnitWide / sizeof(T)), tid);
-  } else if (unit == kRowUnitNarrow) {
-    knorm_move_rows<kGroupSize>(
-        reinterpret_cast<device const uint2*>(in), reinterpret_cast<device uint2*>(out),
-        overlapping, src, dst_begin, n, dim / uint(kRowUnitNarrow / sizeof(T)), tid);
-  } else {
-    typedef typename KnormBits<sizeof(T)>::type Bits;
-    knorm_move_rows<kGroupSize>(
-        reinterpret_cast<device const Bits*>(in), reinterpret_cast<device Bits*>(out),
-        overlapping, src, dst_begin, n, dim, tid);
-  }
+  knorm_move_byte_rows<kGroupSize>(
+      reinterpret_cast<device const uchar*>(in), reinterpret_cast<device uchar*>(out), overlapping,
+      src, dst_begin, n, dim * uint(sizeof(T)), unit, tid);
 }
 
 // docs/spec.md section 2 for the row of `dim` elements at x, by the 32

@@ -1,4 +1,5 @@
-"""Hypothesis strategies for keys, values and norms, special values included."""
+"""Hypothesis strategies for keys, values, payloads, norms and valid ranges,
+special values included."""
 
 from __future__ import annotations
 
@@ -33,6 +34,24 @@ def fill(rng: np.random.Generator, shape, palette: str, dtype_name: str) -> mx.a
     else:
         x = np.zeros(shape)
     return mx.array(x.astype(np.float32)).astype(DTYPES[dtype_name])
+
+
+# Payload dtypes of every element size (docs/spec.md §5), as a quantized
+# cache stores packed words, scales and biases, and more. Not float64: the
+# GPU has none.
+PAYLOAD_DTYPES = [
+    mx.bool_, mx.uint8, mx.int8, mx.uint16, mx.int16, mx.float16, mx.bfloat16,
+    mx.uint32, mx.int32, mx.float32, mx.uint64, mx.int64, mx.complex64,
+]
+
+
+def fill_bits(rng: np.random.Generator, shape, dtype: mx.Dtype) -> mx.array:
+    """An array of ``shape`` and ``dtype`` holding random bits (bools 0 or 1)."""
+    *lead, width = shape
+    if dtype == mx.bool_:
+        return mx.array(rng.integers(0, 2, size=shape).astype(bool))
+    raw = rng.integers(0, 256, size=(*lead, width * dtype.size), dtype=np.uint8)
+    return mx.array(raw).view(dtype)
 
 
 def fill_norms(rng: np.random.Generator, shape, palette: str) -> mx.array:
@@ -103,8 +122,65 @@ def _cache_positions(rng, filled, offset, n_sink, recent, layout):
     return chosen.astype(np.int32)
 
 
+def _payload_group(draw, rng, n_heads, slots, n_new, dims, first_floating=None):
+    """One of ``keys``/``values`` as the tuple form: an array or a tuple of
+    1-3 of any dtype and width, with its new rows."""
+    count = draw(st.integers(1, 3))
+    stored, new = [], []
+    for i in range(count):
+        if i == 0 and first_floating is not None:
+            dtype = DTYPES[first_floating]
+        else:
+            dtype = draw(st.sampled_from(PAYLOAD_DTYPES))
+        width = draw(st.sampled_from(dims))
+        stored.append(fill_bits(rng, (n_heads, slots, width), dtype))
+        new.append(fill_bits(rng, (n_heads, n_new, width), dtype))
+    if count == 1 and draw(st.booleans()):
+        return stored[0], new[0]
+    return tuple(stored), tuple(new)
+
+
+def _protected_real(offset, n_sink, recent, lo, hi) -> list[int]:
+    """The real positions below ``offset`` that a batch cache's head with
+    range ``[lo, hi)`` holds for sure: its sequence's sinks and recent
+    window (docs/spec.md §4)."""
+    end = min(offset, hi)
+    start = max(lo, 0)
+    sinks = range(start, max(start, min(end, lo + n_sink)))
+    window = range(max(start, end - recent), max(start, end))
+    return sorted(set(sinks) | set(window))
+
+
+def _batch_positions(rng, filled, offset, n_sink, recent, lo, hi, layout):
+    """``filled`` distinct positions below ``offset`` for a head of a batch
+    whose real positions are ``[lo, hi)``: the sequence's own sinks and
+    recent window among its real ones, the rest real or padding (left
+    padding below ``lo``, right padding from ``hi``), as a batch cache
+    holds them."""
+    must = _protected_real(offset, n_sink, recent, lo, hi)
+    rest = np.setdiff1d(np.arange(offset), must)
+    chosen = np.concatenate([must, rng.choice(rest, size=filled - len(must), replace=False)])
+    chosen = np.sort(chosen) if layout == "temporal" else rng.permutation(chosen)
+    return chosen.astype(np.int32)
+
+
+def _valid_range(draw, offset):
+    """A head's (lo, hi): left padding below lo, right padding from hi
+    (INT32_MAX while decoding), now and then an empty or an odd range."""
+    lo = draw(st.integers(0, offset + 2))
+    hi = draw(st.one_of(
+        st.just(2**31 - 1),
+        st.integers(lo, offset + 3),
+        st.integers(-(2**31), 2**31 - 1),
+    ))
+    if draw(st.integers(0, 9)) == 0:
+        lo = draw(st.integers(-(2**31), 2**31 - 1))
+    return lo, hi
+
+
 @st.composite
-def step_cases(draw, cache_like=True, max_heads=3, max_budget=24, max_new=6, dims=DIMS, long_rows=False):
+def step_cases(draw, cache_like=True, max_heads=3, max_budget=24, max_new=6, dims=DIMS,
+               long_rows=False, payloads=False, ranges=False):
     """Arguments of one evict_and_fill call: ``(arrays, config)``.
 
     ``cache_like``: states the cache produces (distinct positions below
@@ -115,6 +191,14 @@ def step_cases(draw, cache_like=True, max_heads=3, max_budget=24, max_new=6, dim
     Slots past ``filled`` hold garbage in both. ``long_rows`` also draws
     budgets of 250-700, which span several 256-row chunks of the Metal
     kernel.
+
+    ``payloads``: keys and values in the tuple form too (any dtypes and
+    widths, docs/spec.md §5), the new rows' norms given (``new_norms`` in
+    ``config``) whenever the keys are not one floating array, and now and
+    then when they are. ``ranges``: each head's valid range (``valid`` in
+    ``config``); with ``cache_like``, positions as a batch cache holds them
+    (the sequence's own sinks and recent window present, padding anywhere
+    else).
     """
     n_heads = draw(st.integers(1, max_heads))
     budgets = st.integers(1, max_budget)
@@ -134,10 +218,14 @@ def step_cases(draw, cache_like=True, max_heads=3, max_budget=24, max_new=6, dim
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     if cache_like:
         offset = filled + draw(st.integers(0, 2 * budget))
-        must = len(set(range(min(n_sink, offset))) | set(range(max(0, offset - recent), offset)))
-        filled = max(filled, must)
     else:
         offset = draw(st.integers(0, budget + 8))
+    valid = [_valid_range(draw, offset) for _ in range(n_heads)] if ranges else None
+    if cache_like and ranges:
+        filled = max([filled] + [len(_protected_real(offset, n_sink, recent, *v)) for v in valid])
+    elif cache_like:
+        must = len(set(range(min(n_sink, offset))) | set(range(max(0, offset - recent), offset)))
+        filled = max(filled, must)
     slots = filled + draw(st.integers(0, 3))
     kept = min(filled, budget)
     capacity = draw(st.sampled_from(sorted({max(slots, kept + n_new), kept + n_new, kept + n_new + 2})))
@@ -148,20 +236,33 @@ def step_cases(draw, cache_like=True, max_heads=3, max_budget=24, max_new=6, dim
     palette = draw(st.sampled_from(PALETTES))
     positions = rng.integers(-(2**31), 2**31, size=(n_heads, slots), dtype=np.int64).astype(np.int32)
     for n in range(n_heads):
-        if cache_like:
+        if cache_like and ranges:
+            lo, hi = valid[n]
+            positions[n, :filled] = _batch_positions(rng, filled, offset, n_sink, recent, lo, hi, layout)
+        elif cache_like:
             positions[n, :filled] = _cache_positions(rng, filled, offset, n_sink, recent, layout)
         else:
             positions[n, :filled] = rng.integers(-3, offset + 4, size=filled)
-    arrays = (
-        fill(rng, (n_heads, slots, key_dim), palette, key_dtype),
-        fill(rng, (n_heads, slots, value_dim), "special", value_dtype),
-        fill_norms(rng, (n_heads, slots), palette),
-        mx.array(positions),
-        fill(rng, (n_heads, n_new, key_dim), palette, key_dtype),
-        fill(rng, (n_heads, n_new, value_dim), "special", value_dtype),
-    )
     config = dict(
         filled=filled, offset=offset, capacity=capacity, budget=budget,
         n_sink=n_sink, recent=recent, keep=keep, layout=layout,
     )
+    norms = fill_norms(rng, (n_heads, slots), palette)
+    if payloads and draw(st.booleans()):
+        floating = draw(st.one_of(st.none(), st.sampled_from(sorted(DTYPES))))
+        keys, new_keys = _payload_group(draw, rng, n_heads, slots, n_new, dims, floating)
+        values, new_values = _payload_group(draw, rng, n_heads, slots, n_new, dims)
+        computable = isinstance(keys, mx.array) and keys.dtype in DTYPES.values()
+        if not computable or draw(st.booleans()):
+            config["new_norms"] = fill_norms(rng, (n_heads, n_new), palette)
+    else:
+        keys = fill(rng, (n_heads, slots, key_dim), palette, key_dtype)
+        values = fill(rng, (n_heads, slots, value_dim), "special", value_dtype)
+        new_keys = fill(rng, (n_heads, n_new, key_dim), palette, key_dtype)
+        new_values = fill(rng, (n_heads, n_new, value_dim), "special", value_dtype)
+        if payloads and draw(st.integers(0, 3)) == 0:
+            config["new_norms"] = fill_norms(rng, (n_heads, n_new), palette)
+    if ranges:
+        config["valid"] = mx.array(np.array(valid, dtype=np.int64).astype(np.int32).reshape(n_heads, 2))
+    arrays = (keys, values, norms, mx.array(positions), new_keys, new_values)
     return arrays, config

@@ -35,14 +35,20 @@ def step_sources(
     recent: int,
     keep: str,
     layout: str,
+    valid: tuple[int, int] | None = None,
 ) -> list[int]:
-    """docs/spec.md §4 steps 1 and 2 for one head: the input slot of the row
-    that lands in each output slot of ``[0, kept)``."""
+    """docs/spec.md §4 steps 0-2 for one head: the input slot of the row
+    that lands in each output slot of ``[0, kept)``. ``valid``: the head's
+    ``(lo, hi)``; None, every row real."""
     slots = range(filled)
+    lo, hi = (0, math.inf) if valid is None else valid
+    end = min(offset, hi)
 
     def rank(s: int):
         p = positions[s]
-        if p < n_sink or p >= offset - recent:
+        if valid is not None and not lo <= p < hi:
+            return (2, False, 0.0, p, s)
+        if p < lo + n_sink or p >= end - recent:
             return (0, False, 0.0, p, s)
         score = norms[s] if keep == "low" else -norms[s]
         nan = math.isnan(score)

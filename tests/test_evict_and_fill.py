@@ -11,13 +11,34 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from hypothesis import given
+from hypothesis import strategies as st
 
 import mlx_knorm
 from conftest import EMULATOR_SETTINGS, NATIVE_BACKENDS, assert_bitwise_equal, requires_emulator
-from generators import fill, fill_norms, step_cases
+from generators import fill, fill_bits, fill_norms, step_cases
 from spec_oracle import step_sources
 
 OUTPUTS = ("keys", "values", "norms", "positions")
+
+
+def flat_rows(x) -> list[mx.array]:
+    """keys, values, new_keys or new_values as a list of payload arrays."""
+    return list(x) if isinstance(x, tuple) else [x]
+
+
+def flat_outputs(out) -> list[tuple[str, mx.array]]:
+    """A step's outputs (keys, values, norms, positions), payload by payload,
+    with their names."""
+    named = []
+    for name, x in zip(OUTPUTS, out):
+        rows = flat_rows(x)
+        named += [(name if len(rows) == 1 and not isinstance(x, tuple) else f"{name}[{i}]", r)
+                  for i, r in enumerate(rows)]
+    return named
+
+
+def n_new_of(arrays) -> int:
+    return flat_rows(arrays[4])[0].shape[-2]
 
 
 def step_on(backend: str, arrays, config):
@@ -28,36 +49,47 @@ def step_on(backend: str, arrays, config):
 
 
 def defined_slots(config, arrays) -> int:
-    return min(config["filled"], config["budget"]) + arrays[4].shape[1]
+    return min(config["filled"], config["budget"]) + n_new_of(arrays)
 
 
 def assert_same_step(actual, expected, arrays, config):
-    """Same shapes and dtypes; the same bits on the defined slots."""
+    """Same structure, shapes and dtypes; the same bits on the defined slots."""
     defined = defined_slots(config, arrays)
-    for name, a, e in zip(OUTPUTS, actual, expected):
+    for a, e in zip(actual[:2], expected[:2]):
+        assert type(a) is type(e)
+    for (name, a), (_, e) in zip(flat_outputs(actual), flat_outputs(expected), strict=True):
         assert a.shape == e.shape, name
         assert_bitwise_equal(a[:, :defined], e[:, :defined], name)
 
 
 def assert_matches_oracle(out, arrays, config):
     """Each kept output slot holds the input row docs/spec.md §4 puts there,
-    and the new rows follow with their norms and positions."""
+    and the new rows follow with their norms (given or computed) and
+    positions. The outputs keep the inputs' structure."""
     keys, values, norms, positions, new_keys, new_values = arrays
     kept = min(config["filled"], config["budget"])
-    n_new = new_keys.shape[1]
+    n_new = n_new_of(arrays)
+    n_heads = norms.shape[0]
     spec = {k: config[k] for k in ("filled", "offset", "budget", "n_sink", "recent", "keep", "layout")}
+    valid = config.get("valid")
     sources = mx.array(
-        [step_sources(norms[n].tolist(), positions[n].tolist(), **spec) for n in range(keys.shape[0])],
+        [step_sources(norms[n].tolist(), positions[n].tolist(), **spec,
+                      valid=None if valid is None else tuple(valid[n].tolist()))
+         for n in range(n_heads)],
         dtype=mx.int32,
-    ).reshape(keys.shape[0], kept)
-    for name, got, stored, new in zip(
-        OUTPUTS, out, (keys, values, norms, positions),
-        (new_keys, new_values, mlx_knorm.key_norms(new_keys),
-         mx.broadcast_to(mx.arange(n_new, dtype=mx.int32) + config["offset"], new_keys.shape[:2])),
-    ):
-        index = sources.reshape(*sources.shape, *([1] * (stored.ndim - 2)))
-        assert_bitwise_equal(got[:, :kept], mx.take_along_axis(stored, index, axis=1), name)
-        assert_bitwise_equal(got[:, kept : kept + n_new], new, f"new {name}")
+    ).reshape(n_heads, kept)
+    new_norms = config.get("new_norms")
+    if new_norms is None:
+        new_norms = mlx_knorm.key_norms(new_keys)
+    new_positions = mx.broadcast_to(mx.arange(n_new, dtype=mx.int32) + config["offset"], (n_heads, n_new))
+    assert isinstance(out[0], tuple) == isinstance(keys, tuple)
+    assert isinstance(out[1], tuple) == isinstance(values, tuple)
+    stored = [*flat_rows(keys), *flat_rows(values), norms, positions]
+    new = [*flat_rows(new_keys), *flat_rows(new_values), new_norms, new_positions]
+    for (name, got), s, n in zip(flat_outputs(out), stored, new, strict=True):
+        index = sources.reshape(*sources.shape, *([1] * (s.ndim - 2)))
+        assert_bitwise_equal(got[:, :kept], mx.take_along_axis(s, index, axis=1), name)
+        assert_bitwise_equal(got[:, kept : kept + n_new], n, f"new {name}")
 
 
 @given(case=step_cases())
@@ -112,6 +144,71 @@ def test_metal_emulator_matches_spec_oracle(case):
 def test_fallback_matches_spec_oracle(case):
     arrays, config = case
     assert_matches_oracle(step_on("fallback", arrays, config), *case)
+
+
+# Payloads of any dtype and structure, given norms, valid ranges
+# (docs/spec.md §4-§5): the same cross-checks.
+
+
+@given(case=step_cases(payloads=True, dims=[0, 1, 3, 8, 33]))
+def test_kernel_matches_fallback_on_payloads(case):
+    arrays, config = case
+    assert_same_step(step_on("kernel", arrays, config), step_on("fallback", arrays, config), arrays, config)
+
+
+@given(case=step_cases(ranges=True))
+def test_kernel_matches_fallback_on_batch_states(case):
+    arrays, config = case
+    assert_same_step(step_on("kernel", arrays, config), step_on("fallback", arrays, config), arrays, config)
+
+
+@given(case=step_cases(cache_like=False, payloads=True, ranges=True, dims=[0, 1, 3, 8]))
+def test_kernel_matches_fallback_on_any_payloads_and_ranges(case):
+    arrays, config = case
+    assert_same_step(step_on("kernel", arrays, config), step_on("fallback", arrays, config), arrays, config)
+
+
+@given(case=step_cases(payloads=True, ranges=True, dims=[1, 3, 8]))
+def test_kernel_matches_spec_oracle_on_payloads_and_batch_states(case):
+    arrays, config = case
+    assert_matches_oracle(step_on("kernel", arrays, config), *case)
+
+
+@given(case=step_cases(cache_like=False, payloads=True, ranges=True, dims=[1, 3]))
+def test_kernel_matches_spec_oracle_on_any_payloads_and_ranges(case):
+    arrays, config = case
+    assert_matches_oracle(step_on("kernel", arrays, config), *case)
+
+
+@given(case=step_cases(cache_like=False, max_budget=6, payloads=True, ranges=True, dims=[2]))
+def test_fallback_matches_spec_oracle_on_payloads_and_ranges(case):
+    arrays, config = case
+    assert_matches_oracle(step_on("fallback", arrays, config), *case)
+
+
+@requires_emulator
+@EMULATOR_SETTINGS
+@given(case=step_cases(max_heads=2, dims=[0, 1, 3, 8, 33], long_rows=True, payloads=True, ranges=True))
+def test_metal_emulator_matches_fallback_on_payloads_and_batch_states(case):
+    arrays, config = case
+    assert_same_step(step_on("metal-emulator", arrays, config), step_on("fallback", arrays, config), arrays, config)
+
+
+@requires_emulator
+@EMULATOR_SETTINGS
+@given(case=step_cases(cache_like=False, max_heads=2, max_new=34, dims=[0, 1, 3, 8], long_rows=True,
+                       payloads=True, ranges=True))
+def test_metal_emulator_matches_fallback_on_any_payloads_and_ranges(case):
+    arrays, config = case
+    assert_same_step(step_on("metal-emulator", arrays, config), step_on("fallback", arrays, config), arrays, config)
+
+
+@requires_emulator
+@EMULATOR_SETTINGS
+@given(case=step_cases(cache_like=False, max_heads=2, dims=[1, 3], payloads=True, ranges=True))
+def test_metal_emulator_matches_spec_oracle_on_payloads_and_ranges(case):
+    arrays, config = case
+    assert_matches_oracle(step_on("metal-emulator", arrays, config), *case)
 
 
 def slot_state(n_heads=2, slots=12, dim=4, seed=0, positions=None, norms=None):
@@ -244,3 +341,214 @@ def test_heads_on_several_axes_step_as_one(backend):
         swapped = arrays[1].reshape(3, 2, *arrays[1].shape[1:])
         with pytest.raises(ValueError, match="keys/values mismatch in N or rows"):
             mlx_knorm.evict_and_fill(by_batch_inputs[0], swapped, *by_batch_inputs[2:], **config)
+
+
+# A batch keeps what each sequence keeps alone (docs/spec.md §4): heads of
+# one batch with their own valid ranges, stepped block by block on one
+# timeline, against each sequence's real tokens stepped alone.
+
+INT32_MAX = 2**31 - 1
+
+
+@st.composite
+def batch_streams(draw, max_sequences=4, max_budget=12):
+    """Sequences of a batch: each one's left padding (lo) and, now and then,
+    an end (hi: it finished early), blocks of new rows (a prompt in chunks,
+    then decode steps), and the step's configuration."""
+    budget = draw(st.integers(1, max_budget))
+    n_sink = draw(st.integers(0, budget - 1))
+    recent = draw(st.integers(0, budget - 1 - n_sink))
+    blocks = draw(st.lists(st.integers(0, 2 * budget), min_size=1, max_size=3))
+    blocks += [1] * draw(st.integers(1, 2 * budget + 4))
+    total = sum(blocks)
+    n_sequences = draw(st.integers(1, max_sequences))
+    ranges = []
+    for _ in range(n_sequences):
+        lo = draw(st.integers(0, max(0, total - 1)))
+        hi = draw(st.one_of(st.just(INT32_MAX), st.integers(lo, total)))
+        ranges.append((lo, hi))
+    config = dict(budget=budget, n_sink=n_sink, recent=recent,
+                  keep=draw(st.sampled_from(["low", "high"])),
+                  layout=draw(st.sampled_from(["slots", "temporal"])))
+    palette = draw(st.sampled_from(["normal", "ties", "special"]))
+    return ranges, blocks, config, palette, draw(st.integers(0, 2**32 - 1))
+
+
+def real_rows(out, n, filled, lo, hi):
+    """Head n's real rows among slots [0, filled) of a step's outputs, by
+    position, as (position - lo, key bits, value bits, norm bits), and
+    whether they sit in temporal order."""
+    keys, values, norms, positions = (np.array(x[n, :filled].view(mx.uint8) if x.dtype != mx.int32 else x[n, :filled])
+                                      for x in out)
+    rows = []
+    for s, p in enumerate(positions.tolist()):
+        if lo <= p < hi:
+            rows.append((p - lo, keys[s].tobytes(), values[s].tobytes(), norms[s * 4 : s * 4 + 4].tobytes()))
+    in_order = all(a[0] < b[0] for a, b in zip(rows, rows[1:]))
+    return sorted(rows), in_order
+
+
+def empty_buffers(n_heads, dim):
+    return [mx.zeros((n_heads, 0, dim), mx.float16), mx.zeros((n_heads, 0, dim), mx.float16),
+            mx.zeros((n_heads, 0), mx.float32), mx.zeros((n_heads, 0), mx.int32)]
+
+
+def check_batch_against_sequences(backend, case):
+    ranges, blocks, config, palette, seed = case
+    rng = np.random.default_rng(seed)
+    n_sequences, dim, total = len(ranges), 4, sum(blocks)
+    keys = fill(rng, (n_sequences, total, dim), palette, "float16")
+    values = fill(rng, (n_sequences, total, dim), "normal", "float16")
+    valid = mx.array(ranges, dtype=mx.int32)
+    batch = empty_buffers(n_sequences, dim)
+    alone = [empty_buffers(1, dim) for _ in ranges]
+    alone_filled = [0] * n_sequences
+    filled = offset = 0
+    with mlx_knorm.use_backend(backend):
+        for steps in blocks:
+            kept = min(filled, config["budget"])
+            batch = mlx_knorm.evict_and_fill(
+                *batch, keys[:, offset : offset + steps], values[:, offset : offset + steps],
+                filled=filled, offset=offset, capacity=kept + steps, valid=valid, **config)
+            filled = kept + steps
+            for b, (lo, hi) in enumerate(ranges):
+                # The block's real rows, as the sequence alone sees them.
+                start, stop = min(max(offset, lo), hi), min(max(offset + steps, lo), hi)
+                kept_alone = min(alone_filled[b], config["budget"])
+                alone[b] = mlx_knorm.evict_and_fill(
+                    *alone[b], keys[b : b + 1, start:stop], values[b : b + 1, start:stop],
+                    filled=alone_filled[b], offset=start - lo, capacity=kept_alone + stop - start,
+                    **config)
+                alone_filled[b] = kept_alone + stop - start
+            offset += steps
+            mx.eval(batch, alone)
+            for b, (lo, hi) in enumerate(ranges):
+                got, in_order = real_rows(batch, b, filled, lo, hi)
+                expected, _ = real_rows(alone[b], 0, alone_filled[b], 0, INT32_MAX)
+                assert got == expected, f"sequence {b} after position {offset}"
+                if config["layout"] == "temporal":
+                    assert in_order
+
+
+@given(case=batch_streams())
+def test_each_sequence_of_a_batch_keeps_what_it_keeps_alone(case):
+    check_batch_against_sequences("kernel", case)
+
+
+@given(case=batch_streams())
+def test_each_sequence_of_a_batch_keeps_what_it_keeps_alone_fallback(case):
+    check_batch_against_sequences("fallback", case)
+
+
+@requires_emulator
+@EMULATOR_SETTINGS
+@given(case=batch_streams(max_sequences=3, max_budget=6))
+def test_each_sequence_of_a_batch_keeps_what_it_keeps_alone_metal_emulator(case):
+    check_batch_against_sequences("metal-emulator", case)
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
+def test_padding_never_outranks_a_real_row(backend):
+    """Padding with the best norms (0), real rows with NaN and infinite
+    ones: every real row is kept first, padding fills the rest by position,
+    and padding below lo + n_sink or in the window is no sink and no recent
+    row."""
+    nan, inf = math.nan, math.inf
+    # Positions 0..7: head 0's tokens are [3, 6) (left and right padding),
+    # head 1's [5, 2**31 - 1).
+    norms = mx.array([[0.0, 0.0, 0.0, nan, inf, 1.0, 0.0, 0.0],
+                      [0.0, 0.0, 0.0, 0.0, 0.0, nan, 2.0, 1.0]], dtype=mx.float32)
+    arrays = slot_state(n_heads=2, slots=8, positions=np.tile(np.arange(8, dtype=np.int32), (2, 1)), norms=norms)
+    valid = mx.array([[3, 6], [5, INT32_MAX]], dtype=mx.int32)
+    config = config_for(filled=8, offset=8, capacity=5, budget=4, n_sink=1, recent=1, layout="temporal",
+                        valid=valid)
+    out = step_on(backend, arrays, config)
+    # Head 0: its three tokens (sink 3, recent 5, the infinite 4), then the
+    # first padding row by position; head 1: its three tokens (sink 5,
+    # recent 7, then 6), then the first padding row.
+    assert out[3][:, :4].tolist() == [[0, 3, 4, 5], [0, 5, 6, 7]]
+    # No valid range: the same buffers keep the best norms.
+    plain = step_on(backend, arrays, config_for(filled=8, offset=8, capacity=5, budget=4, n_sink=1, recent=1,
+                                                layout="temporal"))
+    assert plain[3][:, :4].tolist() == [[0, 1, 2, 7], [0, 1, 2, 7]]
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
+def test_empty_and_extreme_ranges(backend):
+    """lo >= hi: every row padding (kept by position); the whole int32
+    range: every row real, the sinks counted from -2**31."""
+    norms = mx.array([[5.0, 1.0, 4.0, 2.0, 3.0, 0.5]] * 2, dtype=mx.float32)
+    arrays = slot_state(n_heads=2, slots=6, positions=np.tile(np.array([[4, 2, 0, 5, 1, 3]], np.int32), (2, 1)),
+                        norms=norms)
+    valid = mx.array([[3, 3], [-(2**31), INT32_MAX]], dtype=mx.int32)
+    out = step_on(backend, arrays, config_for(filled=6, offset=6, capacity=4, budget=3, n_sink=1, recent=0,
+                                               layout="temporal", valid=valid))
+    # Head 0: positions 0, 1, 2 by position. Head 1: n_sink counts from
+    # -2**31, so no sink among 0..5: the three best norms (0.5, 1, 2).
+    assert out[3][:, :3].tolist() == [[2, 0, 1], [2, 5, 3]]
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
+def test_quantized_payloads_keep_the_float_step_rows(backend):
+    """A quantized cache's step: keys and values as mx.quantize's (packed,
+    scales, biases), the norms taken from the float keys before quantizing.
+    The kept positions are the float step's, and each stored row is its
+    quantized bits, moved untouched."""
+    rng = np.random.default_rng(11)
+    n_heads, slots, dim = 3, 40, 64
+    float_keys = fill(rng, (n_heads, slots + 1, dim), "normal", "float16")
+    float_values = fill(rng, (n_heads, slots + 1, dim), "normal", "float16")
+    positions = mx.array(np.stack([rng.permutation(slots) for _ in range(n_heads)]).astype(np.int32))
+    norms = mlx_knorm.key_norms(float_keys[:, :slots])
+    config = config_for(filled=slots, offset=slots, capacity=slots, budget=31, n_sink=2, recent=3)
+
+    def quantized(x):
+        return tuple(mx.quantize(x, group_size=32, bits=4))
+
+    float_out = step_on(backend, (float_keys[:, :slots], float_values[:, :slots], norms, positions,
+                                  float_keys[:, slots:], float_values[:, slots:]), config)
+    arrays = (quantized(float_keys[:, :slots]), quantized(float_values[:, :slots]), norms, positions,
+              quantized(float_keys[:, slots:]), quantized(float_values[:, slots:]))
+    out = step_on(backend, arrays, {**config, "new_norms": mlx_knorm.key_norms(float_keys[:, slots:])})
+    assert isinstance(out[0], tuple) and len(out[0]) == 3 and isinstance(out[1], tuple)
+    defined = 32
+    assert_bitwise_equal(out[3][:, :defined], float_out[3][:, :defined], "positions")
+    assert_bitwise_equal(out[2][:, :defined], float_out[2][:, :defined], "norms")
+    for got, float_rows in ((out[0], float_out[0]), (out[1], float_out[1])):
+        expected = quantized(float_rows[:, :defined])
+        for g, e in zip(got, expected, strict=True):
+            assert_bitwise_equal(g[:, :defined], e, "quantized rows")
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
+def test_given_norms_are_stored_as_given(backend):
+    """new_norms, NaN payloads, -0 and infinities included, land bit for bit;
+    the keys' own norms are not taken."""
+    arrays = slot_state(n_heads=2, slots=12, dim=4)
+    nan_payload = np.array([0x7FC00001, 0xFFC00000], dtype=np.uint32).view(np.float32)
+    new_norms = mx.array(np.array([[nan_payload[0]], [-0.0]], dtype=np.float32))
+    out = step_on(backend, arrays, config_for(new_norms=new_norms))
+    assert_bitwise_equal(out[2][:, 11:12], new_norms, "norms")
+    bits = np.array(out[2][:, 11]).view(np.uint32)
+    assert bits.tolist() == [0x7FC00001, 0x80000000]
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
+def test_six_payloads_of_every_width_and_none_of_width_zero(backend):
+    """The most payloads a step takes, of 1, 2, 4 and 8-byte elements, odd
+    widths and a width of 0, through a decode step and a step evicting
+    several rows, in both layouts: the oracle's rows."""
+    rng = np.random.default_rng(3)
+    dtypes = [mx.bool_, mx.uint8, mx.int16, mx.bfloat16, mx.complex64, mx.uint32]
+    widths = [3, 5, 1, 7, 2, 0]
+    slots = 12
+    positions = mx.array(np.stack([rng.permutation(slots) for _ in range(2)]).astype(np.int32))
+    keys = tuple(fill_bits(rng, (2, slots, w), d) for d, w in zip(dtypes[:4], widths[:4]))
+    values = tuple(fill_bits(rng, (2, slots, w), d) for d, w in zip(dtypes[4:], widths[4:]))
+    new_keys = tuple(fill_bits(rng, (2, 2, w), d) for d, w in zip(dtypes[:4], widths[:4]))
+    new_values = tuple(fill_bits(rng, (2, 2, w), d) for d, w in zip(dtypes[4:], widths[4:]))
+    arrays = (keys, values, fill_norms(rng, (2, slots), "ties"), positions, new_keys, new_values)
+    for budget, layout in ((11, "slots"), (11, "temporal"), (7, "slots"), (7, "temporal")):
+        config = config_for(budget=budget, capacity=budget + 2, layout=layout,
+                            new_norms=fill_norms(rng, (2, 2), "special"))
+        assert_matches_oracle(step_on(backend, arrays, config), arrays, config)

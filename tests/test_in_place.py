@@ -349,3 +349,76 @@ def test_no_step_donation_when_the_buffers_feed_another_op(backend):
         assert_bitwise_equal(b[:, :defined], c[:, :defined], "compiled")
     for before, after in zip(snapshot, arrays):
         assert np.array_equal(before, np.array(after))
+
+
+# Payload tuples (docs/spec.md §7): every payload of a quantized cache's
+# (packed, scales, biases) keys and values in place, each when donated.
+
+
+def quantized_step_state(n_heads=3, slots=32, dim=64, layout="slots", seed=0):
+    """A quantized cache's buffers (mx.quantize's triples), positions
+    0..slots-1 (shuffled for the slot layout), one new row and its norm."""
+    rng = np.random.default_rng(seed)
+    positions = np.stack([rng.permutation(slots) for _ in range(n_heads)])
+    if layout == "temporal":
+        positions.sort(axis=1)
+    keys = fill(rng, (n_heads, slots + 1, dim), "normal", "float16")
+    values = fill(rng, (n_heads, slots + 1, dim), "normal", "float16")
+
+    def quantized(x):
+        return tuple(mx.quantize(x, group_size=32, bits=4))
+
+    arrays = [
+        quantized(keys[:, :slots]),
+        quantized(values[:, :slots]),
+        mlx_knorm.key_norms(keys[:, :slots]),
+        mx.array(positions.astype(np.int32)),
+        quantized(keys[:, slots:]),
+        quantized(values[:, slots:]),
+    ]
+    new_norms = mlx_knorm.key_norms(keys[:, slots:])
+    mx.eval(arrays, new_norms)
+    return arrays, new_norms
+
+
+def tuple_copies(arrays):
+    return [tuple(copies(a)) if isinstance(a, tuple) else copies([a])[0] for a in arrays]
+
+
+def flat_buffers(out) -> list[mx.array]:
+    return [*out[0], *out[1], out[2], out[3]]
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
+@pytest.mark.parametrize("layout", ["slots", "temporal"])
+@pytest.mark.parametrize("budget", [31, 27])
+def test_quantized_step_on_donated_buffers_runs_in_place(backend, layout, budget):
+    """A decode step and a step evicting several rows on donated (packed,
+    scales, biases) triples: all eight outputs are their inputs' buffers."""
+    arrays, new_norms = quantized_step_state(layout=layout)
+    config = {**step_config(32, budget, layout), "new_norms": new_norms}
+    expected = step_dropping("fallback", tuple_copies(arrays), config)
+    addresses = [data_address(a) for a in flat_buffers(arrays)]
+    out = step_dropping(backend, arrays, config)
+    assert [data_address(o) for o in flat_buffers(out)] == addresses
+    for a, e in zip(flat_buffers(out), flat_buffers(expected)):
+        assert_bitwise_equal(a[:, : budget + 1], e[:, : budget + 1], "payload")
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
+def test_a_held_payload_is_never_written(backend):
+    """The value scales are held elsewhere: that output is a fresh buffer
+    and what is held is unchanged; every other payload runs in place."""
+    arrays, new_norms = quantized_step_state()
+    config = {**step_config(32, 27, "slots"), "new_norms": new_norms}
+    expected = step_dropping("fallback", tuple_copies(arrays), config)
+    scales = arrays[1][1]
+    held = np.array(scales)
+    addresses = [data_address(a) for a in flat_buffers(arrays)]
+    out = step_dropping(backend, arrays, config)
+    got = [data_address(o) for o in flat_buffers(out)]
+    assert got[4] != addresses[4]
+    assert got[:4] + got[5:] == addresses[:4] + addresses[5:]
+    assert np.array_equal(held, np.array(scales))
+    for a, e in zip(flat_buffers(out), flat_buffers(expected)):
+        assert_bitwise_equal(a[:, :28], e[:, :28], "payload")

@@ -167,6 +167,52 @@ def test_step_agrees_under_compile(backend, args, layout):
     check_all_modes(step, trace_args, args, backend, defined=defined)
 
 
+def payload_step_shapes(n_rows, slots, n_new, key_dim, value_dim):
+    """A quantized-style step: keys as (packed, scales), float values, the
+    new rows' norms given, valid ranges."""
+    return [
+        (n_rows, slots, key_dim),
+        (n_rows, slots, 2),
+        (n_rows, slots, value_dim),
+        (n_rows, slots),
+        (n_rows, slots),
+        (n_rows, n_new, key_dim),
+        (n_rows, n_new, 2),
+        (n_rows, n_new, value_dim),
+        (n_rows, n_new),
+        (n_rows, 2),
+    ]
+
+
+PAYLOAD_DTYPES = [mx.uint32, mx.float16, mx.float16, mx.float32, mx.int32,
+                  mx.uint32, mx.float16, mx.float16, mx.float32, mx.int32]
+
+
+def payload_step_arrays(n_rows, slots, n_new, key_dim, value_dim, shape_changes, seed):
+    shapes = payload_step_shapes(n_rows, slots, n_new, key_dim, value_dim)
+    shapes = [shape_changes.get(i, shape) for i, shape in enumerate(shapes)]
+    rng = np.random.default_rng(seed)
+    arrays = [mx.array(rng.integers(-1, 12, size=shape).astype(np.float32)).astype(dtype)
+              for shape, dtype in zip(shapes, PAYLOAD_DTYPES)]
+    arrays[9] = mx.array(rng.integers(0, 4, size=shapes[9]).astype(np.int32))
+    return arrays
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@settings(EMULATOR_SETTINGS)
+@given(args=drawn_calls(payload_step_shapes, payload_step_arrays), layout=st.sampled_from(["slots", "temporal"]))
+def test_payload_step_with_ranges_agrees_under_compile(backend, args, layout):
+    def step(*a):
+        keys, values, norms, positions = mlx_knorm.evict_and_fill(
+            (a[0], a[1]), a[2], a[3], a[4], (a[5], a[6]), a[7], **STEP_CONFIG, layout=layout,
+            new_norms=a[8], valid=a[9])
+        return [*keys, values, norms, positions]
+
+    trace_args = payload_step_arrays(2, 6, 1, 8, 8, {}, 0)
+    defined = min(STEP_CONFIG["filled"], STEP_CONFIG["budget"]) + args[5].shape[1]
+    check_all_modes(step, trace_args, args, backend, defined=defined)
+
+
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @settings(EMULATOR_SETTINGS)
 @given(
@@ -231,11 +277,21 @@ def transform_cases():
     rng = np.random.default_rng(7)
     gather_in = gather_arrays(2, 5, 2, 8, 8, {}, 1)
     step_in = step_arrays(2, 6, 1, 8, 8, {}, 2)
+    payload_in = payload_step_arrays(2, 6, 1, 8, 8, {}, 3)
     keys = mx.array(rng.standard_normal((2, 3, 8)).astype(np.float32))
+
+    def payload_step(new_norms):
+        # Through the given norms of a tuple-form step with valid ranges.
+        a = payload_in
+        return mlx_knorm.evict_and_fill(
+            (a[0], a[1]), a[2], a[3], a[4], (a[5], a[6]), a[7], **STEP_CONFIG,
+            new_norms=new_norms, valid=a[9])[2]
+
     return {
         "key_norms": (lambda k: norms(k), [keys]),
         "protected_topk_gather": (lambda k: gather(k, *gather_in[1:])[0], [gather_in[0]]),
         "evict_and_fill": (lambda k: mlx_knorm.evict_and_fill(k, *step_in[1:], **STEP_CONFIG)[0], [step_in[0]]),
+        "evict_and_fill payloads": (payload_step, [payload_in[8]]),
     }
 
 
@@ -250,7 +306,7 @@ TRANSFORMS = {
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("transform", TRANSFORMS)
-@pytest.mark.parametrize("op", ["key_norms", "protected_topk_gather", "evict_and_fill"])
+@pytest.mark.parametrize("op", ["key_norms", "protected_topk_gather", "evict_and_fill", "evict_and_fill payloads"])
 def test_no_transform_is_defined_on_any_backend(op, transform, backend):
     with mlx_knorm.use_backend(backend):
         fn, (x,) = transform_cases()[op]

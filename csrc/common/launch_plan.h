@@ -7,40 +7,92 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "mlx/array.h"
 
+#include "common/dtype.h"
 #include "metal/knorm_defines.h"
 
 namespace mlx_knorm {
 
 // What is bound at [[buffer(i)]]: a primitive input, a primitive output, a
 // primitive output that an earlier dispatch of the same evaluation wrote and
-// this one reads (EarlierOutput), or a uint constant. An array without
-// elements has no Metal buffer (MLX's allocator returns none for zero
-// bytes), and a kernel argument left without a binding fails Metal's API
-// validation, so an empty array's slot is marked and bound to a placeholder
-// instead; the kernel reads no element of it.
+// this one reads (EarlierOutput), a uint constant, or a block of constants
+// (a struct of uint32 fields, such as metal/knorm_defines.h's
+// KnormEvictParams). An array without elements has no Metal buffer (MLX's
+// allocator returns none for zero bytes), and a kernel argument left without
+// a binding fails Metal's API validation, so an empty array's slot is marked
+// and bound to a placeholder instead; the kernel reads no element of it. So
+// is a slot the kernel declares but this launch has no array for (an unused
+// payload, absent optional inputs).
 struct BufferSlot {
-  enum class Kind { Input, Output, EarlierOutput, Constant };
-  Kind kind;
-  int array;       // index into inputs or outputs
-  uint32_t value;  // for Kind::Constant
-  bool empty;      // for array slots: the array has no elements
+  enum class Kind { Input, Output, EarlierOutput, Constant, Block };
+  Kind kind = Kind::Constant;
+  int array = -1;      // index into inputs or outputs; -1 for an unused slot
+  uint32_t value = 0;  // for Kind::Constant
+  bool empty = false;  // for array slots: the array has no elements, or there is none
+  // The kernel reads and writes the array as raw bytes (uchar): a payload of
+  // any dtype, moved as its bits.
+  bool raw = false;
+  // The element type the kernel declares at an unused slot.
+  mlx::core::Dtype unused_element = mlx::core::uint8;
+  std::vector<uint32_t> words;  // for Kind::Block
 
   static BufferSlot constant(uint32_t v) {
-    return {Kind::Constant, -1, v, false};
+    BufferSlot slot;
+    slot.value = v;
+    return slot;
   }
   // Array `i` of `arrays` (the primitive's inputs or outputs, as `kind` says).
   static BufferSlot of(Kind kind, const std::vector<mlx::core::array>& arrays, int i) {
-    return {kind, i, 0, arrays.at(i).size() == 0};
+    BufferSlot slot;
+    slot.kind = kind;
+    slot.array = i;
+    slot.empty = arrays.at(i).size() == 0;
+    return slot;
+  }
+  // The same, read or written as raw bytes.
+  static BufferSlot bytes_of(Kind kind, const std::vector<mlx::core::array>& arrays, int i) {
+    BufferSlot slot = of(kind, arrays, i);
+    slot.raw = true;
+    return slot;
+  }
+  // A slot of `kind` with no array, whose parameter has elements of
+  // `element` (uint8 for raw bytes).
+  static BufferSlot unused(Kind kind, mlx::core::Dtype element) {
+    BufferSlot slot;
+    slot.kind = kind;
+    slot.empty = true;
+    slot.unused_element = element;
+    return slot;
+  }
+  template <typename Params>
+  static BufferSlot block(const Params& params) {
+    static_assert(std::is_trivially_copyable_v<Params> && sizeof(Params) % sizeof(uint32_t) == 0,
+                  "a block of constants is a struct of uint32 fields");
+    BufferSlot slot;
+    slot.kind = Kind::Block;
+    slot.words.resize(sizeof(Params) / sizeof(uint32_t));
+    std::memcpy(slot.words.data(), &params, sizeof(Params));
+    return slot;
   }
 };
+
+// MLX's name (common/dtype.h) of the elements a kernel's parameter at an
+// array slot has: the array's dtype, or uint8 for raw bytes.
+inline std::string slot_element(const BufferSlot& slot, const mlx::core::array* a) {
+  if (slot.raw) {
+    return dtype_name(mlx::core::uint8);
+  }
+  return dtype_name(a != nullptr ? a->dtype() : slot.unused_element);
+}
 
 // Bit i set: output i shares input i's buffer, for i < count (it took over
 // a donated input; the kernel then moves only the rows that change).
@@ -72,19 +124,17 @@ inline std::vector<BufferSlot> array_slots(
   return slots;
 }
 
-// The unit, in bytes, in which a kernel moves rows of `row_elements`
-// elements between `arrays` (one dtype): kRowUnitWide or kRowUnitNarrow
-// (metal/knorm_defines.h) when it divides the row width and every array's
-// offset, else the element's size. A kernel sees an array at the start of
-// its MLX buffer, which a GPU aligns to more than 16 bytes, plus the
-// array's offset (the emulator binds it the same way). Empty arrays are
-// never read.
-inline uint32_t row_unit(
+// The unit, in bytes, in which a kernel moves rows of `row_bytes` bytes
+// between `arrays`: the largest of kRowUnitWide, kRowUnitNarrow, 4 and 2
+// (metal/knorm_defines.h) that divides the row width and every array's
+// offset, else 1. A kernel sees an array at the start of its MLX buffer,
+// which a GPU aligns to more than 16 bytes, plus the array's offset (the
+// emulator binds it the same way). Empty arrays are never read.
+inline uint32_t row_unit_bytes(
     std::initializer_list<const mlx::core::array*> arrays,
-    int64_t row_elements) {
-  const size_t element = (*arrays.begin())->itemsize();
-  for (const uint32_t unit : {kRowUnitWide, kRowUnitNarrow}) {
-    bool fits = row_elements * element % unit == 0;
+    int64_t row_bytes) {
+  for (const uint32_t unit : {kRowUnitWide, kRowUnitNarrow, 4u, 2u}) {
+    bool fits = row_bytes % unit == 0;
     for (const mlx::core::array* a : arrays) {
       fits = fits && (a->size() == 0 || a->offset() % unit == 0);
     }
@@ -92,7 +142,15 @@ inline uint32_t row_unit(
       return unit;
     }
   }
-  return static_cast<uint32_t>(element);
+  return 1;
+}
+
+// row_unit_bytes for rows of `row_elements` elements of `arrays` (one
+// dtype).
+inline uint32_t row_unit(
+    std::initializer_list<const mlx::core::array*> arrays,
+    int64_t row_elements) {
+  return row_unit_bytes(arrays, row_elements * static_cast<int64_t>((*arrays.begin())->itemsize()));
 }
 
 // Threadgroups per head of the second dispatch of a split step, each
@@ -120,9 +178,12 @@ struct LaunchPlan {
 using LaunchPlans = std::vector<LaunchPlan>;
 
 // Binds slot i of the plan as [[buffer(i)]] through `bind`, which has
-// input(i, const array&), output(i, array&), earlier_output(i, const
-// array&), constant(i, uint32_t) and placeholder(i, BufferSlot::Kind, const
-// array&) for an array slot marked empty.
+// input(i, const array&, element), output(i, array&, element),
+// earlier_output(i, const array&, element), constant(i, uint32_t),
+// block(i, const std::vector<uint32_t>&) and placeholder(i,
+// BufferSlot::Kind, const array*, element) for an array slot marked empty
+// (the array, or null for an unused slot); `element` is slot_element's
+// name of the kernel parameter's elements.
 template <typename Binder>
 void bind_slots(
     const LaunchPlan& plan,
@@ -132,30 +193,33 @@ void bind_slots(
   for (size_t i = 0; i < plan.buffers.size(); ++i) {
     const BufferSlot& slot = plan.buffers[i];
     const int idx = static_cast<int>(i);
+    if (slot.kind == BufferSlot::Kind::Constant) {
+      bind.constant(idx, slot.value);
+      continue;
+    }
+    if (slot.kind == BufferSlot::Kind::Block) {
+      bind.block(idx, slot.words);
+      continue;
+    }
+    const bool input = slot.kind == BufferSlot::Kind::Input;
+    const std::vector<mlx::core::array>& arrays = input ? inputs : outputs;
+    const mlx::core::array* a = slot.array < 0 ? nullptr : &arrays.at(slot.array);
+    const std::string element = slot_element(slot, a);
+    if (slot.empty) {
+      bind.placeholder(idx, slot.kind, a, element);
+      continue;
+    }
     switch (slot.kind) {
       case BufferSlot::Kind::Input:
-        if (slot.empty) {
-          bind.placeholder(idx, slot.kind, inputs.at(slot.array));
-        } else {
-          bind.input(idx, inputs.at(slot.array));
-        }
+        bind.input(idx, *a, element);
         break;
       case BufferSlot::Kind::Output:
-        if (slot.empty) {
-          bind.placeholder(idx, slot.kind, outputs.at(slot.array));
-        } else {
-          bind.output(idx, outputs.at(slot.array));
-        }
+        bind.output(idx, outputs.at(slot.array), element);
         break;
       case BufferSlot::Kind::EarlierOutput:
-        if (slot.empty) {
-          bind.placeholder(idx, slot.kind, outputs.at(slot.array));
-        } else {
-          bind.earlier_output(idx, outputs.at(slot.array));
-        }
+        bind.earlier_output(idx, *a, element);
         break;
-      case BufferSlot::Kind::Constant:
-        bind.constant(idx, slot.value);
+      default:
         break;
     }
   }

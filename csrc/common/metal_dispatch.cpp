@@ -57,26 +57,30 @@ void check_group_size(const LaunchPlan& plan, MTL::ComputePipelineState* kernel)
   }
 }
 
-// Binds plan slots to MLX's Metal command encoder.
+// Binds plan slots to MLX's Metal command encoder. Metal binds buffers
+// untyped: the element names serve the emulator's check alone.
 struct EncoderBinder {
   mx::metal::CommandEncoder& encoder;
 
-  void input(int idx, const mx::array& a) {
+  void input(int idx, const mx::array& a, const std::string&) {
     encoder.set_input_array(a, idx);
   }
-  void output(int idx, mx::array& a) {
+  void output(int idx, mx::array& a, const std::string&) {
     encoder.set_output_array(a, idx);
   }
   // As an input, the encoder orders this dispatch after the one that wrote it.
-  void earlier_output(int idx, const mx::array& a) {
+  void earlier_output(int idx, const mx::array& a, const std::string&) {
     encoder.set_input_array(a, idx);
   }
   void constant(int idx, uint32_t value) {
     encoder.set_bytes(value, idx);
   }
-  // An empty array has no MTL::Buffer: four zero bytes stand in, as MLX's
-  // own kernels bind placeholders where there is nothing to bind.
-  void placeholder(int idx, BufferSlot::Kind, const mx::array&) {
+  void block(int idx, const std::vector<uint32_t>& words) {
+    encoder.set_vector_bytes(words, idx);
+  }
+  // An empty array (or none) has no MTL::Buffer: four zero bytes stand in,
+  // as MLX's own kernels bind placeholders where there is nothing to bind.
+  void placeholder(int idx, BufferSlot::Kind, const mx::array*, const std::string&) {
     encoder.set_bytes(uint32_t{0}, idx);
   }
 };

@@ -8,7 +8,10 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <limits>
 #include <string>
+
+#include "metal/knorm_defines.h"
 
 namespace mlx_knorm {
 
@@ -37,10 +40,12 @@ struct SelectionConfig {
 };
 
 // Order-preserving map of a score to uint32: a < b as floats iff
-// key(a) < key(b); -0 and +0 map together; every NaN maps after +inf.
+// key(a) < key(b); -0 and +0 map together; every NaN maps after +inf, to
+// kNanScoreKey. No score maps to 0 or to kPaddingScoreKey
+// (metal/knorm_defines.h).
 inline uint32_t score_order_key(float score) {
   if (std::isnan(score)) {
-    return 0xFFFFFFFFu;
+    return kNanScoreKey;
   }
   uint32_t bits;
   std::memcpy(&bits, &score, sizeof(bits));
@@ -65,18 +70,56 @@ inline uint32_t position_order_key(int32_t position) {
   return static_cast<uint32_t>(position) ^ 0x80000000u;
 }
 
-// The rank of a stored row in docs/spec.md §4 step 1, as one 64-bit key:
-// the score key, or 0 for a protected row (no score key is 0, so protected
-// rows come first), then the position. Equal keys (equal positions) rank by
-// slot, lower first.
+// The rank of a stored row of one head in docs/spec.md §4 step 1, as one
+// 64-bit key: the score key, 0 for a protected row (no score key is 0, so
+// protected rows come first) or kPaddingScoreKey for a padding row (every
+// score key is below it), then the position. Equal keys (equal positions)
+// rank by slot, lower first.
 struct EvictionRank {
-  int32_t n_sink;        // positions below are protected
-  int32_t protect_from;  // offset - recent: positions at or above are protected
+  int32_t first_real;    // real rows: first_real <= p <= last_real
+  int32_t last_real;
+  int32_t sink_end;      // real positions below are protected
+  int32_t protect_from;  // real positions at or above are protected
   Keep keep;
 
+  // The head's rank: without a valid range every row is real, the sinks
+  // are the positions below n_sink and the window starts at offset -
+  // recent; with (lo, hi) the real rows are [lo, hi), the sinks [lo, lo +
+  // n_sink) and the window starts at min(offset, hi) - recent. Bounds past
+  // int32 are clamped, which changes no real row's protection (real
+  // positions are below hi <= 2^31 - 1).
+  static EvictionRank of(
+      const SelectionConfig& config,
+      int64_t offset,
+      const int32_t* valid) {
+    constexpr int32_t kMin = std::numeric_limits<int32_t>::min();
+    constexpr int32_t kMax = std::numeric_limits<int32_t>::max();
+    auto clamp = [](int64_t v) {
+      return static_cast<int32_t>(std::clamp<int64_t>(v, std::numeric_limits<int32_t>::min(),
+                                                      std::numeric_limits<int32_t>::max()));
+    };
+    if (valid == nullptr) {
+      return EvictionRank{kMin, kMax, config.n_sink, clamp(offset - config.recent), config.keep};
+    }
+    const int64_t lo = valid[0];
+    const int64_t hi = valid[1];
+    // No real row when hi <= lo.
+    return EvictionRank{hi > lo ? static_cast<int32_t>(lo) : kMax,
+                        hi > lo ? static_cast<int32_t>(hi - 1) : kMin,
+                        clamp(lo + config.n_sink), clamp(std::min(offset, hi) - config.recent),
+                        config.keep};
+  }
+
+  bool real(int32_t position) const {
+    return first_real <= position && position <= last_real;
+  }
+
   uint64_t operator()(float norm, int32_t position) const {
-    const bool protect = position < n_sink || position >= protect_from;
-    const uint64_t score = protect ? 0 : norm_order_key(norm, keep);
+    uint64_t score = kPaddingScoreKey;
+    if (real(position)) {
+      const bool protect = position < sink_end || position >= protect_from;
+      score = protect ? 0 : norm_order_key(norm, keep);
+    }
     return (score << 32) | position_order_key(position);
   }
 };

@@ -1,10 +1,12 @@
 // CPU kernel of EvictAndFill (docs/spec.md §4). Per head: the rows to evict
 // (one scan for the worst rank when one row leaves, the radix select of
-// common/radix_select.h otherwise), the compaction as a list of row moves,
-// then the new rows. A buffer updated in place (donated) gets only the moves
-// whose source and destination differ: a decode step in the slot layout
-// moves one row per head.
+// common/radix_select.h otherwise), the compaction as a list of row moves
+// applied to every buffer (the payloads, norms and positions), then the new
+// rows. A buffer updated in place (donated) gets only the moves whose source
+// and destination differ: a decode step in the slot layout moves one row per
+// head.
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -23,8 +25,8 @@ namespace mlx_knorm {
 
 namespace {
 
-// One of the four buffers: the input's rows and the output's. in == out
-// when the output took over the input's buffer.
+// One of the buffers a step moves rows of: the input's rows and the
+// output's. in == out when the output took over the input's buffer.
 struct RowBuffer {
   const char* in;
   char* out;
@@ -36,14 +38,30 @@ struct RowBuffer {
 };
 
 struct EvictAndFillBuffers {
-  RowBuffer rows[4];  // keys, values, norms, positions
+  // The payloads, then the norms and the positions.
+  std::array<RowBuffer, kEvictMaxPayloads + 2> rows;
+  int payloads;       // M
   int64_t in_slots;   // C
   int64_t out_slots;  // C_out
-  const char* new_keys;
-  const char* new_values;
-  mx::Dtype key_dtype;
+  std::array<const char*, kEvictMaxPayloads> new_rows;
+  const float* new_norms;  // given [N, S], or null: computed from new_rows[0]
+  const int32_t* valid;    // [N, 2], or null: every row real
+  mx::Dtype key_dtype;     // of payload 0, when the norms are computed
   int64_t key_dim;
   int64_t n_new;
+
+  int buffers() const {
+    return payloads + 2;
+  }
+  const RowBuffer& norms() const {
+    return rows[payloads];
+  }
+  const RowBuffer& positions() const {
+    return rows[payloads + 1];
+  }
+  EvictionRank rank(const EvictAndFillConfig& config, int64_t n) const {
+    return EvictionRank::of(config.selection, config.offset, valid ? valid + 2 * n : nullptr);
+  }
 };
 
 // Moves count rows of head n from slot src on to slot dst on, in every
@@ -54,7 +72,8 @@ void move_rows(const EvictAndFillBuffers& b, int64_t n, int64_t src, int64_t dst
   if (count <= 0) {
     return;
   }
-  for (const RowBuffer& r : b.rows) {
+  for (int i = 0; i < b.buffers(); ++i) {
+    const RowBuffer& r = b.rows[i];
     if (r.in_place() && src == dst) {
       continue;
     }
@@ -98,8 +117,10 @@ __attribute__((target("avx2"))) inline __m256i select_lanes(
 // halves and compared as a signed 64-bit integer with its top bit flipped
 // (AVX2 compares signed 64-bit lanes only). Each lane keeps its worst rank
 // and slot, later slots winning ties; the lanes are merged at the end.
-// Compiled for AVX2 alone and chosen at run time, as the key-norm kernel's.
-template <bool kKeepHigh>
+// kRanges: the head has a valid range (padding rows rank last); without
+// one every row is real. Compiled for AVX2 alone and chosen at run time, as
+// the key-norm kernel's.
+template <bool kKeepHigh, bool kRanges>
 __attribute__((target("avx2"))) int64_t worst_slot_avx2(
     const float* norms,
     const int32_t* positions,
@@ -109,8 +130,10 @@ __attribute__((target("avx2"))) int64_t worst_slot_avx2(
   const __m256i magnitude_mask = _mm256_set1_epi32(0x7FFFFFFF);
   const __m256i infinity = _mm256_set1_epi32(0x7F800000);
   const __m256i zero = _mm256_setzero_si256();
-  const __m256i n_sink = _mm256_set1_epi32(rank.n_sink);
+  const __m256i sink_end = _mm256_set1_epi32(rank.sink_end);
   const __m256i protect_from = _mm256_set1_epi32(rank.protect_from);
+  const __m256i first_real = _mm256_set1_epi32(rank.first_real);
+  const __m256i last_real = _mm256_set1_epi32(rank.last_real);
   const __m256i step = _mm256_set1_epi64x(8);
   __m256i worst_a = _mm256_set1_epi64x(std::numeric_limits<int64_t>::min());
   __m256i worst_b = worst_a;
@@ -122,7 +145,10 @@ __attribute__((target("avx2"))) int64_t worst_slot_avx2(
   int64_t s = 0;
   for (; s + 8 <= filled; s += 8) {
     // score_order_key of common/selection.h, lane by lane; keep="high"
-    // scores by -norm, a flip of the sign bit.
+    // scores by -norm, a flip of the sign bit. A NaN lane becomes all ones:
+    // with ranges, then kNanScoreKey (its lowest bit cleared) below the
+    // padding's key; without, it stays (no row is padding, and the tail
+    // below keys NaN the same way), which spares the scan two operations.
     __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(norms + s));
     if constexpr (kKeepHigh) {
       bits = _mm256_xor_si256(bits, sign);
@@ -131,14 +157,25 @@ __attribute__((target("avx2"))) int64_t worst_slot_avx2(
     bits = _mm256_andnot_si256(_mm256_cmpeq_epi32(magnitude, zero), bits);
     const __m256i negative = _mm256_srai_epi32(bits, 31);
     const __m256i is_nan = _mm256_cmpgt_epi32(magnitude, infinity);
-    const __m256i score = _mm256_or_si256(
-        _mm256_xor_si256(bits, _mm256_or_si256(negative, sign)), is_nan);
+    __m256i score =
+        _mm256_or_si256(_mm256_xor_si256(bits, _mm256_or_si256(negative, sign)), is_nan);
+    if constexpr (kRanges) {
+      score = _mm256_xor_si256(score, _mm256_srli_epi32(is_nan, 31));
+    }
     const __m256i p =
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(positions + s));
-    // Evictable: n_sink <= p < protect_from; protected rows score 0.
+    // Evictable: sink_end <= p < protect_from; protected rows score 0.
     const __m256i evictable = _mm256_andnot_si256(
-        _mm256_cmpgt_epi32(n_sink, p), _mm256_cmpgt_epi32(protect_from, p));
-    const __m256i high = _mm256_xor_si256(_mm256_and_si256(evictable, score), sign);
+        _mm256_cmpgt_epi32(sink_end, p), _mm256_cmpgt_epi32(protect_from, p));
+    __m256i high = _mm256_and_si256(evictable, score);
+    if constexpr (kRanges) {
+      // Padding (p outside [first_real, last_real]) scores all ones:
+      // kPaddingScoreKey.
+      const __m256i padding = _mm256_or_si256(
+          _mm256_cmpgt_epi32(first_real, p), _mm256_cmpgt_epi32(p, last_real));
+      high = _mm256_or_si256(high, padding);
+    }
+    high = _mm256_xor_si256(high, sign);
     const __m256i low = _mm256_xor_si256(p, sign);
     const __m256i rank_a = _mm256_unpacklo_epi32(low, high);
     const __m256i rank_b = _mm256_unpackhi_epi32(low, high);
@@ -166,8 +203,14 @@ __attribute__((target("avx2"))) int64_t worst_slot_avx2(
     }
   }
   for (; s < filled; ++s) {
-    const int64_t r = static_cast<int64_t>(
-        rank(norms[s], positions[s]) ^ (uint64_t(1) << 63));
+    uint64_t key = rank(norms[s], positions[s]);
+    if constexpr (!kRanges) {
+      // NaN keyed all ones, as in the lanes.
+      if ((key >> 32) == kNanScoreKey) {
+        key |= uint64_t(1) << 32;
+      }
+    }
+    const int64_t r = static_cast<int64_t>(key ^ (uint64_t(1) << 63));
     if (r >= worst_rank) {
       worst_rank = r;
       worst = s;
@@ -177,17 +220,27 @@ __attribute__((target("avx2"))) int64_t worst_slot_avx2(
 }
 #endif
 
+// ranges: the head has a valid range (else every row is real, and the
+// scan skips the test).
 int64_t worst_slot(
     const float* norms,
     const int32_t* positions,
     int64_t filled,
-    const EvictionRank& rank) {
+    const EvictionRank& rank,
+    bool ranges) {
 #if defined(__x86_64__) && defined(__GNUC__)
   static const bool has_avx2 = __builtin_cpu_supports("avx2");
   if (has_avx2) {
-    return rank.keep == Keep::High ? worst_slot_avx2<true>(norms, positions, filled, rank)
-                                   : worst_slot_avx2<false>(norms, positions, filled, rank);
+    const bool high = rank.keep == Keep::High;
+    if (ranges) {
+      return high ? worst_slot_avx2<true, true>(norms, positions, filled, rank)
+                  : worst_slot_avx2<false, true>(norms, positions, filled, rank);
+    }
+    return high ? worst_slot_avx2<true, false>(norms, positions, filled, rank)
+                : worst_slot_avx2<false, false>(norms, positions, filled, rank);
   }
+#else
+  (void)ranges;
 #endif
   return worst_slot_scalar(norms, positions, filled, rank);
 }
@@ -204,9 +257,9 @@ const std::vector<uint8_t>& kept_slots(
     const float* norms,
     const int32_t* positions,
     const EvictAndFillConfig& config,
+    const EvictionRank& rank,
     SelectionScratch& scratch) {
   const int64_t filled = config.filled;
-  const EvictionRank rank = config.rank();
   scratch.ranks.resize(filled);
   scratch.kept.resize(filled);
   for (int64_t s = 0; s < filled; ++s) {
@@ -227,14 +280,15 @@ void compact_head(const EvictAndFillBuffers& b, const EvictAndFillConfig& config
   const int64_t filled = config.filled;
   const int64_t kept = config.kept();
   const bool slots = config.layout == Layout::Slots;
-  const auto* norms = reinterpret_cast<const float*>(b.rows[2].in) + n * b.in_slots;
-  const auto* positions = reinterpret_cast<const int32_t*>(b.rows[3].in) + n * b.in_slots;
+  const auto* norms = reinterpret_cast<const float*>(b.norms().in) + n * b.in_slots;
+  const auto* positions = reinterpret_cast<const int32_t*>(b.positions().in) + n * b.in_slots;
   if (filled == kept) {
     move_rows(b, n, 0, 0, kept);
     return;
   }
+  const EvictionRank rank = b.rank(config, n);
   if (filled - kept == 1) {
-    const int64_t evicted = worst_slot(norms, positions, filled, config.rank());
+    const int64_t evicted = worst_slot(norms, positions, filled, rank, b.valid != nullptr);
     if (slots) {
       // The spare slot's row fills the hole; nothing moves when it is the
       // one evicted.
@@ -249,7 +303,7 @@ void compact_head(const EvictAndFillBuffers& b, const EvictAndFillConfig& config
     return;
   }
   thread_local SelectionScratch scratch;
-  const std::vector<uint8_t>& keep = kept_slots(norms, positions, config, scratch);
+  const std::vector<uint8_t>& keep = kept_slots(norms, positions, config, rank, scratch);
   if (slots) {
     // Kept rows below `kept` stay; the kept rows at or above it fill the
     // holes below it, both in slot order.
@@ -278,8 +332,8 @@ void compact_head(const EvictAndFillBuffers& b, const EvictAndFillConfig& config
 }
 
 // docs/spec.md §4 step 3 for head n: the new rows after the kept ones,
-// with their norms (computed beforehand, for all of a thread's heads in one
-// call: a decode step's rows then go eight at a time).
+// with their norms (given, or computed beforehand for all of a thread's
+// heads in one call: a decode step's rows then go eight at a time).
 void fill_head(
     const EvictAndFillBuffers& b,
     const EvictAndFillConfig& config,
@@ -289,15 +343,14 @@ void fill_head(
     return;
   }
   const int64_t first = n * b.out_slots + config.kept();
-  const size_t key_bytes = b.rows[0].row_bytes;
-  const size_t value_bytes = b.rows[1].row_bytes;
-  const char* new_keys = b.new_keys + n * b.n_new * key_bytes;
-  std::memcpy(b.rows[0].out + first * key_bytes, new_keys, b.n_new * key_bytes);
-  std::memcpy(b.rows[1].out + first * value_bytes,
-              b.new_values + n * b.n_new * value_bytes, b.n_new * value_bytes);
-  std::memcpy(reinterpret_cast<float*>(b.rows[2].out) + first, new_norms,
+  for (int i = 0; i < b.payloads; ++i) {
+    const size_t row_bytes = b.rows[i].row_bytes;
+    std::memcpy(b.rows[i].out + first * row_bytes, b.new_rows[i] + n * b.n_new * row_bytes,
+                b.n_new * row_bytes);
+  }
+  std::memcpy(reinterpret_cast<float*>(b.norms().out) + first, new_norms,
               b.n_new * sizeof(float));
-  auto* positions = reinterpret_cast<int32_t*>(b.rows[3].out) + first;
+  auto* positions = reinterpret_cast<int32_t*>(b.positions().out) + first;
   for (int64_t j = 0; j < b.n_new; ++j) {
     positions[j] = static_cast<int32_t>(config.offset + j);
   }
@@ -309,40 +362,48 @@ void evict_and_fill_cpu(
     const EvictAndFillInputs& in,
     std::vector<mx::array>& outputs,
     const EvictAndFillConfig& config) {
-  const std::vector<mx::array> inputs = in.to_vector();
+  const int m = in.payloads();
   EvictAndFillBuffers b{
       .rows = {},
+      .payloads = m,
       .in_slots = in.capacity(),
       .out_slots = config.out_capacity,
-      .new_keys = in.new_keys.data<char>(),
-      .new_values = in.new_values.data<char>(),
-      .key_dtype = in.keys.dtype(),
-      .key_dim = in.key_dim(),
+      .new_rows = {},
+      .new_norms = in.new_norms ? in.new_norms->data<float>() : nullptr,
+      .valid = in.valid ? in.valid->data<int32_t>() : nullptr,
+      .key_dtype = in.rows[0].dtype(),
+      .key_dim = in.rows[0].shape(-1),
       .n_new = in.n_new()};
-  for (int i = 0; i < 4; ++i) {
-    const int64_t width = i < 2 ? inputs[i].shape(-1) : 1;
-    b.rows[i] = {inputs[i].data<char>(), outputs[i].data<char>(),
-                 static_cast<size_t>(width) * inputs[i].itemsize()};
+  for (int i = 0; i < m; ++i) {
+    b.rows[i] = {in.rows[i].data<char>(), outputs[i].data<char>(), in.row_bytes(i)};
+    b.new_rows[i] = in.new_rows[i].data<char>();
   }
+  b.rows[m] = {in.norms.data<char>(), outputs[m].data<char>(), sizeof(float)};
+  b.rows[m + 1] = {in.positions.data<char>(), outputs[m + 1].data<char>(), sizeof(int32_t)};
 
   // Threads only for heads that move enough bytes: the scan reads 8 bytes
   // a stored row; rows are copied unless in place in the slot layout.
   size_t row_bytes = 0;
   bool copies_rows = config.layout == Layout::Temporal;
-  for (const RowBuffer& r : b.rows) {
-    row_bytes += r.row_bytes;
-    copies_rows = copies_rows || !r.in_place();
+  for (int i = 0; i < b.buffers(); ++i) {
+    row_bytes += b.rows[i].row_bytes;
+    copies_rows = copies_rows || !b.rows[i].in_place();
   }
   const size_t bytes_per_head = config.filled * 8 + b.n_new * row_bytes +
       (copies_rows ? config.kept() * row_bytes : 0);
   parallel_for(in.n_heads(), bytes_per_head, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> new_norms;
-    new_norms.resize((end - begin) * b.n_new);
-    key_norm_rows(b.key_dtype, b.new_keys + begin * b.n_new * b.rows[0].row_bytes,
-                  (end - begin) * b.n_new, b.key_dim, new_norms.data());
+    thread_local std::vector<float> computed;
+    if (b.new_norms == nullptr) {
+      computed.resize((end - begin) * b.n_new);
+      key_norm_rows(b.key_dtype, b.new_rows[0] + begin * b.n_new * b.rows[0].row_bytes,
+                    (end - begin) * b.n_new, b.key_dim, computed.data());
+    }
     for (int64_t n = begin; n < end; ++n) {
       compact_head(b, config, n);
-      fill_head(b, config, n, new_norms.data() + (n - begin) * b.n_new);
+      const float* new_norms = b.new_norms != nullptr
+          ? b.new_norms + n * b.n_new
+          : computed.data() + (n - begin) * b.n_new;
+      fill_head(b, config, n, new_norms);
     }
   });
 }

@@ -29,17 +29,55 @@ Layout parse_layout(const std::string& layout) {
       "mlx_knorm: layout must be 'slots' or 'temporal', got '" + layout + "'");
 }
 
-EvictAndFillInputs EvictAndFillInputs::from(const std::vector<mx::array>& inputs) {
-  if (inputs.size() != 6) {
-    throw std::invalid_argument(
-        "mlx_knorm: EvictAndFill takes 6 inputs, got " +
-        std::to_string(inputs.size()));
+std::string PayloadGroups::name(int i, bool new_rows) const {
+  const bool key = i < keys;
+  std::string name = new_rows ? "new_" : "";
+  name += key ? "keys" : "values";
+  if (key ? keys_listed : values_listed) {
+    name += "[";
+    name += std::to_string(key ? i : i - keys);
+    name += "]";
   }
-  return {inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5]};
+  return name;
+}
+
+EvictAndFillInputs EvictAndFillInputs::from(
+    const std::vector<mx::array>& inputs,
+    const EvictAndFillConfig& config) {
+  const int m = config.payloads.count();
+  const size_t expected = 2 * static_cast<size_t>(m) + 2 + config.norms_given + config.has_valid;
+  if (m < 1 || inputs.size() != expected) {
+    throw std::invalid_argument(
+        "mlx_knorm: EvictAndFill with " + std::to_string(m) + " payloads takes " +
+        std::to_string(expected) + " inputs, got " + std::to_string(inputs.size()));
+  }
+  auto at = inputs.begin();
+  EvictAndFillInputs in{
+      {at, at + m}, inputs[m], inputs[m + 1], {at + m + 2, at + 2 * m + 2}, {}, {}};
+  size_t next = 2 * static_cast<size_t>(m) + 2;
+  if (config.norms_given) {
+    in.new_norms = inputs[next++];
+  }
+  if (config.has_valid) {
+    in.valid = inputs[next];
+  }
+  return in;
 }
 
 std::vector<mx::array> EvictAndFillInputs::to_vector() const {
-  return {keys, values, norms, positions, new_keys, new_values};
+  std::vector<mx::array> out;
+  out.reserve(rows.size() + new_rows.size() + 4);
+  out.insert(out.end(), rows.begin(), rows.end());
+  out.push_back(norms);
+  out.push_back(positions);
+  out.insert(out.end(), new_rows.begin(), new_rows.end());
+  if (new_norms) {
+    out.push_back(*new_norms);
+  }
+  if (valid) {
+    out.push_back(*valid);
+  }
+  return out;
 }
 
 std::vector<mx::array> evict_and_fill(
@@ -48,55 +86,143 @@ std::vector<mx::array> evict_and_fill(
     Executor executor,
     mx::StreamOrDevice s) {
   check_executor(executor);
+  if (config.norms_given != inputs.new_norms.has_value() ||
+      config.has_valid != inputs.valid.has_value()) {
+    throw std::invalid_argument(
+        "mlx_knorm: EvictAndFillConfig's norms_given and has_valid must say "
+        "whether new_norms and valid are given");
+  }
   auto stream = mx::to_stream(s);
   auto primitive = std::make_shared<EvictAndFill>(stream, config, executor);
   primitive->check_inputs(inputs);
-  return make_outputs(
-      primitive,
-      inputs.to_vector(),
-      {inputs.keys.dtype(), inputs.values.dtype(), mx::float32, mx::int32},
-      stream);
+  std::vector<mx::Dtype> dtypes;
+  dtypes.reserve(inputs.rows.size() + 2);
+  for (const mx::array& r : inputs.rows) {
+    dtypes.push_back(r.dtype());
+  }
+  dtypes.push_back(mx::float32);
+  dtypes.push_back(mx::int32);
+  return make_outputs(primitive, inputs.to_vector(), std::move(dtypes), stream);
 }
 
 void EvictAndFill::check_inputs(const EvictAndFillInputs& in) {
-  if (in.keys.ndim() < 3) {
+  const PayloadGroups& groups = config_.payloads;
+  const int m = in.payloads();
+  if (groups.keys < 1 || groups.values < 0 || groups.count() != m ||
+      static_cast<int>(in.new_rows.size()) != m) {
     throw std::invalid_argument(
-        "mlx_knorm: keys must be [..., C, D_k] with at least one head axis, got rank " +
-        std::to_string(in.keys.ndim()));
+        "mlx_knorm: EvictAndFill's payload groups (" + std::to_string(groups.keys) + " keys, " +
+        std::to_string(groups.values) + " values) do not match its " + std::to_string(m) +
+        " payloads and " + std::to_string(in.new_rows.size()) + " new payloads");
   }
-  // Every array has the keys' head axes; then one axis of slots or new
-  // rows, and one of width for keys and values.
-  const int heads = in.head_axes();
-  check_rank(in.values, heads + 2, "values");
+  if (m > static_cast<int>(kEvictMaxPayloads)) {
+    throw std::invalid_argument(
+        "mlx_knorm: keys and values take at most " + std::to_string(kEvictMaxPayloads) +
+        " payload arrays together, got " + std::to_string(m));
+  }
+  // The checks below test their condition first and name the arguments
+  // (strings) only to report a failure: this runs three times per step.
+  auto name = [&](int i) { return groups.name(i); };
+  auto new_name = [&](int i) { return groups.name(i, true); };
+  auto leading_equal = [](const mx::array& a, const mx::array& b, int axes) {
+    for (int i = 0; i < axes; ++i) {
+      if (a.shape(i) != b.shape(i)) {
+        return false;
+      }
+    }
+    return true;
+  };
+  auto floating = [](const mx::array& a) {
+    return a.dtype() == mx::float16 || a.dtype() == mx::bfloat16 || a.dtype() == mx::float32;
+  };
+  const mx::array& keys = in.rows[0];
+  const mx::array& new_keys = in.new_rows[0];
+  if (keys.ndim() < 3) {
+    throw std::invalid_argument(
+        "mlx_knorm: " + name(0) + " must be [..., C, D_k] with at least one head axis, got rank " +
+        std::to_string(keys.ndim()));
+  }
+  // Every array has the first payload's head axes; then one axis of slots
+  // or new rows, and one of width for the payloads.
+  const int heads = static_cast<int>(keys.ndim()) - 2;
+  const size_t payload_rank = static_cast<size_t>(heads) + 2;
+  for (int i = 0; i < m; ++i) {
+    if (in.rows[i].ndim() != payload_rank) {
+      check_rank(in.rows[i], heads + 2, name(i).c_str());
+    }
+  }
   check_rank(in.norms, heads + 1, "norms");
   check_rank(in.positions, heads + 1, "positions");
-  check_rank(in.new_keys, heads + 2, "new_keys");
-  check_rank(in.new_values, heads + 2, "new_values");
-  check_floating(in.keys, "keys");
-  check_floating(in.values, "values");
-  check_floating(in.new_keys, "new_keys");
-  check_floating(in.new_values, "new_values");
+  for (int i = 0; i < m; ++i) {
+    if (in.new_rows[i].ndim() != payload_rank) {
+      check_rank(in.new_rows[i], heads + 2, new_name(i).c_str());
+    }
+  }
+  if (in.new_norms) {
+    check_rank(*in.new_norms, heads + 1, "new_norms");
+  }
+  if (in.valid) {
+    check_rank(*in.valid, heads + 1, "valid");
+  }
+  if (!config_.norms_given) {
+    // The new rows' norms come from the first payload (docs/spec.md §2),
+    // which must then be the keys as one floating array.
+    if (groups.keys_listed) {
+      throw dtype_error(
+          "mlx_knorm: new_norms is required when keys is a tuple: the norms are computed "
+          "from new_keys only when it is one float16, bfloat16 or float32 array");
+    }
+    if (!floating(keys)) {
+      check_floating(keys, name(0).c_str());
+    }
+    if (!floating(new_keys)) {
+      check_floating(new_keys, new_name(0).c_str());
+    }
+  }
   check_float32(in.norms, "norms");
   check_int32(in.positions, "positions");
-  check_same_dtype(in.new_keys, "new_keys", in.keys, "keys");
-  check_same_dtype(in.new_values, "new_values", in.values, "values");
-  check_leading_axes("keys/values mismatch in N or rows", "keys", in.keys,
-                     "values", in.values, heads + 1);
-  check_leading_axes("keys/values mismatch in N or rows", "new_keys",
-                     in.new_keys, "new_values", in.new_values, heads + 1);
-  check_leading_axes("buffers vs new rows mismatch in N or D", "keys", in.keys,
-                     "new_keys", in.new_keys, heads);
-  if (in.keys.shape(-1) != in.new_keys.shape(-1)) {
-    shape_mismatch("buffers vs new rows mismatch in N or D", "keys", in.keys,
-                   "new_keys", in.new_keys);
+  for (int i = 0; i < m; ++i) {
+    if (in.new_rows[i].dtype() != in.rows[i].dtype()) {
+      check_same_dtype(in.new_rows[i], new_name(i).c_str(), in.rows[i], name(i).c_str());
+    }
   }
-  if (in.values.shape(-1) != in.new_values.shape(-1)) {
-    shape_mismatch("buffers vs new rows mismatch in N or D", "values", in.values,
-                   "new_values", in.new_values);
+  if (in.new_norms) {
+    check_float32(*in.new_norms, "new_norms");
   }
-  check_leading_axes("norms must be [N, C]", "norms", in.norms, "keys", in.keys, heads + 1);
-  check_leading_axes("positions must be [N, C]", "positions", in.positions,
-                     "keys", in.keys, heads + 1);
+  if (in.valid) {
+    check_int32(*in.valid, "valid");
+  }
+  for (int i = 1; i < m; ++i) {
+    const bool rows_agree = leading_equal(keys, in.rows[i], heads + 1);
+    if (!rows_agree || !leading_equal(new_keys, in.new_rows[i], heads + 1)) {
+      const std::string what = name(0) + "/" + name(i) + " mismatch in N or rows";
+      if (!rows_agree) {
+        shape_mismatch(what.c_str(), name(0).c_str(), keys, name(i).c_str(), in.rows[i]);
+      }
+      shape_mismatch(what.c_str(), new_name(0).c_str(), new_keys, new_name(i).c_str(),
+                     in.new_rows[i]);
+    }
+  }
+  for (int i = 0; i < m; ++i) {
+    if (!leading_equal(in.rows[i], in.new_rows[i], heads) ||
+        in.rows[i].shape(-1) != in.new_rows[i].shape(-1)) {
+      shape_mismatch("buffers vs new rows mismatch in N or D", name(i).c_str(), in.rows[i],
+                     new_name(i).c_str(), in.new_rows[i]);
+    }
+  }
+  if (!leading_equal(in.norms, keys, heads + 1)) {
+    shape_mismatch("norms must be [N, C]", "norms", in.norms, name(0).c_str(), keys);
+  }
+  if (!leading_equal(in.positions, keys, heads + 1)) {
+    shape_mismatch("positions must be [N, C]", "positions", in.positions, name(0).c_str(), keys);
+  }
+  if (in.new_norms && !leading_equal(*in.new_norms, new_keys, heads + 1)) {
+    shape_mismatch("new_norms must be [N, S]", "new_norms", *in.new_norms, new_name(0).c_str(),
+                   new_keys);
+  }
+  if (in.valid && (!leading_equal(*in.valid, keys, heads) || in.valid->shape(-1) != 2)) {
+    shape_mismatch("valid must be [N, 2]", "valid", *in.valid, name(0).c_str(), keys);
+  }
   check_selection_config(config_.selection);
   const int64_t filled = config_.filled;
   if (filled < 0) {
@@ -128,11 +254,11 @@ void EvictAndFill::check_inputs(const EvictAndFillInputs& in) {
         "mlx_knorm: capacity must be < 2**31, got " +
         std::to_string(config_.out_capacity));
   }
-  if (executor_ == Executor::MetalEmulator ||
-      stream().device == mx::Device::gpu) {
+  if (!config_.norms_given &&
+      (executor_ == Executor::MetalEmulator || stream().device == mx::Device::gpu)) {
     // The Metal kernel takes the new rows' norms with the key-norm kernel's
     // code.
-    check_metal_key_norms_shape(in.new_keys, "new_keys");
+    check_metal_key_norms_shape(in.new_rows[0], groups.name(0, true).c_str());
   }
 }
 
@@ -146,21 +272,26 @@ bool EvictAndFill::is_equivalent(const mx::Primitive& other) const {
 // kernels rely on are checked again here.
 std::vector<mx::Shape> EvictAndFill::output_shapes(
     const std::vector<mx::array>& inputs) {
-  const auto in = EvictAndFillInputs::from(inputs);
+  const auto in = EvictAndFillInputs::from(inputs, config_);
   check_inputs(in);
-  mx::Shape slots(in.keys.shape().begin(), in.keys.shape().end() - 1);
+  mx::Shape slots = in.norms.shape();
   slots.back() = static_cast<int>(config_.out_capacity);
-  mx::Shape keys = slots;
-  keys.push_back(in.key_dim());
-  mx::Shape values = slots;
-  values.push_back(in.value_dim());
-  return {keys, values, slots, slots};
+  std::vector<mx::Shape> shapes;
+  shapes.reserve(in.rows.size() + 2);
+  for (const mx::array& r : in.rows) {
+    mx::Shape payload = slots;
+    payload.push_back(r.shape(-1));
+    shapes.push_back(std::move(payload));
+  }
+  shapes.push_back(slots);
+  shapes.push_back(slots);
+  return shapes;
 }
 
 LentSiblingInputs EvictAndFill::prepare_eval(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  check_inputs(EvictAndFillInputs::from(inputs));
+  check_inputs(EvictAndFillInputs::from(inputs, config_));
   check_row_contiguous(inputs, name());
   // Every output may take over its input's buffer; the kernels then write
   // only the rows that move.
@@ -175,7 +306,7 @@ void EvictAndFill::eval_cpu(
                            KNORM_EMULATED_KERNEL(evict_and_fill_emulated));
   run_on_cpu(stream(), executor_, inputs, outputs, [kernel, config = config_](
       const std::vector<mx::array>& in, std::vector<mx::array>& out) {
-    kernel(EvictAndFillInputs::from(in), out, config);
+    kernel(EvictAndFillInputs::from(in, config), out, config);
   });
   lent.keep();
 }

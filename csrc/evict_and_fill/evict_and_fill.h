@@ -1,8 +1,10 @@
 // EvictAndFill: one step of the cache's slot buffers (docs/spec.md §4) for
-// N heads. Evicts down to the budget by the eviction rank, compacts the kept
-// rows into the first slots (slot or temporal layout), and writes the new
-// rows after them with their key norms and positions. In place when the
-// buffers are donated (docs/spec.md §7).
+// N heads. Evicts down to the budget by the eviction rank (padding rows
+// last where heads have valid ranges), compacts the kept rows into the
+// first slots (slot or temporal layout), and writes the new rows after them
+// with their norms (computed from the first payload or given) and
+// positions. Payloads are any row-aligned arrays, moved as raw bits. In
+// place when the buffers are donated (docs/spec.md §7).
 //
 //   evict_and_fill.cpp  the op, the primitive, its input checks, eval_cpu
 //                       (CPU kernel or emulator, donation)
@@ -15,9 +17,13 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
+#include "mlx/small_vector.h"
 
 #include "common/executor.h"
 #include "common/launch_plan.h"
@@ -33,71 +39,102 @@ enum class Layout { Slots, Temporal };
 
 Layout parse_layout(const std::string& layout);
 
-// The primitive's inputs, in its input order: the buffers [..., C, *] and
-// the new rows [..., S, *]. The heads are the axes before C and S ([N], or
-// [B, H] as a model's cache holds them), the same in every array.
-struct EvictAndFillInputs {
-  mx::array keys;
-  mx::array values;
-  mx::array norms;
-  mx::array positions;
-  mx::array new_keys;
-  mx::array new_values;
+// How many payloads the keys and the values are, and whether each was
+// given as a list (Python's tuple form, whose elements are named keys[i]):
+// for error messages, and for the Python layer's structure of the outputs.
+struct PayloadGroups {
+  int keys = 1;
+  int values = 1;
+  bool keys_listed = false;
+  bool values_listed = false;
 
-  // From and to the primitive's input vector (six arrays in this order).
-  static EvictAndFillInputs from(const std::vector<mx::array>& inputs);
-  std::vector<mx::array> to_vector() const;
+  bool operator==(const PayloadGroups&) const = default;
 
-  // How many leading axes the heads take.
-  int head_axes() const {
-    return static_cast<int>(keys.ndim()) - 2;
+  int count() const {
+    return keys + values;
   }
-  int64_t n_heads() const {
-    int64_t n = 1;
-    for (int i = 0; i < head_axes(); ++i) {
-      n *= keys.shape(i);
-    }
-    return n;
-  }
-  int capacity() const {
-    return keys.shape(-2);
-  }
-  int n_new() const {
-    return new_keys.shape(-2);
-  }
-  int key_dim() const {
-    return keys.shape(-1);
-  }
-  int value_dim() const {
-    return values.shape(-1);
-  }
+  // "keys", "keys[1]", "new_values[0]", ...: payload i as the caller named it.
+  std::string name(int i, bool new_rows = false) const;
 };
 
 // What one step does besides the eviction configuration: slots [0, filled)
-// are occupied, the new rows take positions offset, offset + 1, ..., and the
-// outputs have out_capacity slots.
+// are occupied, the new rows take positions offset, offset + 1, ..., the
+// outputs have out_capacity slots; the payloads' grouping, whether the new
+// rows' norms are given (else computed from the first payload, docs/spec.md
+// §2) and whether each head has a valid range.
 struct EvictAndFillConfig {
   SelectionConfig selection;
   int64_t filled;
   int64_t offset;
   int64_t out_capacity;
   Layout layout;
+  PayloadGroups payloads = {};
+  bool norms_given = false;
+  bool has_valid = false;
 
   bool operator==(const EvictAndFillConfig&) const = default;
 
   int64_t kept() const {
     return std::min<int64_t>(filled, selection.budget);
   }
-  EvictionRank rank() const {
-    return {selection.n_sink,
-            static_cast<int32_t>(offset - selection.recent),
-            selection.keep};
+};
+
+// The primitive's inputs, in its input order: the payload buffers r_i
+// [..., C, W_i] (the keys' then the values'), the norms and positions
+// [..., C], the new payload rows q_i [..., S, W_i], then new_norms [..., S]
+// float32 and valid [..., 2] int32 where the configuration has them. The
+// heads are the axes before C and S ([N], or [B, H] as a model's cache
+// holds them), the same in every array. Outputs: the payloads, norms and
+// positions with C_out slots, output i in place of input i.
+// Payload arrays held inline: a step builds and checks its inputs several
+// times, with no allocation for them.
+using PayloadArrays = mx::SmallVector<mx::array, kEvictMaxPayloads>;
+
+struct EvictAndFillInputs {
+  PayloadArrays rows;
+  mx::array norms;
+  mx::array positions;
+  PayloadArrays new_rows;
+  std::optional<mx::array> new_norms;
+  std::optional<mx::array> valid;
+
+  // From and to the primitive's input vector (the order above).
+  static EvictAndFillInputs from(
+      const std::vector<mx::array>& inputs,
+      const EvictAndFillConfig& config);
+  std::vector<mx::array> to_vector() const;
+
+  int payloads() const {
+    return static_cast<int>(rows.size());
+  }
+  // How many leading axes the heads take.
+  int head_axes() const {
+    return static_cast<int>(norms.ndim()) - 1;
+  }
+  int64_t n_heads() const {
+    int64_t n = 1;
+    for (int i = 0; i < head_axes(); ++i) {
+      n *= norms.shape(i);
+    }
+    return n;
+  }
+  int capacity() const {
+    return norms.shape(-1);
+  }
+  int n_new() const {
+    return new_rows.at(0).shape(-2);
+  }
+  // Bytes of one row of payload i.
+  size_t row_bytes(int i) const {
+    return static_cast<size_t>(rows.at(i).shape(-1)) * rows.at(i).itemsize();
   }
 };
 
-// Returns {keys [..., C_out, D_k], values [..., C_out, D_v], norms
-// [..., C_out] float32, positions [..., C_out] int32}, with the inputs' head
-// axes; slots [0, kept + S) defined.
+// Returns the payload buffers [..., C_out, W_i] in their dtypes, norms
+// [..., C_out] float32 and positions [..., C_out] int32, with the inputs'
+// head axes; slots [0, kept + S) defined. config.norms_given and
+// config.has_valid must say whether inputs has new_norms and valid, and
+// config.payloads how its rows group into keys and values.
 std::vector<mx::array> evict_and_fill(
     const EvictAndFillInputs& inputs,
     EvictAndFillConfig config,

@@ -13,7 +13,7 @@ void EvictAndFill::eval_gpu(
     std::vector<mx::array>& outputs) {
   auto lent = prepare_eval(inputs, outputs);
   dispatch_on_gpu(
-      evict_and_fill_plan(EvictAndFillInputs::from(inputs), outputs, config_),
+      evict_and_fill_plan(EvictAndFillInputs::from(inputs, config_), outputs, config_),
       inputs, outputs, stream());
   lent.keep();
 }

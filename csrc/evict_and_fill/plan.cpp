@@ -11,82 +11,120 @@
 
 namespace mlx_knorm {
 
+namespace {
+
+using Kind = BufferSlot::Kind;
+
+// Payload slot i of a kernel (kEvictMaxPayloads of them): array index + i of
+// `arrays` as raw bytes, or a placeholder past the step's payloads.
+BufferSlot payload_slot(Kind kind, const std::vector<mx::array>& arrays, int index, int i, int m) {
+  return i < m ? BufferSlot::bytes_of(kind, arrays, index + i)
+               : BufferSlot::unused(kind, mx::uint8);
+}
+
+} // namespace
+
 LaunchPlans evict_and_fill_plan(
     const EvictAndFillInputs& inputs,
     const std::vector<mx::array>& outputs,
     const EvictAndFillConfig& config) {
   // check_inputs keeps every slot count, offset + S and the capacity below
-  // 2^31, so each fits the kernel's uint constants.
+  // 2^31, so each fits the kernel's uint constants, and at most
+  // kEvictMaxPayloads payloads.
   const std::vector<mx::array> arrays = inputs.to_vector();
+  const int m = inputs.payloads();
+  // Input indices (EvictAndFillInputs): payloads, norms, positions, new
+  // payload rows, then new_norms and valid where present.
+  const int norms_index = m;
+  const int new_rows_index = m + 2;
+  const int new_norms_index = 2 * m + 2;
+  const int valid_index = new_norms_index + (config.norms_given ? 1 : 0);
   const int64_t kept = config.kept();
-  const std::string types =
-      dtype_name(inputs.keys.dtype()) + "_" + dtype_name(inputs.values.dtype());
-  const uint32_t key_unit =
-      row_unit({&inputs.keys, &inputs.new_keys, &outputs[0]}, inputs.key_dim());
-  const uint32_t value_unit =
-      row_unit({&inputs.values, &inputs.new_values, &outputs[1]}, inputs.value_dim());
   // The new rows go to slots kept + j whatever steps 1-2 do, so a second
   // dispatch can write them over many threadgroups.
   const uint32_t groups_per_head = split_blocks(inputs.n_heads(), inputs.n_new());
-  auto u32 = [](int64_t v) { return BufferSlot::constant(static_cast<uint32_t>(v)); };
-  LaunchPlans plans;
-
   // Steps 1-2 have nothing to do without stored rows, nor when none leaves
   // and every output is its input's buffer (a prompt in chunks).
-  const uint32_t in_place = in_place_mask(arrays, outputs, 4);
-  const bool steps_1_2 = config.filled > 0 && (kept < config.filled || in_place != 0xFu);
+  const uint32_t all_buffers = (1u << (m + 2)) - 1u;
+  const uint32_t in_place = in_place_mask(arrays, outputs, m + 2);
+
+  KnormEvictParams params{};
+  params.slots = static_cast<uint32_t>(inputs.capacity());
+  params.out_slots = static_cast<uint32_t>(config.out_capacity);
+  params.n_new = static_cast<uint32_t>(inputs.n_new());
+  params.filled = static_cast<uint32_t>(config.filled);
+  params.kept = static_cast<uint32_t>(kept);
+  params.offset = static_cast<uint32_t>(config.offset);
+  params.n_sink = static_cast<uint32_t>(config.selection.n_sink);
+  params.recent = static_cast<uint32_t>(config.selection.recent);
+  params.keep_high = config.selection.keep == Keep::High ? 1 : 0;
+  params.temporal = config.layout == Layout::Temporal ? 1 : 0;
+  params.in_place = in_place;
+  params.payloads = static_cast<uint32_t>(m);
+  params.norms_given = config.norms_given ? 1 : 0;
+  params.has_valid = config.has_valid ? 1 : 0;
+  params.fill_new = groups_per_head == 0 ? 1 : 0;
+  params.groups_per_head = groups_per_head;
+  for (int i = 0; i < m; ++i) {
+    params.row_bytes[i] = static_cast<uint32_t>(inputs.row_bytes(i));
+    params.row_unit[i] = row_unit_bytes(
+        {&inputs.rows[i], &inputs.new_rows[i], &outputs[i]},
+        static_cast<int64_t>(inputs.row_bytes(i)));
+  }
+  // The new rows' norms: given, or computed from the first payload's keys.
+  const std::string norms_from =
+      config.norms_given ? std::string("given") : dtype_name(inputs.rows[0].dtype());
+  LaunchPlans plans;
+
+  const bool steps_1_2 =
+      config.filled > 0 && (kept < config.filled || in_place != all_buffers);
   if (steps_1_2 || groups_per_head == 0) {
     LaunchPlan evict;
     evict.source = "evict_and_fill";
-    evict.kernel = "knorm_evict_and_fill_" + types;
+    evict.kernel = "knorm_evict_and_fill_" + norms_from;
     evict.group_size = kEvictGroupSize;
     // Nothing stored or new, nothing to do; the plan is still bound (and
     // checked by the emulator).
     evict.groups = kept + inputs.n_new() == 0 ? 0 : static_cast<uint32_t>(inputs.n_heads());
-    evict.buffers = array_slots(arrays, outputs);
-    evict.buffers.insert(evict.buffers.end(), {
-        u32(inputs.capacity()),
-        u32(config.out_capacity),
-        u32(inputs.n_new()),
-        u32(inputs.key_dim()),
-        u32(inputs.value_dim()),
-        u32(config.filled),
-        u32(kept),
-        u32(config.offset),
-        u32(config.selection.n_sink),
-        // An int32 (offset - recent may be negative), as its bits.
-        u32(config.rank().protect_from),
-        u32(config.selection.keep == Keep::High ? 1 : 0),
-        u32(config.layout == Layout::Temporal ? 1 : 0),
-        u32(in_place),
-        u32(key_unit),
-        u32(value_unit),
-        u32(groups_per_head == 0 ? 1 : 0)});
+    for (int i = 0; i < static_cast<int>(kEvictMaxPayloads); ++i) {
+      evict.buffers.push_back(payload_slot(Kind::Input, arrays, 0, i, m));
+    }
+    evict.buffers.push_back(BufferSlot::of(Kind::Input, arrays, norms_index));
+    evict.buffers.push_back(BufferSlot::of(Kind::Input, arrays, norms_index + 1));
+    for (int i = 0; i < static_cast<int>(kEvictMaxPayloads); ++i) {
+      evict.buffers.push_back(payload_slot(Kind::Input, arrays, new_rows_index, i, m));
+    }
+    evict.buffers.push_back(config.norms_given
+                                ? BufferSlot::of(Kind::Input, arrays, new_norms_index)
+                                : BufferSlot::unused(Kind::Input, mx::float32));
+    evict.buffers.push_back(config.has_valid ? BufferSlot::of(Kind::Input, arrays, valid_index)
+                                             : BufferSlot::unused(Kind::Input, mx::int32));
+    for (int i = 0; i < static_cast<int>(kEvictMaxPayloads); ++i) {
+      evict.buffers.push_back(payload_slot(Kind::Output, outputs, 0, i, m));
+    }
+    evict.buffers.push_back(BufferSlot::of(Kind::Output, outputs, m));
+    evict.buffers.push_back(BufferSlot::of(Kind::Output, outputs, m + 1));
+    evict.buffers.push_back(BufferSlot::block(params));
     plans.push_back(std::move(evict));
   }
   if (groups_per_head != 0) {
     LaunchPlan fill;
     fill.source = "evict_and_fill";
-    fill.kernel = "knorm_fill_new_rows_" + types;
+    fill.kernel = "knorm_fill_new_rows_" + norms_from;
     fill.group_size = kEvictGroupSize;
     fill.groups = static_cast<uint32_t>(inputs.n_heads()) * groups_per_head;
-    using Kind = BufferSlot::Kind;
-    fill.buffers = {
-        BufferSlot::of(Kind::Input, arrays, 4),  // new keys
-        BufferSlot::of(Kind::Input, arrays, 5),  // new values
-        BufferSlot::of(Kind::Output, outputs, 0),
-        BufferSlot::of(Kind::Output, outputs, 1),
-        BufferSlot::of(Kind::Output, outputs, 2),
-        BufferSlot::of(Kind::Output, outputs, 3),
-        u32(config.out_capacity),
-        u32(inputs.n_new()),
-        u32(inputs.key_dim()),
-        u32(inputs.value_dim()),
-        u32(kept),
-        u32(config.offset),
-        u32(key_unit),
-        u32(value_unit),
-        u32(groups_per_head)};
+    for (int i = 0; i < static_cast<int>(kEvictMaxPayloads); ++i) {
+      fill.buffers.push_back(payload_slot(Kind::Input, arrays, new_rows_index, i, m));
+    }
+    fill.buffers.push_back(config.norms_given
+                               ? BufferSlot::of(Kind::Input, arrays, new_norms_index)
+                               : BufferSlot::unused(Kind::Input, mx::float32));
+    for (int i = 0; i < static_cast<int>(kEvictMaxPayloads); ++i) {
+      fill.buffers.push_back(payload_slot(Kind::Output, outputs, 0, i, m));
+    }
+    fill.buffers.push_back(BufferSlot::of(Kind::Output, outputs, m));
+    fill.buffers.push_back(BufferSlot::of(Kind::Output, outputs, m + 1));
+    fill.buffers.push_back(BufferSlot::block(params));
     plans.push_back(std::move(fill));
   }
   return plans;

@@ -1,7 +1,7 @@
 // The Metal language surface the kernels in metal/ use, in namespace metal:
 // half and bfloat with bit-exact conversions, as_type, min, isnan,
 // precise::sqrt, mem_flags and threadgroup_barrier, the SIMD-group
-// functions, ctz and popcount, uint2 and uint4 (alignment checked), and
+// functions, ctz and popcount, uchar, uint2 and uint4 (alignment checked), and
 // relaxed threadgroup atomics.
 #pragma once
 
@@ -20,6 +20,7 @@
 namespace metal {
 
 using uint = uint32_t;
+using uchar = uint8_t;
 using ushort = uint16_t;
 using ulong = uint64_t;
 

@@ -81,12 +81,12 @@ struct Staging {
 };
 
 // Binds plan slots to the emulator's buffer table: [[buffer(i)]] is
-// buffers[i]: the staged copy of an array or a constant, with what the
-// emulator checks against the kernel's signature. Holds plans to the rule
-// eval_gpu depends on (common/launch_plan.h): an array slot is marked empty
-// exactly when its array has no elements, since Metal would see no buffer
-// there. A placeholder is bound with a null pointer, so a kernel that
-// touches one faults.
+// buffers[i]: the staged copy of an array, a constant or a block of them,
+// with what the emulator checks against the kernel's signature. Holds plans
+// to the rule eval_gpu depends on (common/launch_plan.h): an array slot is
+// marked empty exactly when its array has no elements (or there is none),
+// since Metal would see no buffer there. A placeholder is bound with a null
+// pointer, so a kernel that touches one faults.
 struct EmulatorBinder {
   const std::string& kernel;
   Staging& staging;
@@ -97,36 +97,44 @@ struct EmulatorBinder {
   EmulatorBinder(const std::string& kernel, Staging& staging, size_t n_slots)
       : kernel(kernel), staging(staging), buffers(n_slots), constants(n_slots) {}
 
-  void input(int idx, const mx::array& a) {
-    check_marked(idx, a, false);
-    buffers[idx] = {staging.stage(a).bound, dtype_name(a.dtype()), EmulatedBuffer::Access::Read};
+  void input(int idx, const mx::array& a, const std::string& element) {
+    check_marked(idx, &a, false);
+    buffers[idx] = {staging.stage(a).bound, element, EmulatedBuffer::Access::Read};
   }
-  void output(int idx, mx::array& a) {
-    check_marked(idx, a, false);
+  void output(int idx, mx::array& a, const std::string& element) {
+    check_marked(idx, &a, false);
     StagedArray& s = staging.stage(a);
     s.output = true;
-    buffers[idx] = {s.bound, dtype_name(a.dtype()), EmulatedBuffer::Access::Write};
+    buffers[idx] = {s.bound, element, EmulatedBuffer::Access::Write};
   }
-  void earlier_output(int idx, const mx::array& a) {
-    input(idx, a);
+  void earlier_output(int idx, const mx::array& a, const std::string& element) {
+    input(idx, a, element);
   }
   void constant(int idx, uint32_t value) {
     constants[idx] = value;
     buffers[idx] = {&constants[idx], dtype_name(mx::uint32), EmulatedBuffer::Access::Constant};
   }
-  void placeholder(int idx, BufferSlot::Kind kind, const mx::array& a) {
+  // The plan's words stay where they are for the dispatch; the name is the
+  // one the kernel's parameter gets (metal_emu::element_name).
+  void block(int idx, const std::vector<uint32_t>& words) {
+    buffers[idx] = {const_cast<uint32_t*>(words.data()),
+                    "uint32[" + std::to_string(words.size()) + "]",
+                    EmulatedBuffer::Access::Constant};
+  }
+  void placeholder(int idx, BufferSlot::Kind kind, const mx::array* a, const std::string& element) {
     check_marked(idx, a, true);
-    buffers[idx] = {nullptr, dtype_name(a.dtype()),
+    buffers[idx] = {nullptr, element,
                     kind == BufferSlot::Kind::Output ? EmulatedBuffer::Access::Write
                                                      : EmulatedBuffer::Access::Read};
   }
 
-  void check_marked(int idx, const mx::array& a, bool marked_empty) const {
-    if ((a.size() == 0) != marked_empty) {
+  // An unused slot (no array) is always marked empty.
+  void check_marked(int idx, const mx::array* a, bool marked_empty) const {
+    if (a != nullptr && (a->size() == 0) != marked_empty) {
       throw std::logic_error(
           "mlx_knorm: the launch plan of " + kernel + " marks [[buffer(" +
           std::to_string(idx) + ")]] " + (marked_empty ? "empty" : "non-empty") +
-          " but binds an array of " + std::to_string(a.size()) +
+          " but binds an array of " + std::to_string(a->size()) +
           " elements there");
     }
   }
@@ -164,7 +172,7 @@ void run_emulated_plan(
   std::vector<bool> written(outputs.size(), false);
   for (const LaunchPlan& plan : plans) {
     for (const BufferSlot& slot : plan.buffers) {
-      if (plan.groups > 0 && slot.kind == BufferSlot::Kind::EarlierOutput &&
+      if (plan.groups > 0 && slot.kind == BufferSlot::Kind::EarlierOutput && slot.array >= 0 &&
           !written.at(slot.array)) {
         throw std::logic_error(
             "mlx_knorm: the launch plan of " + plan.kernel + " reads output " +
@@ -173,7 +181,7 @@ void run_emulated_plan(
     }
     run_dispatch(plan, inputs, outputs, staging);
     for (const BufferSlot& slot : plan.buffers) {
-      if (plan.groups > 0 && slot.kind == BufferSlot::Kind::Output) {
+      if (plan.groups > 0 && slot.kind == BufferSlot::Kind::Output && slot.array >= 0) {
         written.at(slot.array) = true;
       }
     }

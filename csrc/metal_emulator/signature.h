@@ -69,9 +69,12 @@ struct ThreadPosition {
   }
 };
 
-// MLX's names (common/dtype.h) of the element types a buffer may hold.
+// MLX's names (common/dtype.h) of the element types a buffer may hold;
+// uint8 for raw bytes (uchar). A struct of uint32 fields (a block of
+// constants, such as KnormEvictParams) is named uint32[n], as the host binds
+// it (run_plan.cpp).
 template <typename T>
-constexpr const char* dtype_name() {
+std::string element_name() {
   if constexpr (std::is_same_v<T, metal::half>) {
     return "float16";
   } else if constexpr (std::is_same_v<T, metal::bfloat>) {
@@ -82,6 +85,12 @@ constexpr const char* dtype_name() {
     return "uint32";
   } else if constexpr (std::is_same_v<T, int32_t>) {
     return "int32";
+  } else if constexpr (std::is_same_v<T, uint8_t>) {
+    return "uint8";
+  } else if constexpr (std::is_class_v<T>) {
+    static_assert(std::is_trivially_copyable_v<T> && sizeof(T) % sizeof(uint32_t) == 0,
+                  "a struct bound at a [[buffer(i)]] is a block of uint32 constants");
+    return "uint32[" + std::to_string(sizeof(T) / sizeof(uint32_t)) + "]";
   } else {
     static_assert(!std::is_same_v<T, T>, "no MLX dtype for this buffer element type");
   }
@@ -90,25 +99,25 @@ constexpr const char* dtype_name() {
 // A kernel parameter declared [[buffer(index)]].
 struct BufferParameter {
   uint32_t index;
-  const char* dtype;
+  std::string dtype;
   bool writable;      // device T*, not const
   bool by_reference;  // constant T&
 
   std::string describe() const {
     const std::string element = std::string(writable ? "" : "const ") + dtype;
-    return by_reference ? (writable ? "device " : "constant ") + std::string(dtype) + "&"
+    return by_reference ? (writable ? "device " : "constant ") + dtype + "&"
                         : "device " + element + "*";
   }
 };
 
 template <typename Param, uint32_t I>
-constexpr BufferParameter buffer_parameter(buffer_index<I>) {
+BufferParameter buffer_parameter(buffer_index<I>) {
   static_assert(std::is_pointer_v<Param> || std::is_reference_v<Param>,
                 "a [[buffer(i)]] parameter is a pointer or a reference");
   using Pointee = std::conditional_t<
       std::is_pointer_v<Param>, std::remove_pointer_t<Param>, std::remove_reference_t<Param>>;
   using Element = std::remove_cv_t<Pointee>;
-  return {I, dtype_name<Element>(), !std::is_const_v<Pointee>, std::is_reference_v<Param>};
+  return {I, element_name<Element>(), !std::is_const_v<Pointee>, std::is_reference_v<Param>};
 }
 
 // The function type of a kernel: parameter, tag, parameter, tag, ...

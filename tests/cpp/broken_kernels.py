@@ -112,6 +112,33 @@ BROKEN_KERNELS = (
         "run",
         {"address": ("heap-buffer-overflow", "knorm_fill_new_rows")},
     ),
+    # The payload loop of a row move stopping one payload short: the last
+    # payload of a moved row (a quantized cache's value biases) stays behind.
+    BrokenKernel(
+        "last_payload_skipped",
+        (("evict_and_fill.h",
+          "    if (i < b.payloads) {\n      const ulong bytes = b.row_bytes[i];\n",
+          "    if (i + 1 < b.payloads) {\n      const ulong bytes = b.row_bytes[i];\n"),),
+        "run",
+        {"thread": ("MISMATCH: evict_and_fill case payloads output values[2]",)},
+    ),
+    # The caller's norms of the new rows dropped for zeros.
+    BrokenKernel(
+        "given_norms_ignored",
+        (("evict_and_fill.h", "  return given[j];\n", "  return 0.0f * given[j];\n"),),
+        "run",
+        {"thread": ("MISMATCH: evict_and_fill case payloads output norms",)},
+    ),
+    # Padding rows ranked as real ones: a batch's padding kept over its
+    # sequences' tokens, and counted as sinks and recent.
+    BrokenKernel(
+        "padding_ranked_as_real",
+        (("evict_and_fill.h",
+          "  if (p >= stored.first_real && p <= stored.last_real) {\n",
+          "  if (p >= stored.first_real || p <= stored.last_real) {\n"),),
+        "run",
+        {"thread": ("MISMATCH: evict_and_fill case padding output",)},
+    ),
     # The row copy of a split gather writing the prior rows of an output in
     # place again, from its own buffer, which other threadgroups write.
     BrokenKernel(

@@ -14,13 +14,16 @@
 // temporal compaction; enough for every broken kernel of
 // tests/cpp/broken_kernels.py to fail)
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
 #include <stdexcept>
+#include <limits>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -270,19 +273,34 @@ void check_gather(const GatherCase& gc, std::mt19937_64& rng, const std::string&
   }
 }
 
+// One payload of an evict_and_fill case: its width and dtype.
+struct Payload {
+  int width;
+  mx::Dtype dtype;
+};
+
 // The shape of one evict_and_fill case; its data is drawn at random.
 struct EvictAndFillCase {
-  EvictAndFillConfig config;
+  EvictAndFillConfig config;  // its payload groups, norms_given and has_valid too
   int n_heads;
   int slots;
   int n_new;
-  int key_dim;
-  int value_dim;
-  mx::Dtype key_type;
-  mx::Dtype value_type;
-  unsigned shared;  // bit i: output i is input i's buffer (in place)
+  std::vector<Payload> payloads;  // the keys', then the values'
+  unsigned shared;  // bit i: output i (payloads, norms, positions) is input i's buffer
   bool distinct;    // distinct positions (the cache's) or a few repeated
+  // (lo, hi) per head when config.has_valid; drawn at random when empty.
+  std::vector<std::array<int32_t, 2>> valid = {};
 };
+
+// Payload dtypes of every element size: the first payload's, when the
+// norms are computed, is one of kTypes.
+const mx::Dtype kPayloadTypes[] = {mx::bool_, mx::uint8, mx::int16, mx::float16, mx::bfloat16,
+                                   mx::uint32, mx::float32, mx::int64, mx::complex64};
+
+// Keys and values as the float cache stores them (M = 2, norms computed).
+std::vector<Payload> key_value(int key_dim, mx::Dtype key_type, int value_dim, mx::Dtype value_type) {
+  return {{key_dim, key_type}, {value_dim, value_type}};
+}
 
 EvictAndFillCase random_evict_and_fill_case(std::mt19937_64& rng) {
   EvictAndFillConfig config;
@@ -304,13 +322,29 @@ EvictAndFillCase random_evict_and_fill_case(std::mt19937_64& rng) {
   config.out_capacity = in_place ? slots : kept + n_new + static_cast<int>(rng() % 3);
   config.offset = config.filled + static_cast<int>(rng() % 5);
   const int dims[] = {0, 1, 3, 8, 33, 80};
-  const int key_dim = dims[rng() % 6];
-  const int value_dim = rng() % 2 ? key_dim : dims[rng() % 6];
-  const mx::Dtype key_type = kTypes[rng() % 3];
-  const mx::Dtype value_type = kTypes[rng() % 3];
-  const unsigned shared = in_place ? static_cast<unsigned>(rng() % 16) : 0u;
-  return {config, 1 + static_cast<int>(rng() % 2), slots, n_new, key_dim, value_dim,
-          key_type, value_type, shared, rng() % 2 == 0};
+  std::vector<Payload> payloads;
+  if (rng() % 2 == 0) {
+    // The float cache's keys and values.
+    const int key_dim = dims[rng() % 6];
+    payloads = key_value(key_dim, kTypes[rng() % 3], rng() % 2 ? key_dim : dims[rng() % 6],
+                         kTypes[rng() % 3]);
+    config.payloads = {1, 1, false, false};
+  } else {
+    // Any payloads, 1 to kEvictMaxPayloads of them, any dtypes and widths.
+    const int m = 1 + static_cast<int>(rng() % kEvictMaxPayloads);
+    for (int i = 0; i < m; ++i) {
+      payloads.push_back({dims[rng() % 6], kPayloadTypes[rng() % 9]});
+    }
+    const int keys = 1 + static_cast<int>(rng() % m);
+    config.payloads = {keys, m - keys, keys > 1, m - keys > 1};
+  }
+  const bool float_keys = payloads[0].dtype == mx::float16 ||
+      payloads[0].dtype == mx::bfloat16 || payloads[0].dtype == mx::float32;
+  config.norms_given = !float_keys || rng() % 3 == 0;
+  config.has_valid = rng() % 2 == 0;
+  const int m = static_cast<int>(payloads.size());
+  const unsigned shared = in_place ? static_cast<unsigned>(rng() % (1u << (m + 2))) : 0u;
+  return {config, 1 + static_cast<int>(rng() % 2), slots, n_new, payloads, shared, rng() % 2 == 0};
 }
 
 // Rows a head copies in the fixed cases that split in two dispatches
@@ -334,8 +368,8 @@ std::vector<EvictAndFillCase> in_place_evict_and_fill_cases() {
     config.filled = 600 + excess;
     config.offset = config.filled;
     config.out_capacity = std::max<int64_t>(config.filled, 600 + n_new) + 1;
-    cases.push_back({config, 2, static_cast<int>(config.out_capacity), n_new, 80, 33,
-                     mx::float16, mx::float32, 0xFu, true});
+    cases.push_back({config, 2, static_cast<int>(config.out_capacity), n_new,
+                     key_value(80, mx::float16, 33, mx::float32), 0xFu, true});
   }
   return cases;
 }
@@ -355,10 +389,62 @@ std::vector<EvictAndFillCase> fixed_evict_and_fill_cases() {
         config.filled = filled;
         config.offset = filled;
         config.out_capacity = 500;
-        cases.push_back(
-            {config, 3, 500, kSplitCaseRows, 8, 33, mx::bfloat16, mx::float16, shared, true});
+        cases.push_back({config, 3, 500, kSplitCaseRows,
+                         key_value(8, mx::bfloat16, 33, mx::float16), shared, true});
       }
     }
+  }
+  return cases;
+}
+
+// A quantized cache's six payloads (packed words, scales and biases of
+// keys and values: widths of 4, 2 and 1 bytes a row and more), their new
+// rows' norms given: a decode step in the slot layout (the spare row moves
+// into the hole, every payload with it), and steps evicting 300 rows in
+// both layouts, in place, one of them with a block the second dispatch
+// writes.
+std::vector<EvictAndFillCase> payload_evict_and_fill_cases() {
+  const std::vector<Payload> quantized = {{16, mx::uint32}, {2, mx::float16}, {2, mx::float16},
+                                          {12, mx::uint32}, {1, mx::bfloat16}, {3, mx::uint8}};
+  std::vector<EvictAndFillCase> cases;
+  for (const auto [excess, layout, n_new] :
+       {std::tuple{1, Layout::Slots, 1}, std::tuple{300, Layout::Slots, 1},
+        std::tuple{300, Layout::Temporal, kSplitCaseRows}}) {
+    EvictAndFillConfig config;
+    config.selection = {600, 4, 16, Keep::Low};
+    config.layout = layout;
+    config.filled = 600 + excess;
+    config.offset = config.filled;
+    config.out_capacity = std::max<int64_t>(config.filled, 600 + n_new) + 1;
+    config.payloads = {3, 3, true, true};
+    config.norms_given = true;
+    cases.push_back({config, 2, static_cast<int>(config.out_capacity), n_new, quantized,
+                     0xFFu, true});
+  }
+  return cases;
+}
+
+// Heads of a batch with valid ranges: positions 0, 1, ... (shuffled) in
+// every head, the first 40 left padding in one head (the first 30 and the
+// last 20 in another, as a right-padded prompt chunk), none in the third;
+// a decode step and a step evicting 300 rows: the padding must rank after
+// every real row whatever its norm.
+std::vector<EvictAndFillCase> padding_evict_and_fill_cases() {
+  std::vector<EvictAndFillCase> cases;
+  for (const auto [excess, layout] :
+       {std::pair{1, Layout::Slots}, std::pair{300, Layout::Temporal}}) {
+    const int32_t filled = 600 + excess;
+    EvictAndFillConfig config;
+    config.selection = {600, 4, 16, Keep::Low};
+    config.layout = layout;
+    config.filled = 600 + excess;
+    config.offset = config.filled;
+    config.out_capacity = config.filled + 1;
+    config.has_valid = true;
+    cases.push_back({config, 3, static_cast<int>(config.out_capacity), 1,
+                     key_value(8, mx::float16, 8, mx::float16), 0xFu, true,
+                     {{40, std::numeric_limits<int32_t>::max()}, {30, filled - 20},
+                      {0, std::numeric_limits<int32_t>::max()}}});
   }
   return cases;
 }
@@ -410,6 +496,36 @@ std::vector<GatherCase> in_place_gather_cases() {
   return cases;
 }
 
+// Valid ranges for the heads of a case: the ones of its positions (left
+// padding below lo, right padding from hi), others at random, empty ones
+// and the whole int32 range among them.
+void fill_valid(Buffer& b, const EvictAndFillCase& ec, std::mt19937_64& rng) {
+  auto* valid = reinterpret_cast<int32_t*>(b.bytes());
+  const int32_t offset = static_cast<int32_t>(ec.config.offset);
+  for (int n = 0; n < ec.n_heads; ++n) {
+    if (!ec.valid.empty()) {
+      valid[2 * n] = ec.valid.at(n)[0];
+      valid[2 * n + 1] = ec.valid.at(n)[1];
+      continue;
+    }
+    int32_t lo = static_cast<int32_t>(rng() % (offset + 2)) - 1;
+    int32_t hi = rng() % 2 ? std::numeric_limits<int32_t>::max()
+                           : lo + static_cast<int32_t>(rng() % (offset + 3)) - 1;
+    switch (rng() % 8) {
+      case 0:
+        lo = std::numeric_limits<int32_t>::min();
+        break;
+      case 1:
+        std::swap(lo, hi);  // empty: every row padding
+        break;
+      default:
+        break;
+    }
+    valid[2 * n] = lo;
+    valid[2 * n + 1] = hi;
+  }
+}
+
 // One evict_and_fill call on the same inputs through the CPU kernel and the
 // emulated Metal kernel. Only the defined slots [0, kept + S) of each
 // head are compared.
@@ -419,20 +535,19 @@ void check_evict_and_fill(
     const std::string& label) {
   const EvictAndFillConfig& config = ec.config;
   const int n_heads = ec.n_heads;
+  const int m = static_cast<int>(ec.payloads.size());
   const int kept = static_cast<int>(config.kept());
   const int capacity = static_cast<int>(config.out_capacity);
+  // Inputs in the primitive's order (EvictAndFillInputs).
   std::vector<std::unique_ptr<Buffer>> in;
-  in.push_back(make({n_heads, ec.slots, ec.key_dim}, ec.key_type));
-  in.push_back(make({n_heads, ec.slots, ec.value_dim}, ec.value_type));
-  in.push_back(make({n_heads, ec.slots}, mx::float32));
-  in.push_back(make({n_heads, ec.slots}, mx::int32));
-  in.push_back(make({n_heads, ec.n_new, ec.key_dim}, ec.key_type));
-  in.push_back(make({n_heads, ec.n_new, ec.value_dim}, ec.value_type));
-  for (int i : {0, 1, 4, 5}) {
-    fill_bits(*in[i], rng);
+  for (const Payload& p : ec.payloads) {
+    in.push_back(make({n_heads, ec.slots, p.width}, p.dtype));
+    fill_bits(*in.back(), rng);
   }
-  fill_norms(*in[2], rng, static_cast<int>(rng() % 3));
-  auto* positions = reinterpret_cast<int32_t*>(in[3]->bytes());
+  in.push_back(make({n_heads, ec.slots}, mx::float32));
+  fill_norms(*in.back(), rng, static_cast<int>(rng() % 3));
+  in.push_back(make({n_heads, ec.slots}, mx::int32));
+  auto* positions = reinterpret_cast<int32_t*>(in.back()->bytes());
   for (int n = 0; n < n_heads; ++n) {
     int32_t* head = positions + static_cast<size_t>(n) * ec.slots;
     for (int s = 0; s < ec.slots; ++s) {
@@ -442,15 +557,31 @@ void check_evict_and_fill(
       std::shuffle(head, head + config.filled, rng);
     }
   }
-  const std::vector<mx::Shape> shapes = {
-      {n_heads, capacity, ec.key_dim},
-      {n_heads, capacity, ec.value_dim},
-      {n_heads, capacity},
-      {n_heads, capacity}};
-  const std::vector<mx::Dtype> types = {ec.key_type, ec.value_type, mx::float32, mx::int32};
+  for (const Payload& p : ec.payloads) {
+    in.push_back(make({n_heads, ec.n_new, p.width}, p.dtype));
+    fill_bits(*in.back(), rng);
+  }
+  if (config.norms_given) {
+    in.push_back(make({n_heads, ec.n_new}, mx::float32));
+    fill_norms(*in.back(), rng, 1);
+  }
+  if (config.has_valid) {
+    in.push_back(make({n_heads, 2}, mx::int32));
+    fill_valid(*in.back(), ec, rng);
+  }
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> types;
+  for (const Payload& p : ec.payloads) {
+    shapes.push_back({n_heads, capacity, p.width});
+    types.push_back(p.dtype);
+  }
+  shapes.push_back({n_heads, capacity});
+  types.push_back(mx::float32);
+  shapes.push_back({n_heads, capacity});
+  types.push_back(mx::int32);
   auto run = [&](auto kernel) {
     KernelRun r = kernel_run(in, ec.shared, shapes, types);
-    kernel(EvictAndFillInputs::from(r.inputs), r.outputs, config);
+    kernel(EvictAndFillInputs::from(r.inputs, config), r.outputs, config);
     std::vector<std::vector<uint8_t>> defined;
     for (const auto& out : r.outputs) {
       const size_t row = static_cast<size_t>(out.itemsize()) *
@@ -466,13 +597,14 @@ void check_evict_and_fill(
   };
   const auto native = run(&evict_and_fill_cpu);
   const auto emulated = run(&evict_and_fill_emulated);
-  const char* names[] = {"keys", "values", "norms", "positions"};
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < m + 2; ++i) {
     if (native[i] != emulated[i]) {
-      fail("evict_and_fill case " + label + " output " + names[i] + " filled=" +
-           std::to_string(config.filled) + " budget=" +
+      const std::string name = i < m ? config.payloads.name(i) : i == m ? "norms" : "positions";
+      fail("evict_and_fill case " + label + " output " + name + " (of " + std::to_string(m) +
+           " payloads) filled=" + std::to_string(config.filled) + " budget=" +
            std::to_string(config.selection.budget) + " S=" + std::to_string(ec.n_new) +
-           " in place=" + std::to_string(ec.shared));
+           " in place=" + std::to_string(ec.shared) +
+           (config.norms_given ? " norms given" : "") + (config.has_valid ? " valid ranges" : ""));
     }
   }
 }
@@ -522,6 +654,12 @@ void fixed_cases(std::mt19937_64& rng) {
   }
   for (const EvictAndFillCase& ec : fixed_evict_and_fill_cases()) {
     check_evict_and_fill(ec, rng, "fixed");
+  }
+  for (const EvictAndFillCase& ec : payload_evict_and_fill_cases()) {
+    check_evict_and_fill(ec, rng, "payloads");
+  }
+  for (const EvictAndFillCase& ec : padding_evict_and_fill_cases()) {
+    check_evict_and_fill(ec, rng, "padding");
   }
 }
 

@@ -5,6 +5,7 @@ Metal emulator or the fallback, and the fallback."""
 from __future__ import annotations
 
 import math
+from typing import NamedTuple, Union
 
 import mlx.core as mx
 
@@ -25,15 +26,25 @@ from .key_norms import fallback as key_norms_fallback
 from .protected_topk_gather import score_order_key
 
 LAYOUTS = ("slots", "temporal")
+# Payload arrays (keys' and values' together) a step moves: the Metal
+# kernel binds each at fixed buffer indices (kEvictMaxPayloads,
+# metal/knorm_defines.h).
+MAX_PAYLOADS = 6
+# The order key of a padding row's score (kPaddingScoreKey): after every
+# score key, NaN's included (docs/spec.md §4 step 1).
+_PADDING_KEY = 0xFFFFFFFF
+
+# keys, values, new_keys, new_values: one array or a tuple of them.
+Rows = Union[mx.array, tuple[mx.array, ...]]
 
 
 def evict_and_fill(
-    keys: mx.array,
-    values: mx.array,
+    keys: Rows,
+    values: Rows,
     norms: mx.array,
     positions: mx.array,
-    new_keys: mx.array,
-    new_values: mx.array,
+    new_keys: Rows,
+    new_values: Rows,
     *,
     filled: int,
     offset: int,
@@ -43,8 +54,10 @@ def evict_and_fill(
     recent: int,
     keep: str,
     layout: str = "slots",
+    new_norms: mx.array | None = None,
+    valid: mx.array | None = None,
     stream=None,
-) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+) -> tuple[Rows, Rows, mx.array, mx.array]:
     """One step of the cache's buffers (docs/spec.md §4).
 
     ``keys [N, C, D_k]``, ``values [N, C, D_v]``, float32 ``norms [N, C]``
@@ -57,17 +70,29 @@ def evict_and_fill(
     holes; ``"temporal"``: a stable compaction), and the new rows with their
     norms and positions follow. Returns ``(keys, values, norms, positions)``
     with ``capacity`` slots, of which ``[0, kept + S)`` are defined,
-    ``kept = min(filled, budget)``. In place when the buffers are donated and
-    ``capacity == C`` (docs/spec.md §7). The heads may take several leading
-    axes (``[B, H, C, D_k]``, as a model's cache holds them), the same in
-    every array.
+    ``kept = min(filled, budget)``. In place, buffer by buffer, when the
+    buffers are donated and ``capacity == C`` (docs/spec.md §7). The heads
+    may take several leading axes (``[B, H, C, D_k]``, as a model's cache
+    holds them), the same in every array.
+
+    Each of ``keys`` and ``values`` (with ``new_keys``, ``new_values``) may
+    be a tuple of arrays ``[N, C, W]`` of any dtype, such as mlx-lm's
+    quantized ``(packed, scales, biases)``: every array is a payload moved
+    as raw bits, at most 6 in all, and the outputs come back in the same
+    structure. ``new_norms`` (float32 ``[N, S]``) gives the new rows' norms;
+    without it they are computed from ``new_keys`` (docs/spec.md §2), which
+    must then be one floating array. ``valid`` (int32 ``[N, 2]``) gives each
+    head's real positions ``[lo, hi)``: other rows are padding, ranked after
+    every real row and never protected, so each sequence of a batch keeps
+    what it would keep alone.
     """
-    arrays = keys, values, norms, positions, new_keys, new_values
-    config = check_step(
-        *arrays, filled=filled, offset=offset, capacity=capacity, budget=budget,
+    step = check_step(
+        keys, values, norms, positions, new_keys, new_values,
+        filled=filled, offset=offset, capacity=capacity, budget=budget,
         n_sink=n_sink, recent=recent, keep=keep, layout=layout,
+        new_norms=new_norms, valid=valid,
     )
-    return _run(resolve(stream, key_dim=keys.shape[-1]), arrays, config, stream)
+    return _run(resolve(stream, key_dim=step.norm_key_dim()), step, stream)
 
 
 def check_layout(layout) -> str:
@@ -78,65 +103,164 @@ def check_layout(layout) -> str:
     return layout
 
 
+class Step(NamedTuple):
+    """One checked step: the payloads flat (the keys', then the values'),
+    how they group back into ``keys`` and ``values`` (``None``: one array;
+    else the tuple's length), the other arrays, and the configuration as
+    converted."""
+
+    payloads: list[mx.array]
+    norms: mx.array
+    positions: mx.array
+    new_payloads: list[mx.array]
+    new_norms: mx.array | None
+    valid: mx.array | None
+    key_tuple: int | None
+    value_tuple: int | None
+    config: dict
+
+    @property
+    def n_keys(self) -> int:
+        return 1 if self.key_tuple is None else self.key_tuple
+
+    def norm_key_dim(self) -> int | None:
+        """The width of the keys whose norms the op computes, for the
+        backend's choice (``backend.resolve``); None when they are given."""
+        return self.payloads[0].shape[-1] if self.new_norms is None else None
+
+    def grouped(self, flat) -> tuple[Rows, Rows, mx.array, mx.array]:
+        """Flat outputs ``[*payloads, norms, positions]`` in the structure
+        of the inputs."""
+        *rows, norms, positions = flat
+        keys, values = rows[: self.n_keys], rows[self.n_keys :]
+        return (
+            keys[0] if self.key_tuple is None else tuple(keys),
+            values[0] if self.value_tuple is None else tuple(values),
+            norms,
+            positions,
+        )
+
+
+def _payload_group(x, name: str) -> tuple[list[mx.array], int | None, list[str]]:
+    """``keys``, ``values``, ``new_keys`` or ``new_values``: its arrays, its
+    tuple length (None for one array) and the arrays' names."""
+    if isinstance(x, (tuple, list)):
+        if not x:
+            raise TypeError(
+                f"mlx_knorm: {name} must be an mlx.core.array or a non-empty tuple of them, "
+                "got an empty sequence"
+            )
+        names = [f"{name}[{i}]" for i in range(len(x))]
+        for a, a_name in zip(x, names):
+            check_array(a, a_name)
+        return list(x), len(x), names
+    check_array(x, name)
+    return [x], None, [name]
+
+
+def _check_structure(new_len, new_name: str, stored_len, stored_name: str) -> None:
+    if new_len != stored_len:
+        def describe(n):
+            return "an array" if n is None else f"a tuple of {n} arrays"
+
+        raise ValueError(
+            f"mlx_knorm: {new_name} must have the structure of {stored_name}: "
+            f"{stored_name} is {describe(stored_len)}, {new_name} {describe(new_len)}"
+        )
+
+
 def check_step(
     keys, values, norms, positions, new_keys, new_values,
     *, filled, offset, capacity, budget, n_sink, recent, keep, layout,
-) -> dict:
-    """Every check of docs/spec.md §6 for one step; returns the integer and
-    string arguments as converted, the form every later call uses."""
+    new_norms=None, valid=None,
+) -> Step:
+    """Every check of docs/spec.md §6 for one step, in the primitive's order
+    (csrc/evict_and_fill/evict_and_fill.cpp); returns the step with the
+    integer and string arguments as converted, the form every later call
+    uses."""
     budget, n_sink, recent, keep = check_config(budget, n_sink, recent, keep)
     layout = check_layout(layout)
     filled = check_int(filled, "filled")
     offset = check_int(offset, "offset")
     capacity = check_int(capacity, "capacity")
-    check_array(keys, "keys")
-    if keys.ndim < 3:
+    key_rows, key_tuple, key_names = _payload_group(keys, "keys")
+    value_rows, value_tuple, value_names = _payload_group(values, "values")
+    new_key_rows, new_key_tuple, new_key_names = _payload_group(new_keys, "new_keys")
+    new_value_rows, new_value_tuple, new_value_names = _payload_group(new_values, "new_values")
+    _check_structure(new_key_tuple, "new_keys", key_tuple, "keys")
+    _check_structure(new_value_tuple, "new_values", value_tuple, "values")
+    check_array(norms, "norms")
+    check_array(positions, "positions")
+    if new_norms is not None:
+        check_array(new_norms, "new_norms")
+    if valid is not None:
+        check_array(valid, "valid")
+    rows = key_rows + value_rows
+    new_rows = new_key_rows + new_value_rows
+    names = key_names + value_names
+    new_names = new_key_names + new_value_names
+    if len(rows) > MAX_PAYLOADS:
         raise ValueError(
-            f"mlx_knorm: keys must be [..., C, D_k] with at least one head axis, "
-            f"got shape {list(keys.shape)}"
+            f"mlx_knorm: keys and values take at most {MAX_PAYLOADS} payload arrays together, "
+            f"got {len(rows)}"
         )
-    heads = keys.ndim - 2
-    named = [
-        ("values", values, heads + 2),
-        ("norms", norms, heads + 1),
-        ("positions", positions, heads + 1),
-        ("new_keys", new_keys, heads + 2),
-        ("new_values", new_values, heads + 2),
-    ]
-    for name, x, ndim in named:
-        check_array(x, name)
-        check_rank(x, ndim, name)
-    for name, x in (("keys", keys), ("values", values), ("new_keys", new_keys), ("new_values", new_values)):
-        check_floating(x, name)
+    first = rows[0]
+    if first.ndim < 3:
+        raise ValueError(
+            f"mlx_knorm: {names[0]} must be [..., C, D_k] with at least one head axis, "
+            f"got shape {list(first.shape)}"
+        )
+    heads = first.ndim - 2
+    for x, name in zip(rows, names):
+        check_rank(x, heads + 2, name)
+    check_rank(norms, heads + 1, "norms")
+    check_rank(positions, heads + 1, "positions")
+    for x, name in zip(new_rows, new_names):
+        check_rank(x, heads + 2, name)
+    if new_norms is not None:
+        check_rank(new_norms, heads + 1, "new_norms")
+    if valid is not None:
+        check_rank(valid, heads + 1, "valid")
+    if new_norms is None:
+        # The new rows' norms come from the keys (docs/spec.md §2).
+        if key_tuple is not None:
+            raise TypeError(
+                "mlx_knorm: new_norms is required when keys is a tuple: the norms are computed "
+                "from new_keys only when it is one float16, bfloat16 or float32 array"
+            )
+        check_floating(first, names[0])
+        check_floating(new_rows[0], new_names[0])
     check_float32(norms, "norms")
     if positions.dtype != mx.int32:
         raise TypeError(f"mlx_knorm: positions must be int32, got {dtype_name(positions.dtype)}")
-    for name, new, stored, stored_name in (
-        ("new_keys", new_keys, keys, "keys"),
-        ("new_values", new_values, values, "values"),
-    ):
+    for new, stored, new_name, name in zip(new_rows, rows, new_names, names):
         if new.dtype != stored.dtype:
             raise TypeError(
-                f"mlx_knorm: {name} dtype {dtype_name(new.dtype)} must equal "
-                f"{stored_name} dtype {dtype_name(stored.dtype)}"
+                f"mlx_knorm: {new_name} dtype {dtype_name(new.dtype)} must equal "
+                f"{name} dtype {dtype_name(stored.dtype)}"
             )
-    for keys_name, k, values_name, v in (
-        ("keys", keys, "values", values),
-        ("new_keys", new_keys, "new_values", new_values),
-    ):
-        if k.shape[: heads + 1] != v.shape[: heads + 1]:
-            raise shape_mismatch("keys/values mismatch in N or rows", keys_name, k, values_name, v)
-    if keys.shape[:heads] != new_keys.shape[:heads] or keys.shape[-1] != new_keys.shape[-1]:
-        raise shape_mismatch("buffers vs new rows mismatch in N or D", "keys", keys, "new_keys", new_keys)
-    if values.shape[-1] != new_values.shape[-1]:
-        raise shape_mismatch(
-            "buffers vs new rows mismatch in N or D", "values", values, "new_values", new_values
-        )
+    if new_norms is not None:
+        check_float32(new_norms, "new_norms")
+    if valid is not None and valid.dtype != mx.int32:
+        raise TypeError(f"mlx_knorm: valid must be int32, got {dtype_name(valid.dtype)}")
+    for i in range(1, len(rows)):
+        what = f"{names[0]}/{names[i]} mismatch in N or rows"
+        if rows[i].shape[: heads + 1] != first.shape[: heads + 1]:
+            raise shape_mismatch(what, names[0], first, names[i], rows[i])
+        if new_rows[i].shape[: heads + 1] != new_rows[0].shape[: heads + 1]:
+            raise shape_mismatch(what, new_names[0], new_rows[0], new_names[i], new_rows[i])
+    for stored, new, name, new_name in zip(rows, new_rows, names, new_names):
+        if stored.shape[:heads] != new.shape[:heads] or stored.shape[-1] != new.shape[-1]:
+            raise shape_mismatch("buffers vs new rows mismatch in N or D", name, stored, new_name, new)
     for name, x in (("norms", norms), ("positions", positions)):
-        if tuple(x.shape) != tuple(keys.shape[:-1]):
-            raise shape_mismatch(f"{name} must be [N, C]", name, x, "keys", keys)
-    slots = keys.shape[-2]
-    steps = new_keys.shape[-2]
+        if tuple(x.shape) != tuple(first.shape[:-1]):
+            raise shape_mismatch(f"{name} must be [N, C]", name, x, names[0], first)
+    if new_norms is not None and tuple(new_norms.shape) != tuple(new_rows[0].shape[:-1]):
+        raise shape_mismatch("new_norms must be [N, S]", "new_norms", new_norms, new_names[0], new_rows[0])
+    if valid is not None and tuple(valid.shape) != (*first.shape[:heads], 2):
+        raise shape_mismatch("valid must be [N, 2]", "valid", valid, names[0], first)
+    slots = first.shape[-2]
+    steps = new_rows[0].shape[-2]
     if filled < 0:
         raise ValueError(f"mlx_knorm: filled must be >= 0, got {filled}")
     if filled > slots:
@@ -150,36 +274,81 @@ def check_step(
         raise ValueError(f"mlx_knorm: capacity ({capacity}) must be >= kept + S ({needed})")
     if capacity > INT32_MAX:
         raise ValueError(f"mlx_knorm: capacity must be < 2**31, got {capacity}")
-    return dict(
-        filled=filled, offset=offset, capacity=capacity, budget=budget,
-        n_sink=n_sink, recent=recent, keep=keep, layout=layout,
-    )
-
-
-def evict_and_fill_unchecked(
-    keys, values, norms, positions, new_keys, new_values,
-    *, filled, offset, capacity, budget, n_sink, recent, keep, layout="slots", stream=None,
-) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """``evict_and_fill`` for callers that checked their arguments already
-    (the cache): the native op checks every relation it relies on again in
-    C++, so only the fallback runs ``check_step``, and every backend refuses
-    the same calls (docs/spec.md §6)."""
-    arrays = keys, values, norms, positions, new_keys, new_values
     config = dict(
         filled=filled, offset=offset, capacity=capacity, budget=budget,
         n_sink=n_sink, recent=recent, keep=keep, layout=layout,
     )
-    backend = resolve(stream, key_dim=keys.shape[-1])
-    if backend == "fallback":
-        config = check_step(*arrays, **config)
-    return _run(backend, arrays, config, stream)
+    return Step(rows, norms, positions, new_rows, new_norms, valid, key_tuple, value_tuple, config)
 
 
-def _run(backend: str, arrays, config: dict, stream) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+def evict_and_fill_unchecked(
+    keys, values, norms, positions, new_keys, new_values,
+    *, filled, offset, capacity, budget, n_sink, recent, keep, layout="slots",
+    new_norms=None, valid=None, stream=None,
+) -> tuple[Rows, Rows, mx.array, mx.array]:
+    """``evict_and_fill`` for callers that checked their arguments already
+    (the cache): the native op checks every relation it relies on again in
+    C++, so only the fallback runs ``check_step``, and every backend refuses
+    the same calls (docs/spec.md §6)."""
+    one_keys = type(keys) is mx.array
+    backend = resolve(stream, key_dim=keys.shape[-1] if new_norms is None and one_keys else None)
+    if (backend != "fallback" and one_keys and type(values) is mx.array and new_norms is None
+            and valid is None):
+        # The float cache's decode step: positional arguments (the binding
+        # matches keywords by name), the fewest Python operations.
+        return tuple(run_native(
+            backend, "evict_and_fill", keys, values, norms, positions, new_keys, new_values,
+            filled, offset, capacity, budget, n_sink, recent, keep, layout, stream=stream,
+        ))
+    config = dict(
+        filled=filled, offset=offset, capacity=capacity, budget=budget,
+        n_sink=n_sink, recent=recent, keep=keep, layout=layout,
+    )
+    arrays = keys, values, norms, positions, new_keys, new_values
     if backend == "fallback":
+        return _run(backend, check_step(*arrays, **config, new_norms=new_norms, valid=valid), stream)
+    return _run_native(backend, arrays, config, new_norms, valid, stream)
+
+
+def _run(backend: str, step: Step, stream) -> tuple[Rows, Rows, mx.array, mx.array]:
+    if backend == "fallback":
+        arrays = [*step.payloads, step.norms, step.positions, *step.new_payloads]
+        arrays += [x for x in (step.new_norms, step.valid) if x is not None]
         with on_stream(stream):
-            return fallback(*arrays, **config)
-    return tuple(run_native(backend, "evict_and_fill", *arrays, **config, stream=stream))
+            flat = fallback(
+                *arrays, payloads=len(step.payloads), norms_given=step.new_norms is not None,
+                has_valid=step.valid is not None, **step.config,
+            )
+        return step.grouped(flat)
+    keys = step.payloads[: step.n_keys]
+    values = step.payloads[step.n_keys :]
+    new_keys = step.new_payloads[: step.n_keys]
+    new_values = step.new_payloads[step.n_keys :]
+    arrays = (
+        keys[0] if step.key_tuple is None else tuple(keys),
+        values[0] if step.value_tuple is None else tuple(values),
+        step.norms,
+        step.positions,
+        new_keys[0] if step.key_tuple is None else tuple(new_keys),
+        new_values[0] if step.value_tuple is None else tuple(new_values),
+    )
+    return _run_native(backend, arrays, step.config, step.new_norms, step.valid, stream)
+
+
+def _run_native(backend: str, arrays, config: dict, new_norms, valid, stream):
+    """The extension's op on the structured arguments; its flat outputs in
+    their structure."""
+    given = {name: x for name, x in (("new_norms", new_norms), ("valid", valid)) if x is not None}
+    flat = run_native(backend, "evict_and_fill", *arrays, **config, **given, stream=stream)
+    keys, values = arrays[0], arrays[1]
+    n_keys = len(keys) if isinstance(keys, (tuple, list)) else 1
+    rows = flat[:-2]
+    return (
+        tuple(rows[:n_keys]) if isinstance(keys, (tuple, list)) else rows[0],
+        tuple(rows[n_keys:]) if isinstance(values, (tuple, list)) else rows[n_keys],
+        flat[-2],
+        flat[-1],
+    )
 
 
 def position_order_key(positions: mx.array) -> mx.array:
@@ -190,18 +359,32 @@ def position_order_key(positions: mx.array) -> mx.array:
 def kept_slots(
     norms: mx.array, positions: mx.array,
     filled: int, offset: int, budget: int, n_sink: int, recent: int, keep: str,
+    valid: mx.array | None = None,
 ) -> mx.array:
     """bool ``[N, filled]``: the slots of ``[0, filled)`` that docs/spec.md
-    §4 step 1 keeps."""
+    §4 step 1 keeps. ``valid``: int32 ``[N, 2]`` ranges, or None (every row
+    real)."""
     n_rows = norms.shape[0]
     if filled <= budget:
         return mx.ones((n_rows, filled), dtype=mx.bool_)
     norms = norms[:, :filled]
     positions = positions[:, :filled]
-    protected = (positions < n_sink) | (positions >= offset - recent)
+    if valid is None:
+        protected = (positions < n_sink) | (positions >= offset - recent)
+        real = None
+    else:
+        # Bounds past int32 (lo + n_sink, min(offset, hi) - recent) in int64.
+        p = positions.astype(mx.int64)
+        lo = valid[:, 0:1].astype(mx.int64)
+        hi = valid[:, 1:2].astype(mx.int64)
+        real = (p >= lo) & (p < hi)
+        protected = (p < lo + n_sink) | (p >= mx.minimum(hi, offset) - recent)
     scores = norms if keep == "low" else -norms
-    # No score key is 0, so protected rows rank before every evictable row.
+    # No score key is 0, so protected rows rank before every evictable row;
+    # every score key is below the padding's.
     score_key = mx.where(protected, mx.array(0, mx.uint32), score_order_key(scores))
+    if real is not None:
+        score_key = mx.where(real, score_key, mx.array(_PADDING_KEY, mx.uint32))
     rank = (score_key.astype(mx.uint64) << 32) | position_order_key(positions).astype(mx.uint64)
     # The budget-th smallest rank; of the rows equal to it (equal positions)
     # the lowest slots are kept.
@@ -232,42 +415,51 @@ def source_slots(keep: mx.array, kept: int, layout: str) -> mx.array:
 
 @without_transforms("evict_and_fill")
 def fallback(
-    keys, values, norms, positions, new_keys, new_values,
-    *, filled, offset, capacity, budget, n_sink, recent, keep, layout,
-) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    *arrays,
+    payloads, norms_given, has_valid,
+    filled, offset, capacity, budget, n_sink, recent, keep, layout,
+) -> tuple[mx.array, ...]:
     """The pure-MLX step, bit-identical to the kernels on slots
-    ``[0, kept + S)``; later slots are zeros here. Runs on one head axis."""
-    heads = keys.shape[:-2]
+    ``[0, kept + S)``; later slots are zeros here. ``arrays`` in the
+    primitive's order: the ``payloads`` buffers, norms, positions, the new
+    payload rows, then new_norms and valid where given; returns the
+    payloads, norms and positions. Runs on one head axis."""
+    m = payloads
+    heads = arrays[m].shape[:-1]
     n_heads = math.prod(heads)
-    arrays = keys, values, norms, positions, new_keys, new_values
+    rows = [x.reshape(n_heads, *x.shape[len(heads) :]) for x in arrays]
+    stored, (norms, positions), new = rows[:m], rows[m : m + 2], rows[m + 2 : 2 * m + 2]
+    extra = rows[2 * m + 2 :]
+    new_norms = extra.pop(0) if norms_given else None
+    valid = extra.pop(0) if has_valid else None
     out = _fallback_one_head_axis(
-        *(x.reshape(n_heads, *x.shape[len(heads) :]) for x in arrays),
+        stored, norms, positions, new, new_norms, valid,
         filled, offset, capacity, budget, n_sink, recent, keep, layout,
     )
     return tuple(x.reshape(*heads, *x.shape[1:]) for x in out)
 
 
 def _fallback_one_head_axis(
-    keys, values, norms, positions, new_keys, new_values,
+    stored, norms, positions, new, new_norms, valid,
     filled, offset, capacity, budget, n_sink, recent, keep, layout,
-) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+) -> list[mx.array]:
     kept = min(filled, budget)
-    steps = new_keys.shape[1]
+    steps = new[0].shape[1]
+    n_heads = norms.shape[0]
     norms = shape_pinned(norms)
-    keep_mask = kept_slots(norms, positions, filled, offset, budget, n_sink, recent, keep)
+    keep_mask = kept_slots(norms, positions, filled, offset, budget, n_sink, recent, keep, valid)
     src = source_slots(keep_mask, kept, layout)
 
-    def assemble(buffer, new):
+    def assemble(buffer, fresh):
         rows = mx.take_along_axis(buffer, src.reshape(*src.shape, *([1] * (buffer.ndim - 2))), axis=1)
         pad_shape = (buffer.shape[0], capacity - kept - steps, *buffer.shape[2:])
-        return mx.concatenate([rows, new, mx.zeros(pad_shape, buffer.dtype)], axis=1)
+        return mx.concatenate([rows, fresh, mx.zeros(pad_shape, buffer.dtype)], axis=1)
 
-    new_positions = mx.broadcast_to(
-        mx.arange(offset, offset + steps, dtype=mx.int32), new_keys.shape[:2]
-    )
-    return (
-        assemble(keys, new_keys),
-        assemble(values, new_values),
-        assemble(norms, key_norms_fallback(new_keys)),
+    new_positions = mx.broadcast_to(mx.arange(offset, offset + steps, dtype=mx.int32), (n_heads, steps))
+    if new_norms is None:
+        new_norms = key_norms_fallback(new[0])
+    return [
+        *(assemble(buffer, fresh) for buffer, fresh in zip(stored, new)),
+        assemble(norms, new_norms),
         assemble(positions, new_positions),
-    )
+    ]

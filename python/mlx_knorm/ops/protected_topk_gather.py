@@ -22,7 +22,9 @@ from ..validation import (
 from .common import on_stream, run_native, shape_pinned, without_transforms
 
 _SIGN = 0x80000000
-_NAN_KEY = 0xFFFFFFFF
+# Every NaN score's order key (kNanScoreKey, metal/knorm_defines.h): after
+# every number's, below evict_and_fill's key of a padding row.
+_NAN_KEY = 0xFFFFFFFE
 
 
 class GatherInputs(NamedTuple):
