@@ -296,7 +296,7 @@ def test_constructor_forms_and_validation():
     assert (from_config.budget, from_config.n_sink, from_config.recent, from_config.keep) == (64, 2, 4, "high")
     overridden = L2NormKVCache(config, budget=32, keep="low")
     assert (overridden.budget, overridden.n_sink, overridden.recent, overridden.keep) == (32, 2, 4, "low")
-    assert not default.is_trimmable() and default.empty() and default.size() == 0
+    assert default.is_trimmable() and default.trimmable() == 0 and default.empty() and default.size() == 0
     assert default.nbytes == default.knorm_kept_bytes == default.tokens_seen == 0
     assert default.compression_ratio == 1.0
 

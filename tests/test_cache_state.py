@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 import mlx_knorm
 import spec_oracle
-from mlx_knorm.cache import L2NormKVCache
+from mlx_knorm.cache import L2NormKVCache, QuantizedL2NormKVCache
 from mlx_knorm.cache_state import FIELDS, check_state
 
 BUDGET, N_SINK, RECENT = 8, 2, 1
@@ -259,10 +260,17 @@ def test_meta_state_through_the_older_from_state():
 # cache; after each refused one nothing has changed.
 
 
+# The quantized cache's (group_size, bits): widths are multiples of 32.
+QUANTIZATIONS = [(32, 4), (64, 8), (32, 3)]
+
+
 @st.composite
-def changes(draw):
+def changes(draw, quantized: bool = False):
     batch, heads = draw(st.integers(0, 2)), draw(st.integers(0, 2))
-    key_dim, value_dim = draw(st.sampled_from([0, 3, 8])), draw(st.sampled_from([0, 5]))
+    if quantized:
+        key_dim, value_dim = draw(st.sampled_from([0, 64])), draw(st.sampled_from([0, 32]))
+    else:
+        key_dim, value_dim = draw(st.sampled_from([0, 3, 8])), draw(st.sampled_from([0, 5]))
     dtype = draw(st.sampled_from([mx.float16, mx.bfloat16, mx.float32]))
     steps = []
     for _ in range(draw(st.integers(1, 12))):
@@ -279,17 +287,22 @@ def changes(draw):
                 keys[1] += 1
                 values[1] += 1
             elif flaw == "key_dim":
-                keys[3] += 1
+                keys[3] += 32 if quantized else 1
             steps.append(("block", keys[:3] if flaw == "rank" else keys, values,
                           mx.int32 if flaw == "int32" else dtype, draw(st.integers(0, 2**16))))
         elif kind == "meta":
             budget = draw(st.integers(0, 10))
-            steps.append(("meta", (str(budget), str(draw(st.integers(0, 4))), str(draw(st.integers(0, 3))),
-                                   draw(st.sampled_from(["low", "high"])), draw(st.sampled_from(["slots", "temporal"])))))
+            meta = (str(budget), str(draw(st.integers(0, 4))), str(draw(st.integers(0, 3))),
+                    draw(st.sampled_from(["low", "high"])), draw(st.sampled_from(["slots", "temporal"])))
+            if quantized:
+                # Mostly the cache's own quantization, which cannot change.
+                meta += tuple(map(str, draw(st.sampled_from([None, None, *QUANTIZATIONS])) or ("keep",)))
+            steps.append(("meta", meta))
         else:
             steps.append(("reload",))
     config = draw(st.sampled_from([(6, 1, 1), (4, 0, 0), (8, 2, 2)]))
-    return config, draw(st.sampled_from(["slots", "temporal"])), steps
+    quantization = draw(st.sampled_from(QUANTIZATIONS)) if quantized else None
+    return config, draw(st.sampled_from(["slots", "temporal"])), steps, quantization
 
 
 def apply(cache: L2NormKVCache, step) -> None:
@@ -299,7 +312,10 @@ def apply(cache: L2NormKVCache, step) -> None:
         cache.update_and_fetch(mx.random.normal(keys, key=key).astype(dtype),
                                mx.random.normal(values, key=key).astype(dtype))
     elif step[0] == "meta":
-        cache.meta_state = step[1]
+        meta = step[1]
+        if meta[-1] == "keep":
+            meta = (*meta[:-1], *cache.meta_state[5:])
+        cache.meta_state = meta
     else:
         cache.state = cache.state
 
@@ -317,20 +333,22 @@ def values_of(cache: L2NormKVCache) -> list:
     payloads compare too."""
     return [
         (x.shape, x.dtype, bytes(np.array(x.reshape(-1).view(mx.uint8)))) if isinstance(x, mx.array) else x
-        for x in cache.state
+        for _, x in tree_flatten(list(cache.state))
     ]
 
 
 # Each example saves and loads files: a third of the examples, on the CPU
 # kernel and the fallback (the emulator's cache steps equal the fallback's
 # bit for bit, tests/test_cache_reference.py).
-@pytest.mark.parametrize("backend", ["kernel", "fallback"])
-@settings(max_examples=max(10, settings.default.max_examples // 3))
-@given(case=changes())
-def test_what_a_cache_accepts_round_trips(backend, case):
-    (budget, n_sink, recent), layout, steps = case
+def check_what_a_cache_accepts_round_trips(backend, case):
+    (budget, n_sink, recent), layout, steps, quantization = case
     with mlx_knorm.use_backend(backend):
-        cache = L2NormKVCache(budget=budget, n_sink=n_sink, recent=recent, layout=layout)
+        if quantization is None:
+            cache = L2NormKVCache(budget=budget, n_sink=n_sink, recent=recent, layout=layout)
+        else:
+            group_size, bits = quantization
+            cache = QuantizedL2NormKVCache(budget=budget, n_sink=n_sink, recent=recent, layout=layout,
+                                           group_size=group_size, bits=bits)
         copy = saved_and_loaded(cache)
         for step in steps:
             before = values_of(cache)
@@ -339,7 +357,7 @@ def test_what_a_cache_accepts_round_trips(backend, case):
             except (ValueError, TypeError):
                 assert values_of(cache) == before, f"a refused {step[0]} changed the cache"
                 continue
-            check_state(cache.state)
+            check_state(cache.state, quantized=quantization is not None)
             # The loaded copy took the same changes (or holds what the
             # change made) and saves and loads back what the cache holds.
             copy = saved_and_loaded(cache) if step[0] != "block" else copy
@@ -348,3 +366,17 @@ def test_what_a_cache_accepts_round_trips(backend, case):
             assert values_of(cache) == values_of(copy)
             copy = saved_and_loaded(copy)
             assert values_of(cache) == values_of(copy)
+
+
+@pytest.mark.parametrize("backend", ["kernel", "fallback"])
+@settings(max_examples=max(10, settings.default.max_examples // 3))
+@given(case=changes())
+def test_what_a_cache_accepts_round_trips(backend, case):
+    check_what_a_cache_accepts_round_trips(backend, case)
+
+
+@pytest.mark.parametrize("backend", ["kernel", "fallback"])
+@settings(max_examples=max(10, settings.default.max_examples // 6))
+@given(case=changes(quantized=True))
+def test_what_a_quantized_cache_accepts_round_trips(backend, case):
+    check_what_a_cache_accepts_round_trips(backend, case)

@@ -24,6 +24,15 @@ and a query sees every kept row). ``layout="temporal"`` keeps temporal order
 (logits bit-identical to the reference's cache) at the price of moving the
 rows after the first evicted one.
 
+A short block that a one-token-at-a-time cache would evict inside (a
+speculative decoding verify block) attends exactly as those single steps
+would, when the caches are linked by ``make_knorm_cache`` (docs/spec.md
+§8, exact small blocks): the model asks one layer for the mask, and every
+layer returns the rows each query would see as segments that the mask
+separates. ``trim(n)`` removes the ``n`` newest tokens exactly while no
+eviction has ranked them yet (``trimmable()``), and otherwise refuses, so
+speculative decoding works on these caches.
+
 ``offset`` is the true absolute position (RoPE stays right after eviction);
 ``size()`` is the number of rows kept. ``keys`` and ``values`` are the
 buffers, as ``KVCache``'s are (mlx-lm's pipeline-parallel models chain a
@@ -40,7 +49,11 @@ row count, so they agree; a model that asks for an array mask
 does not batch these caches; batches built by the caller (``[B, S]``
 inputs) are supported.
 
-Importing this module registers ``L2NormKVCache`` in
+``L2NormKVCache.to_quantized`` gives ``QuantizedL2NormKVCache``, the same
+cache with its rows in MLX's affine quantization (mlx-lm's ``kv_bits``):
+norms are taken before quantization, so it keeps the float cache's rows.
+
+Importing this module registers both classes in
 ``mlx_lm.models.cache``, because ``mlx_lm.models.cache.load_prompt_cache``
 resolves the class names of a saved cache in that module's namespace.
 """
@@ -56,6 +69,7 @@ from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
 from .cache_state import StateError, check_block, check_state, parse_meta_state
 from .ops.evict_and_fill import check_layout, evict_and_fill_unchecked
+from .ops.key_norms import key_norms_unchecked
 from .validation import check_config, check_int
 
 DEFAULT_BUDGET = 512
@@ -65,6 +79,34 @@ DEFAULT_KEEP = "low"
 DEFAULT_LAYOUT = "slots"
 # Slots added at a time while the cache fills, as KVCache grows.
 GROWTH_STEP = 256
+# The longest block a linked cache attends to as single steps would
+# (docs/spec.md §8): speculative decoding's verify blocks, num_draft + 1.
+EXACT_BLOCK = 16
+
+
+class MaskPlan:
+    """What the linked caches of one prompt cache agreed with the model for
+    its next block: ``block = (offset, S, kept)`` when the mask that the
+    model got from one of them shows each query its own segment, else None.
+    The model builds one mask and gives it to every layer, so every layer
+    must return the rows that mask describes."""
+
+    def __init__(self) -> None:
+        self.block: tuple[int, int, int] | None = None
+
+
+def segment_lengths(kept: int, steps: int, budget: int) -> list[int]:
+    """Rows of each query's segment in an exact small block: the kept rows
+    after single steps ``0 .. j-1``, plus new row ``j``."""
+    return [min(kept + j, budget) + 1 for j in range(steps)]
+
+
+def segment_mask(lengths: list[int]) -> mx.array:
+    """bool ``[S, sum(lengths)]``: query ``j`` sees segment ``j`` only."""
+    ends = mx.cumsum(mx.array(lengths, mx.int32))
+    starts = ends - mx.array(lengths, mx.int32)
+    column = mx.arange(sum(lengths), dtype=mx.int32)
+    return (column >= starts[:, None]) & (column < ends[:, None])
 
 
 def _storage_dtype(keys: mx.array, values: mx.array) -> mx.Dtype:
@@ -74,65 +116,51 @@ def _storage_dtype(keys: mx.array, values: mx.array) -> mx.Dtype:
     return mx.result_type(keys.dtype, values.dtype)
 
 
-class L2NormKVCache(_BaseCache):
-    """One layer's KV cache with L2-norm eviction, for ``mlx_lm`` models.
+def _each(f, rows):
+    """``f`` of one array, or of each array of a tuple (a quantized cache's
+    keys and values are ``(packed, scales, biases)``)."""
+    return tuple(f(r) for r in rows) if isinstance(rows, tuple) else f(rows)
 
-    Construct with the reference's config object (fields ``knorm_budget``,
-    ``knorm_n_sink``, ``knorm_recent``, ``knorm_keep``; missing fields take
-    the defaults 512, 4, 0, "low") and/or keyword arguments ``budget``,
-    ``n_sink``, ``recent``, ``keep``, which take precedence over the config,
-    and ``layout`` (``"slots"``, the default, or ``"temporal"``). Invalid
-    settings raise ``ValueError``/``TypeError`` naming the argument.
 
-    Storage, as ``KVCache``'s with its spare slots: ``keys``
-    ``[B, H, capacity, D_k]`` and ``values [B, H, capacity, D_v]`` in the
-    storage dtype (the inputs' dtype, as ``KVCache``'s), ``norms``
-    (each key's float32 norm, taken once from the stored key) and
-    ``slot_positions`` (int32 absolute positions) ``[B, H, capacity]``;
-    slots ``[0, filled)`` are occupied, in storage order. ``state`` and
-    ``positions`` give the kept rows in temporal order. Not trimmable, not mergeable into mlx-lm's
-    batch caches and not converted by ``kv_bits`` quantization: it defines
-    no ``trim``, ``merge`` or ``to_quantized``, so mlx-lm leaves it alone on
-    those paths.
-    """
+def _arrays(rows) -> list:
+    return list(rows) if isinstance(rows, tuple) else [rows]
 
-    def __init__(
-        self,
-        config: Any = None,
-        *,
-        budget: int | None = None,
-        n_sink: int | None = None,
-        recent: int | None = None,
-        keep: str | None = None,
-        layout: str = DEFAULT_LAYOUT,
-    ) -> None:
-        def pick(value, field, default):
-            return value if value is not None else getattr(config, field, default)
 
-        # An empty state, through the one check every change takes.
-        self.state = (
-            None, None, None, None, 0,
-            pick(budget, "knorm_budget", DEFAULT_BUDGET),
-            pick(n_sink, "knorm_n_sink", DEFAULT_N_SINK),
-            pick(recent, "knorm_recent", DEFAULT_RECENT),
-            pick(keep, "knorm_keep", DEFAULT_KEEP),
-            layout,
-        )
+def _first(rows) -> mx.array:
+    return rows[0] if isinstance(rows, tuple) else rows
+
+
+class L2NormCacheBase(_BaseCache):
+    """What ``L2NormKVCache`` and ``QuantizedL2NormKVCache`` share: the
+    configuration, the slot buffers and their step, trim, masks, state and
+    accounting. The two differ in how a row is stored (``_new_rows``,
+    ``_no_rows``, ``_widths``) and in their state's extra fields."""
+
+    quantized = False
+
+    def _extra(self) -> tuple:
+        """The state's and meta_state's fields after the float cache's."""
+        return ()
 
     def _load(self, checked) -> None:
         """Take a state that passed ``check_state``: the only way anything
-        but a step changes the cache."""
+        but a step (or a trim) changes the cache."""
         self.budget, self.n_sink, self.recent, self.keep = checked.config
         self.layout = checked.layout
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
+        if checked.quantization is not None:
+            self.group_size, self.bits = checked.quantization
+        self.keys = None
+        self.values = None
         self.norms: mx.array | None = None
         self.slot_positions: mx.array | None = None
         self.filled = 0
         self.offset = checked.offset
         if checked.rows is not None:
             self._set_buffers(checked.rows)
-            self.filled = checked.rows[0].shape[2]
+            self.filled = checked.rows[3].shape[2]
+        # A loaded state's history is unknown unless nothing was ever evicted.
+        self._trimmable = self.offset if self.filled == self.offset else 0
+        self._forget_block()
 
     def _buffers(self) -> list:
         return [self.keys, self.values, self.norms, self.slot_positions]
@@ -140,7 +168,14 @@ class L2NormKVCache(_BaseCache):
     def _set_buffers(self, buffers) -> None:
         self.keys, self.values, self.norms, self.slot_positions = buffers
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def _dims(self) -> tuple[int, int, int, int] | None:
+        """``(B, H, D_k, D_v)`` of the rows stored (None when empty)."""
+        if self.keys is None:
+            return None
+        batch, heads = self.norms.shape[:2]
+        return (batch, heads, *self._widths())
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Absorb ``[B, H, S, D]`` keys/values; return the kept rows and the new rows.
 
         The returned arrays are views of the occupied slots: what this step
@@ -150,39 +185,89 @@ class L2NormKVCache(_BaseCache):
         as on later ones (cache_state.check_block).
         """
         previous = self._buffers()
-        stored = None if self.keys is None else (self.keys, self.values)
-        check_block(keys, values, stored, self.offset)
+        check_block(keys, values, self._dims(), self.offset, getattr(self, "group_size", None))
         batch, heads, steps, key_dim = keys.shape
-        if stored is None:
+        kept = self.size()
+        exact = self._planned_block(steps, kept)
+        if self.keys is None:
             dtype = _storage_dtype(keys, values)
             buffers = [
-                mx.zeros((batch, heads, 0, key_dim), dtype),
-                mx.zeros((batch, heads, 0, values.shape[-1]), dtype),
+                *self._no_rows(batch, heads, key_dim, values.shape[-1], dtype),
                 mx.zeros((batch, heads, 0), mx.float32),
                 mx.zeros((batch, heads, 0), mx.int32),
             ]
         else:
             buffers = previous
-        kept = self.size()
-        capacity = self._capacity(kept + steps, buffers[0].shape[2])
+            dtype = self._storage_dtype()
+        capacity = self._capacity(kept + steps, buffers[2].shape[2])
+        new_keys, new_values, new_norms = self._new_rows(keys, values, dtype)
         # The op writes in place only if it holds the buffers' last reference.
         self._set_buffers([None] * 4)
         try:
-            out = evict_and_fill_unchecked(
-                *buffers,
-                keys.astype(buffers[0].dtype),
-                values.astype(buffers[1].dtype),
-                filled=self.filled, offset=self.offset, capacity=capacity,
-                budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
-                layout=self.layout,
-            )
+            out = self._step(buffers, new_keys, new_values, new_norms, self.filled, self.offset, capacity)
+            segments = self._segments(out, new_keys, new_values, new_norms, kept) if exact else None
         except BaseException:
             self._set_buffers(previous)
             raise
+        evicted = self.filled > self.budget
         self._set_buffers(out)
+        self._trimmable = steps + (0 if evicted else self._trimmable)
         self.filled = kept + steps
         self.offset += steps
+        if segments is not None:
+            return segments
         return self._occupied(self.keys), self._occupied(self.values)
+
+    def _step(self, buffers, new_keys, new_values, new_norms, filled: int, offset: int, capacity: int):
+        """One §4 step on ``buffers`` under the cache's configuration."""
+        return evict_and_fill_unchecked(
+            *buffers, new_keys, new_values,
+            filled=filled, offset=offset, capacity=capacity,
+            budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
+            layout=self.layout, new_norms=new_norms,
+        )
+
+    def _planned_block(self, steps: int, kept: int) -> bool:
+        """Whether the model's mask for this block shows each query its own
+        segment (the plan one of the linked caches made in ``make_mask``)."""
+        plan = getattr(self, "_mask_plan", None)
+        if plan is None or plan.block is None or plan.block[:2] != (self.offset, steps):
+            return False
+        if plan.block[2] != kept:
+            raise ValueError(
+                f"mlx_knorm: {type(self).__name__} holds {kept} rows, but the model's mask for this "
+                f"{steps}-token block was made by a linked cache holding {plan.block[2]}: the "
+                "layers of this prompt cache are out of step (were some fed other blocks?)"
+            )
+        return True
+
+    def _segments(self, out, new_keys, new_values, new_norms, kept: int):
+        """Keys and values of an exact small block: for each query ``j`` the
+        rows a one-token-at-a-time cache attends to there, one segment after
+        the other (docs/spec.md §8). Segment 0 is the step's own first
+        ``kept + 1`` rows; each later one is a single step, out of place,
+        from the one before."""
+        steps = _first(new_keys).shape[2]
+        lengths = segment_lengths(kept, steps, self.budget)
+        first = lengths[0]
+        segments = [(_each(lambda b: b[:, :, :first], out[0]), _each(lambda b: b[:, :, :first], out[1]))]
+        previous = out
+        for j in range(1, steps):
+            row = lambda b, j=j: b[:, :, j : j + 1]
+            previous = self._step(
+                previous, _each(row, new_keys), _each(row, new_values),
+                None if new_norms is None else row(new_norms),
+                lengths[j - 1], self.offset + j, lengths[j],
+            )
+            segments.append(previous[:2])
+
+        def joined(which: int):
+            parts = [segment[which] for segment in segments]
+            if isinstance(parts[0], tuple):
+                return tuple(mx.concatenate([p[i] for p in parts], axis=2) for i in range(len(parts[0])))
+            return mx.concatenate(parts, axis=2)
+
+        return joined(0), joined(1)
 
     def _capacity(self, needed: int, current: int) -> int:
         """Slots for the next buffers: the current ones when they fit and are
@@ -194,11 +279,11 @@ class L2NormKVCache(_BaseCache):
             return current
         return min(-(-needed // GROWTH_STEP) * GROWTH_STEP, most)
 
-    def _occupied(self, buffer: mx.array) -> mx.array:
-        """Slots ``[0, filled)`` of a ``[B, H, capacity, D]`` buffer (a view)."""
-        return buffer if buffer.shape[2] == self.filled else buffer[..., : self.filled, :]
+    def _occupied(self, rows):
+        """Slots ``[0, filled)`` of ``[B, H, capacity, D]`` buffers (views)."""
+        return _each(lambda b: b if b.shape[2] == self.filled else b[..., : self.filled, :], rows)
 
-    def _kept_rows(self, config=None) -> tuple[mx.array, mx.array, mx.array, mx.array] | None:
+    def _kept_rows(self, config=None) -> tuple | None:
         """The kept rows once the pending eviction is applied, under
         ``config`` (``(budget, n_sink, recent, keep)``, the cache's own by
         default), in temporal order: keys, values, norms, positions
@@ -210,16 +295,20 @@ class L2NormKVCache(_BaseCache):
         kept = min(self.filled, budget)
         buffers = self._buffers()
         if kept < self.filled:
-            no_rows = [mx.zeros((*b.shape[:2], 0, b.shape[3]), b.dtype) for b in buffers[:2]]
+            no_rows = [_each(lambda b: mx.zeros((*b.shape[:2], 0, b.shape[3]), b.dtype), r) for r in buffers[:2]]
             rows = evict_and_fill_unchecked(
                 *buffers, *no_rows, filled=self.filled, offset=self.offset, capacity=kept,
                 budget=budget, n_sink=n_sink, recent=recent, keep=keep, layout="temporal",
+                new_norms=mx.zeros((*buffers[2].shape[:2], 0), mx.float32),
             )
         else:
-            rows = [b[:, :, :kept] for b in buffers]
+            rows = [_each(lambda b: b[:, :, :kept], r) for r in buffers]
         if self.layout == "slots":
             order = mx.argsort(rows[3], axis=2)
-            rows = [mx.take_along_axis(r, order if r.ndim == 3 else order[..., None], axis=2) for r in rows]
+            rows = [
+                _each(lambda b: mx.take_along_axis(b, order if b.ndim == 3 else order[..., None], axis=2), r)
+                for r in rows
+            ]
         return tuple(rows)
 
     @property
@@ -238,14 +327,22 @@ class L2NormKVCache(_BaseCache):
         causal mask with the kept row count as its offset: all kept rows
         visible, causal among the new rows (which the step writes behind the
         kept rows, in order). Before any eviction that count equals
-        ``offset`` and the mask is exactly KVCache's.
+        ``offset`` and the mask is exactly KVCache's. For an exact small
+        block of linked caches, the segment mask that every linked layer's
+        step then follows (docs/spec.md §8).
         """
         stored = self.size()
+        plan = getattr(self, "_mask_plan", None)
+        if plan is not None:
+            plan.block = None
+            if window_size is None and 1 < N <= EXACT_BLOCK and stored + N > self.budget + 1:
+                plan.block = (self.offset, N, stored)
+                return segment_mask(segment_lengths(stored, N, self.budget))
         if window_size is not None and stored < self.offset:
             # Kept rows sit at different positions in different heads, so a
             # position window has no single [N, stored + N] mask.
             raise ValueError(
-                "mlx_knorm: L2NormKVCache cannot serve a sliding-window layer "
+                f"mlx_knorm: {type(self).__name__} cannot serve a sliding-window layer "
                 f"(window_size={window_size}) once it has evicted rows; leave that "
                 "layer to the model's own cache (make_knorm_cache does so for "
                 "RotatingKVCache layers)"
@@ -255,8 +352,39 @@ class L2NormKVCache(_BaseCache):
         )
 
     def is_trimmable(self) -> bool:
-        """False: evicted rows cannot be restored, so the cache cannot roll back."""
-        return False
+        """True: ``trim`` is supported. mlx-lm asks this before speculative
+        decoding and before each ``trim_prompt_cache``; whether a given
+        count can be trimmed is ``trimmable()``'s answer."""
+        return True
+
+    def trimmable(self) -> int:
+        """The number of newest tokens ``trim`` removes exactly: those of the
+        updates since the last step that evicted a row (docs/spec.md §8)."""
+        return self._trimmable
+
+    def trim(self, n: int) -> int:
+        """Remove the ``n`` newest tokens if ``n <= trimmable()``: the cache
+        is then the cache that never saw them. Returns ``n``, or 0 with
+        nothing changed when more is asked (an older row may already have
+        been evicted in favour of one of them)."""
+        n = check_int(n, "n")
+        if n < 0:
+            raise ValueError(f"mlx_knorm: {type(self).__name__}.trim: n must be >= 0, got {n}")
+        if n == 0 or n > self._trimmable:
+            return 0
+        self.filled -= n
+        self.offset -= n
+        self._trimmable -= n
+        if self.offset == 0:
+            # Back to the start: the empty cache, which takes any shape.
+            self._set_buffers([None] * 4)
+        self._forget_block()
+        return n
+
+    def _forget_block(self) -> None:
+        plan = getattr(self, "_mask_plan", None)
+        if plan is not None:
+            plan.block = None
 
     def empty(self) -> bool:
         return self.keys is None
@@ -268,30 +396,35 @@ class L2NormKVCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         """Bytes of the buffers: keys, values, norms and positions, every slot."""
-        return 0 if self.keys is None else sum(b.nbytes for b in self._buffers())
+        if self.keys is None:
+            return 0
+        return sum(a.nbytes for rows in self._buffers() for a in _arrays(rows))
 
     @property
     def state(self):
         """Everything needed to rebuild the cache, configuration included,
         because mlx-lm 0.32's ``load_prompt_cache`` calls ``from_state(state)``
         with no separate meta state: ``(keys, values, norms, positions,
-        offset, budget, n_sink, recent, keep, layout)``, the kept rows in
-        temporal order (``state[:2]`` is what the reference's cache stores)."""
+        offset, budget, n_sink, recent, keep, layout)`` (the quantized cache:
+        then ``group_size, bits``), the kept rows in temporal order
+        (``state[:2]`` is what the reference's cache stores)."""
         kept = self._kept_rows() or (None, None, None, None)
-        return (*kept, self.offset, self.budget, self.n_sink, self.recent, self.keep, self.layout)
+        return (*kept, self.offset, self.budget, self.n_sink, self.recent, self.keep, self.layout,
+                *self._extra())
 
     @state.setter
     def state(self, v) -> None:
         """Load a saved state after checking every field against the others
         and the configuration (cache_state.check_state); nothing changes if
         a check fails."""
-        self._load(check_state(v))
+        self._load(check_state(v, quantized=self.quantized))
 
     @property
     def meta_state(self) -> tuple[str, ...]:
         """The configuration as strings, for tools using the older two-part
         (``state`` + ``meta_state``) mlx-lm protocol."""
-        return str(self.budget), str(self.n_sink), str(self.recent), self.keep, self.layout
+        return (str(self.budget), str(self.n_sink), str(self.recent), self.keep, self.layout,
+                *(str(x) for x in self._extra()))
 
     @meta_state.setter
     def meta_state(self, v) -> None:
@@ -299,24 +432,31 @@ class L2NormKVCache(_BaseCache):
         (docs/spec.md §8): the rows are evicted under the new configuration
         and stored in temporal order, a state that must pass the load
         check. One the rows cannot satisfy raises naming the field, and
-        nothing changes."""
-        budget, n_sink, recent, keep, layout = parse_meta_state(v)
+        nothing changes. A quantized cache's ``group_size`` and ``bits``
+        cannot change."""
+        budget, n_sink, recent, keep, layout, *extra = parse_meta_state(v, self.quantized)
         config = check_config(budget, n_sink, recent, keep)
         layout = check_layout(layout)
         if "offset" not in vars(self):
             # Made by from_state's cls.__new__ with no state set yet: empty.
-            self.state = (None, None, None, None, 0, *config, layout)
+            self.state = (None, None, None, None, 0, *config, layout, *extra)
             return
+        for field, new, held in zip(("group_size", "bits"), extra, self._extra()):
+            if new != held:
+                raise ValueError(
+                    f"mlx_knorm: {type(self).__name__} meta_state field '{field}': the stored rows "
+                    f"are quantized with {field}={held}, and cannot take {new}"
+                )
         if (config, layout) == ((self.budget, self.n_sink, self.recent, self.keep), self.layout):
             return
         rows = self._kept_rows(config) or (None,) * 4
         try:
-            checked = check_state((*rows, self.offset, *config, layout))
+            checked = check_state((*rows, self.offset, *config, layout, *self._extra()), self.quantized)
         except StateError as err:
             setting = err.setting or err.field
             value = dict(zip(("budget", "n_sink", "recent"), config)).get(setting, "this value")
             raise ValueError(
-                f"mlx_knorm: L2NormKVCache meta_state field '{setting}': the stored rows "
+                f"mlx_knorm: {type(self).__name__} meta_state field '{setting}': the stored rows "
                 f"cannot satisfy {setting}={value} ({err}); the cache is unchanged"
             ) from err
         self._load(checked)
@@ -324,8 +464,8 @@ class L2NormKVCache(_BaseCache):
     def _fp16_bytes(self, tokens: int) -> int:
         # The reference's accounting: K + V at 2 bytes per element, all B*H
         # heads; keys and values may differ in width (multi-head latent attention).
-        batch, heads, _, key_dim = self.keys.shape
-        return batch * heads * tokens * (key_dim + self.values.shape[-1]) * 2
+        batch, heads, key_dim, value_dim = self._dims()
+        return batch * heads * tokens * (key_dim + value_dim) * 2
 
     @property
     def knorm_kept_bytes(self) -> int:
@@ -348,13 +488,157 @@ class L2NormKVCache(_BaseCache):
         """Token positions absorbed, summed over all B*H heads."""
         if self.keys is None:
             return 0
-        batch, heads = self.keys.shape[:2]
+        batch, heads = self._dims()[:2]
         return batch * heads * self.offset
 
     @property
     def tokens_kept(self) -> int:
         """Rows kept per head (every head keeps the same count)."""
         return self.size()
+
+
+def _pick_config(config, budget, n_sink, recent, keep) -> tuple:
+    """The constructor's configuration: keyword arguments over the
+    reference's config object (``knorm_budget``, ...) over the defaults."""
+
+    def pick(value, field, default):
+        return value if value is not None else getattr(config, field, default)
+
+    return (
+        pick(budget, "knorm_budget", DEFAULT_BUDGET),
+        pick(n_sink, "knorm_n_sink", DEFAULT_N_SINK),
+        pick(recent, "knorm_recent", DEFAULT_RECENT),
+        pick(keep, "knorm_keep", DEFAULT_KEEP),
+    )
+
+
+class L2NormKVCache(L2NormCacheBase):
+    """One layer's KV cache with L2-norm eviction, for ``mlx_lm`` models.
+
+    Construct with the reference's config object (fields ``knorm_budget``,
+    ``knorm_n_sink``, ``knorm_recent``, ``knorm_keep``; missing fields take
+    the defaults 512, 4, 0, "low") and/or keyword arguments ``budget``,
+    ``n_sink``, ``recent``, ``keep``, which take precedence over the config,
+    and ``layout`` (``"slots"``, the default, or ``"temporal"``). Invalid
+    settings raise ``ValueError``/``TypeError`` naming the argument.
+
+    Storage, as ``KVCache``'s with its spare slots: ``keys``
+    ``[B, H, capacity, D_k]`` and ``values [B, H, capacity, D_v]`` in the
+    storage dtype (the inputs' dtype, as ``KVCache``'s), ``norms``
+    (each key's float32 norm, taken once from the stored key) and
+    ``slot_positions`` (int32 absolute positions) ``[B, H, capacity]``;
+    slots ``[0, filled)`` are occupied, in storage order. ``state`` and
+    ``positions`` give the kept rows in temporal order. ``trim`` removes the
+    newest tokens exactly or refuses (``trimmable()``); ``to_quantized``
+    gives the quantized cache that mlx-lm's ``kv_bits`` asks for. Not
+    mergeable into mlx-lm's batch caches: it defines no ``merge``, so
+    mlx-lm's server does not batch it.
+    """
+
+    def __init__(
+        self,
+        config: Any = None,
+        *,
+        budget: int | None = None,
+        n_sink: int | None = None,
+        recent: int | None = None,
+        keep: str | None = None,
+        layout: str = DEFAULT_LAYOUT,
+    ) -> None:
+        # An empty state, through the one check every change takes.
+        self.state = (None, None, None, None, 0, *_pick_config(config, budget, n_sink, recent, keep), layout)
+
+    def _widths(self) -> tuple[int, int]:
+        return self.keys.shape[3], self.values.shape[3]
+
+    def _storage_dtype(self) -> mx.Dtype:
+        return self.keys.dtype
+
+    def _no_rows(self, batch, heads, key_dim, value_dim, dtype):
+        return mx.zeros((batch, heads, 0, key_dim), dtype), mx.zeros((batch, heads, 0, value_dim), dtype)
+
+    def _new_rows(self, keys, values, dtype):
+        # The step takes the norms from the stored keys itself (docs/spec.md §4).
+        return keys.astype(dtype), values.astype(dtype), None
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "QuantizedL2NormKVCache":
+        """This cache with its stored rows in MLX's affine quantization, as
+        mlx-lm's ``maybe_quantize_kv_cache`` asks of ``KVCache``
+        (docs/spec.md §8): the same kept rows, norms, positions, offset and
+        trim count, each stored key and value row ``mx.quantize``d; later
+        rows are quantized as they come. This cache is left as it was."""
+        quantized = QuantizedL2NormKVCache(
+            budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
+            layout=self.layout, group_size=group_size, bits=bits,
+        )
+        if self.keys is not None:
+            for name, width in (("keys", self.keys.shape[3]), ("values", self.values.shape[3])):
+                if width % quantized.group_size:
+                    raise ValueError(
+                        f"mlx_knorm: to_quantized: group_size {quantized.group_size} must divide "
+                        f"the {name} width {width}"
+                    )
+            quantized._set_buffers([
+                quantized._quantize(self._occupied(self.keys)),
+                quantized._quantize(self._occupied(self.values)),
+                self.norms[:, :, : self.filled],
+                self.slot_positions[:, :, : self.filled],
+            ])
+            quantized.filled = self.filled
+            quantized.offset = self.offset
+        quantized._trimmable = self._trimmable
+        if getattr(self, "_mask_plan", None) is not None:
+            quantized._mask_plan = self._mask_plan
+        return quantized
+
+
+class QuantizedL2NormKVCache(L2NormCacheBase):
+    """``L2NormKVCache`` with every stored row in MLX's affine quantization
+    (docs/spec.md §8), as mlx-lm's ``QuantizedKVCache`` stores its rows:
+    ``keys`` and ``values`` are ``(packed, scales, biases)`` buffers, and
+    with ``bits`` and ``group_size`` mlx-lm's models attend through their
+    quantized path. Each new key's norm is taken before quantization, from
+    the row the float cache would store, so both caches keep the same
+    positions. Made by ``L2NormKVCache.to_quantized`` (mlx-lm's ``kv_bits``)
+    or directly: the float cache's arguments, then ``group_size`` (32, 64,
+    128) and ``bits`` (1-6, 8)."""
+
+    quantized = True
+
+    def __init__(
+        self,
+        config: Any = None,
+        *,
+        budget: int | None = None,
+        n_sink: int | None = None,
+        recent: int | None = None,
+        keep: str | None = None,
+        layout: str = DEFAULT_LAYOUT,
+        group_size: int = 64,
+        bits: int = 4,
+    ) -> None:
+        self.state = (None, None, None, None, 0, *_pick_config(config, budget, n_sink, recent, keep),
+                      layout, group_size, bits)
+
+    def _extra(self) -> tuple:
+        return self.group_size, self.bits
+
+    def _widths(self) -> tuple[int, int]:
+        return (self.keys[1].shape[3] * self.group_size, self.values[1].shape[3] * self.group_size)
+
+    def _storage_dtype(self) -> mx.Dtype:
+        return self.keys[1].dtype
+
+    def _quantize(self, rows: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        return tuple(mx.quantize(rows, group_size=self.group_size, bits=self.bits))
+
+    def _no_rows(self, batch, heads, key_dim, value_dim, dtype):
+        return tuple(self._quantize(mx.zeros((batch, heads, 0, width), dtype)) for width in (key_dim, value_dim))
+
+    def _new_rows(self, keys, values, dtype):
+        keys, values = keys.astype(dtype), values.astype(dtype)
+        # Norms of the rows the float cache would store, before quantization.
+        return self._quantize(keys), self._quantize(values), key_norms_unchecked(keys)
 
 
 def _model_cache(model: nn.Module) -> list:
@@ -408,6 +692,11 @@ def make_knorm_cache(
     ``RotatingKVCache``, recurrent state) keep that cache. ``layout`` is
     each ``L2NormKVCache``'s storage order (``"slots"`` or ``"temporal"``).
 
+    Without a plain ``KVCache`` left (no ``skip_layers``), the
+    ``L2NormKVCache``s are linked by one ``MaskPlan``, so that short blocks
+    attend exactly as single steps would (docs/spec.md §8): speculative
+    decoding then gives the tokens of ordinary decoding.
+
     ``skip_layers`` needs a model that gives each layer a mask fitting its own
     row count. A model that builds one array mask from one layer's cache and
     shares it across layers (in mlx-lm 0.32 gemma2 and deepseek_v3, among
@@ -452,25 +741,46 @@ def make_knorm_cache(
                 f"hold at most budget={budget} rows, so the mask fits only one of them. "
                 "Use skip_layers=() with this model."
             )
-    return [
+    caches = [
         L2NormKVCache(budget=budget, n_sink=n_sink, recent=recent, keep=keep, layout=layout)
         if replace
         else cache
         for replace, cache in zip(compress, caches)
     ]
+    link_prompt_cache(caches)
+    return caches
+
+
+def link_prompt_cache(prompt_cache: list) -> bool:
+    """Link the eviction caches of one prompt cache (one ``MaskPlan``), so
+    that short blocks attend exactly as single steps would (docs/spec.md
+    §8); returns whether it did. ``make_knorm_cache`` links the caches it
+    makes; a prompt cache loaded from a file (``load_prompt_cache``) needs
+    this call to be linked again. The model builds one mask and gives it to
+    its full-attention layers, so caches are linked only where no mlx-lm
+    ``KVCache`` or ``QuantizedKVCache`` layer (``skip_layers``) could
+    receive a segment mask."""
+    if any(type(c) in (KVCache, mlx_lm_cache.QuantizedKVCache) for c in prompt_cache):
+        return False
+    plan = MaskPlan()
+    for cache in prompt_cache:
+        if isinstance(cache, L2NormCacheBase):
+            cache._mask_plan = plan
+    return True
 
 
 def _register_with_mlx_lm() -> None:
-    """Make ``load_prompt_cache`` find ``L2NormKVCache`` by its saved class name."""
-    existing = getattr(mlx_lm_cache, L2NormKVCache.__name__, None)
-    if existing is not None and existing.__module__ != L2NormKVCache.__module__:
-        raise ImportError(
-            f"mlx_knorm: mlx_lm.models.cache already defines {L2NormKVCache.__name__} "
-            f"(from {existing.__module__}); refusing to shadow it"
-        )
-    setattr(mlx_lm_cache, L2NormKVCache.__name__, L2NormKVCache)
+    """Make ``load_prompt_cache`` find both caches by their saved class names."""
+    for cls in (L2NormKVCache, QuantizedL2NormKVCache):
+        existing = getattr(mlx_lm_cache, cls.__name__, None)
+        if existing is not None and existing.__module__ != cls.__module__:
+            raise ImportError(
+                f"mlx_knorm: mlx_lm.models.cache already defines {cls.__name__} "
+                f"(from {existing.__module__}); refusing to shadow it"
+            )
+        setattr(mlx_lm_cache, cls.__name__, cls)
 
 
 _register_with_mlx_lm()
 
-__all__ = ["L2NormKVCache", "make_knorm_cache"]
+__all__ = ["L2NormCacheBase", "L2NormKVCache", "QuantizedL2NormKVCache", "link_prompt_cache", "make_knorm_cache"]

@@ -1,10 +1,13 @@
-"""The checks every change of an ``L2NormKVCache`` goes through
-(docs/spec.md §8): a whole state, as it is loaded (``check_state``), and a
-block that ``update_and_fetch`` absorbs (``check_block``), from which the
-step builds a state that passes ``check_state`` by construction. So what a
-cache accepts is what ``save_prompt_cache`` writes and ``load_prompt_cache``
-reads back, and a refused change raises, naming the argument or field,
-before anything changes."""
+"""The checks every change of an ``L2NormKVCache`` or a
+``QuantizedL2NormKVCache`` goes through (docs/spec.md §8): a whole state,
+as it is loaded (``check_state``), and a block that ``update_and_fetch``
+absorbs (``check_block``), from which the step builds a state that passes
+``check_state`` by construction. So what a cache accepts is what
+``save_prompt_cache`` writes and ``load_prompt_cache`` reads back, and a
+refused change raises, naming the argument or field, before anything
+changes. The quantized cache's state is the float cache's with its keys
+and values as ``(packed, scales, biases)`` and two more fields; its norms
+are checked against the dequantized keys within the quantization error."""
 
 from __future__ import annotations
 
@@ -19,16 +22,31 @@ from .ops.key_norms import key_norms_unchecked
 from .validation import INT32_MAX, check_config, check_floating, check_int, dtype_name
 
 FIELDS = ("keys", "values", "norms", "positions", "offset", "budget", "n_sink", "recent", "keep", "layout")
+QUANTIZATION_FIELDS = ("group_size", "bits")
+QUANTIZED_FIELDS = FIELDS + QUANTIZATION_FIELDS
 META_FIELDS = FIELDS[5:]
 STORAGE_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+# What mx.quantize takes in its affine mode (MLX 0.32; tests/test_cache_quantized.py asks it).
+QUANTIZATION_BITS = (1, 2, 3, 4, 5, 6, 8)
+QUANTIZATION_GROUP_SIZES = (32, 64, 128)
+# The storage dtypes' unit roundoff and half their smallest subnormal, for
+# the bound on a quantized row's norm (docs/spec.md §8).
+_ROUNDOFF = {
+    mx.float16: (2.0**-11, 2.0**-25),
+    mx.bfloat16: (2.0**-8, 2.0**-134),
+    mx.float32: (2.0**-24, 2.0**-150),
+}
 
 
 class CheckedState(NamedTuple):
     config: tuple[int, int, int, str]
     layout: str
     offset: int
-    # keys, values, norms, positions [B, H, kept, ...], or None for an empty cache.
-    rows: tuple[mx.array, mx.array, mx.array, mx.array] | None
+    # keys, values, norms, positions [B, H, kept, ...], or None for an empty
+    # cache; keys and values are (packed, scales, biases) tuples when quantized.
+    rows: tuple | None
+    # (group_size, bits) of a quantized cache, else None.
+    quantization: tuple[int, int] | None = None
 
 
 class StateError(ValueError):
@@ -42,19 +60,39 @@ class StateError(ValueError):
         self.setting = setting
 
 
-def check_state(state) -> CheckedState:
-    """The state as ``L2NormKVCache.state`` writes it, checked; raises
+def check_quantization(group_size, bits) -> tuple[int, int]:
+    """``group_size`` and ``bits`` as ``mx.quantize`` takes them (affine)."""
+    group_size = check_int(group_size, "group_size")
+    bits = check_int(bits, "bits")
+    if group_size not in QUANTIZATION_GROUP_SIZES:
+        raise ValueError(
+            f"mlx_knorm: group_size must be one of {QUANTIZATION_GROUP_SIZES} (what mx.quantize "
+            f"takes), got {group_size}"
+        )
+    if bits not in QUANTIZATION_BITS:
+        raise ValueError(
+            f"mlx_knorm: bits must be one of {QUANTIZATION_BITS} (what mx.quantize takes), got {bits}"
+        )
+    return group_size, bits
+
+
+def check_state(state, quantized: bool = False) -> CheckedState:
+    """The state as ``L2NormKVCache.state`` (``quantized``:
+    ``QuantizedL2NormKVCache.state``) writes it, checked; raises
     ``ValueError``/``TypeError`` naming the field that is wrong."""
-    if not isinstance(state, (tuple, list)) or len(state) != len(FIELDS):
+    fields = QUANTIZED_FIELDS if quantized else FIELDS
+    kind = "QuantizedL2NormKVCache" if quantized else "L2NormKVCache"
+    if not isinstance(state, (tuple, list)) or len(state) != len(fields):
         count = len(state) if isinstance(state, (tuple, list)) else type(state).__name__
         raise ValueError(
-            f"mlx_knorm: L2NormKVCache state must have the {len(FIELDS)} fields "
-            f"({', '.join(FIELDS)}), got {count}"
+            f"mlx_knorm: {kind} state must have the {len(fields)} fields "
+            f"({', '.join(fields)}), got {count}"
         )
-    keys, values, norms, positions, offset, budget, n_sink, recent, keep, layout = state
+    keys, values, norms, positions, offset, budget, n_sink, recent, keep, layout = state[:10]
     config = check_config(budget, n_sink, recent, keep)
     budget, n_sink, recent, _ = config
     layout = check_layout(layout)
+    quantization = check_quantization(*state[10:]) if quantized else None
     offset = check_int(offset, "offset")
     if not 0 <= offset <= INT32_MAX:
         raise StateError("offset", f"must be in [0, 2**31), got {offset}")
@@ -62,29 +100,62 @@ def check_state(state) -> CheckedState:
     if all(a is None for a in arrays.values()):
         if offset != 0:
             raise StateError("keys", f"no rows are stored but offset is {offset}")
-        return CheckedState(config, layout, offset, None)
+        return CheckedState(config, layout, offset, None, quantization)
+    if quantized:
+        keys, values = (_quantized_rows(arrays.pop(field), field) for field in ("keys", "values"))
     for field, a in arrays.items():
         if not isinstance(a, mx.array):
             raise TypeError(
                 f"mlx_knorm: L2NormKVCache state field '{field}' must be an mlx.core.array, "
                 f"got {type(a).__name__}"
             )
-    _check_shapes_and_dtypes(keys, values, norms, positions, min(offset, budget))
+    kept = min(offset, budget)
+    if quantized:
+        _check_quantized_shapes_and_dtypes(keys, values, kept, *quantization)
+        row_shape = keys[0].shape[:3]
+    else:
+        _check_shapes_and_dtypes(keys, values, kept)
+        row_shape = keys.shape[:3]
+    _check_norms_and_positions_shapes(norms, positions, row_shape)
     _check_positions(positions, offset, n_sink, recent)
-    stored = key_norms_unchecked(keys)
-    if not mx.array_equal(stored.view(mx.uint32), norms.view(mx.uint32)).item():
-        raise StateError("norms", "differ from the norms of the stored keys (docs/spec.md §2)")
-    return CheckedState(config, layout, offset, (keys, values, norms, positions))
+    if quantized:
+        _check_quantized_norms(keys, norms, *quantization)
+    else:
+        stored = key_norms_unchecked(keys)
+        if not mx.array_equal(stored.view(mx.uint32), norms.view(mx.uint32)).item():
+            raise StateError("norms", "differ from the norms of the stored keys (docs/spec.md §2)")
+    return CheckedState(config, layout, offset, (keys, values, norms, positions), quantization)
 
 
-def _check_shapes_and_dtypes(keys, values, norms, positions, kept: int) -> None:
-    if keys.ndim != 4:
-        raise StateError("keys", f"must be [B, H, kept, D_k], got shape {list(keys.shape)}")
-    batch, heads, rows, _ = keys.shape
-    if rows != kept:
-        raise StateError(
-            "keys", f"holds {rows} rows per head; offset and budget give {kept}", setting="budget"
+def _quantized_rows(rows, field: str) -> tuple[mx.array, mx.array, mx.array]:
+    """A quantized state's keys or values: ``(packed, scales, biases)``, a
+    tuple or (after a file round trip) a list of three arrays."""
+    if not isinstance(rows, (tuple, list)) or len(rows) != 3:
+        got = f"{len(rows)} items" if isinstance(rows, (tuple, list)) else type(rows).__name__
+        raise TypeError(
+            f"mlx_knorm: QuantizedL2NormKVCache state field '{field}' must be (packed, scales, "
+            f"biases), three mlx.core.arrays, got {got}"
         )
+    for i, a in enumerate(rows):
+        if not isinstance(a, mx.array):
+            raise TypeError(
+                f"mlx_knorm: QuantizedL2NormKVCache state field '{field}[{i}]' must be an "
+                f"mlx.core.array, got {type(a).__name__}"
+            )
+    return tuple(rows)
+
+
+def _check_rows(keys: mx.array, kept: int, field: str = "keys") -> None:
+    if keys.ndim != 4:
+        raise StateError(field, f"must be [B, H, kept, D], got shape {list(keys.shape)}")
+    if keys.shape[2] != kept:
+        raise StateError(
+            field, f"holds {keys.shape[2]} rows per head; offset and budget give {kept}", setting="budget"
+        )
+
+
+def _check_shapes_and_dtypes(keys, values, kept: int) -> None:
+    _check_rows(keys, kept)
     if keys.dtype not in STORAGE_DTYPES:
         raise StateError("keys", f"must be float16, bfloat16 or float32, got {dtype_name(keys.dtype)}")
     check_key_width(keys.shape[-1], "L2NormKVCache state field 'keys'")
@@ -92,11 +163,85 @@ def _check_shapes_and_dtypes(keys, values, norms, positions, kept: int) -> None:
         raise StateError("values", f"shape {list(values.shape)} does not fit keys {list(keys.shape)}")
     if values.dtype != keys.dtype:
         raise StateError("values", f"dtype {dtype_name(values.dtype)} differs from keys {dtype_name(keys.dtype)}")
+
+
+def _check_quantized_shapes_and_dtypes(keys, values, kept: int, group_size: int, bits: int) -> None:
+    """Each of ``keys`` and ``values`` is ``(packed uint32 [B, H, kept,
+    D * bits / 32], scales, biases [B, H, kept, D / group_size])``, all six
+    on the same rows, scales and biases in one storage dtype."""
+    _check_rows(keys[0], kept, "keys[0]")
+    row_shape = keys[0].shape[:3]
+    dtype = keys[1].dtype
+    if dtype not in STORAGE_DTYPES:
+        raise StateError("keys[1]", f"scales must be float16, bfloat16 or float32, got {dtype_name(dtype)}")
+    for field, (packed, scales, biases) in (("keys", keys), ("values", values)):
+        for i, a in enumerate((packed, scales, biases)):
+            if a.ndim != 4 or a.shape[:3] != row_shape:
+                raise StateError(
+                    f"{field}[{i}]", f"shape {list(a.shape)} does not fit the rows {list(row_shape)}"
+                )
+        if packed.dtype != mx.uint32:
+            raise StateError(f"{field}[0]", f"packed rows must be uint32, got {dtype_name(packed.dtype)}")
+        for i, a in ((1, scales), (2, biases)):
+            if a.dtype != dtype:
+                raise StateError(
+                    f"{field}[{i}]", f"dtype {dtype_name(a.dtype)} differs from the key scales' "
+                    f"{dtype_name(dtype)}"
+                )
+        width = scales.shape[3] * group_size
+        if biases.shape[3] != scales.shape[3] or packed.shape[3] * 32 != width * bits:
+            raise StateError(
+                field, f"widths {[a.shape[3] for a in (packed, scales, biases)]} are not those "
+                f"of D = {width} at group_size {group_size} and {bits} bits"
+            )
+        if field == "keys":
+            check_key_width(width, "QuantizedL2NormKVCache state field 'keys'")
+
+
+def _check_norms_and_positions_shapes(norms, positions, row_shape) -> None:
     for field, a, dtype in (("norms", norms, mx.float32), ("positions", positions, mx.int32)):
-        if tuple(a.shape) != (batch, heads, rows):
-            raise StateError(field, f"must be [B, H, kept] = {[batch, heads, rows]}, got {list(a.shape)}")
+        if tuple(a.shape) != tuple(row_shape):
+            raise StateError(field, f"must be [B, H, kept] = {list(row_shape)}, got {list(a.shape)}")
         if a.dtype != dtype:
             raise StateError(field, f"must be {dtype_name(dtype)}, got {dtype_name(a.dtype)}")
+
+
+def quantized_norm_bound(keys, group_size: int, bits: int) -> tuple[mx.array, mx.array]:
+    """``(‖ŵ‖, bound)`` ``[B, H, rows]`` float32 for quantized ``keys``:
+    the §2 norms of the dequantized keys ``ŵ``, and how far the norms of
+    the keys they were quantized from can lie from them (docs/spec.md §8;
+    infinite or NaN where a scale or bias is not finite)."""
+    packed, scales, biases = keys
+    unit, tiny = _ROUNDOFF[scales.dtype]
+    levels = 2**bits - 1
+    dequantized = mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits)
+    groups = dequantized.astype(mx.float32).reshape(*scales.shape, group_size)
+    largest = mx.abs(groups).max(axis=-1)
+    s, b = mx.abs(scales.astype(mx.float32)), mx.abs(biases.astype(mx.float32))
+    step = 1.25 * (s * (1 + 2 * unit * levels) + 2 * unit * (b + largest) + (2 * levels + 4) * tiny)
+    bound = mx.sqrt(group_size * mx.sum(step * step, axis=-1))
+    return key_norms_unchecked(dequantized), bound
+
+
+def _check_quantized_norms(keys, norms, group_size: int, bits: int) -> None:
+    """Norms of the keys before quantization, which are gone: each is
+    ``>= +0`` or the canonical NaN, and within the quantization error of
+    the dequantized key's norm where the row's scales and biases are finite."""
+    if norms.size == 0:
+        return
+    bits_of = norms.view(mx.uint32)
+    signed = bits_of >= 0x80000000
+    nan = mx.isnan(norms)
+    if mx.any(signed | (nan & (bits_of != 0x7FC00000))).item():
+        raise StateError("norms", "must be >= +0 or the canonical NaN (docs/spec.md §2)")
+    dequantized, bound = quantized_norm_bound(keys, group_size, bits)
+    checked = mx.isfinite(bound)
+    far = mx.abs(norms - dequantized) > bound
+    if mx.any(checked & (far | nan)).item():
+        raise StateError(
+            "norms", "are not the norms of the stored keys before quantization: they lie "
+            "farther from the dequantized keys' norms than the quantization error allows"
+        )
 
 
 def _check_positions(positions: mx.array, offset: int, n_sink: int, recent: int) -> None:
@@ -124,12 +269,14 @@ def _check_positions(positions: mx.array, offset: int, n_sink: int, recent: int)
             )
 
 
-def check_block(keys, values, stored: tuple[mx.array, mx.array] | None, offset: int) -> None:
+def check_block(keys, values, stored: tuple[int, int, int, int] | None, offset: int,
+                group_size: int | None = None) -> None:
     """A block for ``update_and_fetch``: ``keys [B, H, S, D_k]`` and
-    ``values [B, H, S, D_v]``, floating, against the stored key and value
-    buffers ``[B, H, C, D]`` (None before the first block). The same on the
-    first call and every later one, and on every backend. Runs on every
-    decode step of every layer, so each shape is read once."""
+    ``values [B, H, S, D_v]``, floating, against the stored ``(B, H, D_k,
+    D_v)`` (None before the first block); for a quantized cache, widths
+    that are multiples of its ``group_size``. The same on the first call
+    and every later one, and on every backend. Runs on every decode step of
+    every layer, so each shape is read once."""
     for name, x in (("keys", keys), ("values", values)):
         check_floating(x, name)
     key_shape, value_shape = keys.shape, values.shape
@@ -145,12 +292,17 @@ def check_block(keys, values, stored: tuple[mx.array, mx.array] | None, offset: 
             f"B, H and S: keys {list(key_shape)} vs values {list(value_shape)}"
         )
     if stored is None:
-        # Later blocks keep this width, and a loaded state was checked for it.
+        # Later blocks keep these widths, and a loaded state was checked for them.
         check_key_width(key_shape[3], "keys")
+        if group_size is not None:
+            for name, shape in (("keys", key_shape), ("values", value_shape)):
+                if shape[3] % group_size:
+                    raise ValueError(
+                        f"mlx_knorm: QuantizedL2NormKVCache.update_and_fetch: {name} width "
+                        f"{shape[3]} must be a multiple of group_size {group_size}"
+                    )
     else:
-        stored_keys, stored_values = stored
-        batch, heads, _, key_dim = stored_keys.shape
-        value_dim = stored_values.shape[3]
+        batch, heads, key_dim, value_dim = stored
         if key_shape[:2] != (batch, heads) or key_shape[3] != key_dim or value_shape[3] != value_dim:
             raise ValueError(
                 f"mlx_knorm: L2NormKVCache holds [B, H, rows, D] = [{batch}, {heads}, rows, "
@@ -164,18 +316,22 @@ def check_block(keys, values, stored: tuple[mx.array, mx.array] | None, offset: 
         )
 
 
-def parse_meta_state(meta_state) -> tuple:
-    """``(budget, n_sink, recent, keep, layout)`` from ``meta_state``: the
-    integers as decimal strings (as ``L2NormKVCache.meta_state`` gives
-    them) or ints; raises naming the field."""
-    if not isinstance(meta_state, (tuple, list)) or len(meta_state) != len(META_FIELDS):
+def parse_meta_state(meta_state, quantized: bool = False) -> tuple:
+    """``(budget, n_sink, recent, keep, layout)`` (``quantized``: then
+    ``group_size, bits``) from ``meta_state``: the integers as decimal
+    strings (as ``meta_state`` gives them) or ints; raises naming the field."""
+    fields = META_FIELDS + QUANTIZATION_FIELDS if quantized else META_FIELDS
+    if not isinstance(meta_state, (tuple, list)) or len(meta_state) != len(fields):
         count = len(meta_state) if isinstance(meta_state, (tuple, list)) else type(meta_state).__name__
+        kind = "QuantizedL2NormKVCache" if quantized else "L2NormKVCache"
         raise ValueError(
-            f"mlx_knorm: L2NormKVCache meta_state must have the {len(META_FIELDS)} fields "
-            f"({', '.join(META_FIELDS)}), got {count}"
+            f"mlx_knorm: {kind} meta_state must have the {len(fields)} fields "
+            f"({', '.join(fields)}), got {count}"
         )
-    numbers = []
-    for field, value in zip(META_FIELDS[:3], meta_state):
+    integers = [i for i, field in enumerate(fields) if field not in ("keep", "layout")]
+    out = list(meta_state)
+    for i in integers:
+        field, value = fields[i], meta_state[i]
         if isinstance(value, str):
             if not re.fullmatch(r"[+-]?[0-9]+", value):
                 raise ValueError(
@@ -183,5 +339,5 @@ def parse_meta_state(meta_state) -> tuple:
                     f"integer, got {value!r}"
                 )
             value = int(value)
-        numbers.append(check_int(value, f"meta_state field '{field}'"))
-    return (*numbers, *meta_state[3:])
+        out[i] = check_int(value, f"meta_state field '{field}'")
+    return tuple(out)

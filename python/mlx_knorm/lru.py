@@ -1,0 +1,97 @@
+"""mlx-lm's ``LRUPromptCache`` for caches that trim only their newest tokens.
+
+mlx-lm's prompt cache store (``mlx_lm.models.cache.LRUPromptCache``, which
+``mlx_lm.server`` keeps its conversations in) treats a cache as trimmable
+by any count once ``is_trimmable()`` says so: ``fetch_nearest_cache`` trims
+a copy of a longer cached prompt down to the common prefix and ignores the
+count ``trim_prompt_cache`` returns, and ``insert_cache`` drops the entries
+of the new prompt's prefixes, counting on trimming the new cache back to
+them. An ``L2NormKVCache`` trims exactly only what no eviction has ranked
+yet (``trimmable()``, docs/spec.md §8) and refuses the rest, so with mlx-lm's
+class a request could be answered from a cache still holding tokens that
+are not in its prompt.
+
+``LRUPromptCache`` here is mlx-lm's class with two changes, and nothing else:
+
+- ``fetch_nearest_cache`` takes the longer cached prompt only when every
+  layer can trim it to the prefix (``can_trim_prompt_cache``); otherwise it
+  answers as mlx-lm does for a cache that cannot trim: from the longest
+  cached prefix, or with no cache;
+- ``insert_cache`` drops a prefix's entry only when the new cache can be
+  trimmed back to that prefix.
+
+Layers without ``trimmable()`` (mlx-lm's own caches) answer by
+``is_trimmable()``, as in mlx-lm, so for them the class behaves as mlx-lm's.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+from mlx_lm.models import cache as mlx_lm_cache
+
+
+def can_trim_prompt_cache(prompt_cache: list, n: int) -> bool:
+    """Whether ``trim_prompt_cache(prompt_cache, n)`` removes the ``n``
+    newest tokens from every layer: a layer with ``trimmable()`` when
+    ``n`` is no more than it, any other when ``is_trimmable()``."""
+    return all(
+        n <= layer.trimmable() if hasattr(layer, "trimmable") else layer.is_trimmable()
+        for layer in prompt_cache
+    )
+
+
+class _PromptTrie(mlx_lm_cache.PromptTrie):
+    """mlx-lm's trie, whose ``pop_prefixes`` pops only the prefixes that
+    ``replaceable(prefix_length)`` allows while one is set."""
+
+    replaceable: Callable[[int], bool] | None = None
+
+    def pop_prefixes(self, model: Any, tokens: list[int]):
+        if self.replaceable is None:
+            return super().pop_prefixes(model, tokens)
+        values = []
+        current = self._trie[model]
+        for i, tok in enumerate(tokens):
+            if "__value__" in current and self.replaceable(i):
+                values.append((i, current.pop("__value__")))
+            current = current[tok]
+        return values
+
+
+class LRUPromptCache(mlx_lm_cache.LRUPromptCache):
+    """``mlx_lm.models.cache.LRUPromptCache`` that never asks a cache for a
+    trim it cannot do (module docstring)."""
+
+    def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63):
+        super().__init__(max_size=max_size, max_bytes=max_bytes)
+        self._trie = _PromptTrie()
+
+    def fetch_nearest_cache(self, model: Any, tokens: list[int]):
+        result = self._trie.search(model, tokens)
+        shorter = len(result.shorter) if result.shorter is not None else 0
+        if result.exact is None and result.longer is not None and result.common_prefix > shorter:
+            # mlx-lm would trim the longer prompt's cache to this prefix.
+            entry = self._trie.get(result.model, result.longer)
+            prefix = min(len(tokens) - 1, result.common_prefix)
+            if not can_trim_prompt_cache(entry.prompt_cache, len(result.longer) - prefix):
+                if shorter > 0:
+                    entry = self._trie.get(result.model, result.shorter)
+                    return copy.deepcopy(entry.prompt_cache), tokens[shorter:]
+                return None, tokens
+        return super().fetch_nearest_cache(model, tokens)
+
+    def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list, *,
+                     cache_type: str = "assistant"):
+        # A later fetch of a prefix of length p finds this entry and trims
+        # it by len(tokens) - (p - 1) (fetch_nearest_cache keeps the
+        # prompt's last token to process).
+        self._trie.replaceable = lambda p: can_trim_prompt_cache(prompt_cache, len(tokens) - p + 1)
+        try:
+            super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        finally:
+            self._trie.replaceable = None
+
+
+__all__ = ["LRUPromptCache", "can_trim_prompt_cache"]

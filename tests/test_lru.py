@@ -1,0 +1,97 @@
+"""mlx_knorm.lru.LRUPromptCache: mlx-lm's prompt cache store, never asking a
+cache for a trim it cannot do (docs/spec.md §8, trim)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import cache as mlx_lm_cache
+from mlx_lm.models.cache import KVCache
+
+from mlx_knorm.cache import L2NormKVCache
+from mlx_knorm.lru import LRUPromptCache, can_trim_prompt_cache
+
+from tiny_models import HEAD_DIM, KV_HEADS
+
+MODEL = "tiny"
+PROMPT = list(range(100, 140))  # 40 tokens
+
+
+def prompt_cache(tokens: list[int], blocks: list[int], budget: int, skip_first: bool = False) -> list:
+    """Two layers fed ``tokens`` in ``blocks`` (a KVCache first when ``skip_first``)."""
+    layers = [KVCache() if skip_first else L2NormKVCache(budget=budget, n_sink=2), L2NormKVCache(budget=budget, n_sink=2)]
+    keys = mx.random.normal((1, KV_HEADS, len(tokens), HEAD_DIM), key=mx.random.key(len(tokens))).astype(mx.float16)
+    start = 0
+    for size in blocks:
+        for layer in layers:
+            layer.update_and_fetch(keys[:, :, start : start + size], keys[:, :, start : start + size])
+        start += size
+    assert start == len(tokens)
+    return layers
+
+
+def check_answer(tokens: list[int], cache, rest: list[int]) -> int:
+    """A fetched cache holds exactly the prompt's tokens it does not return."""
+    held = len(tokens) - len(rest)
+    assert rest == tokens[held:]
+    if cache is not None:
+        assert {layer.offset for layer in cache} == {held}
+    else:
+        assert held == 0
+    return held
+
+
+@pytest.mark.parametrize("skip_first", [False, True])
+def test_a_cache_that_evicted_is_not_trimmed_past_its_last_block(skip_first):
+    # Prefill 39 over a budget of 16, one decode step: only that step's token can go.
+    store = LRUPromptCache()
+    store.insert_cache(MODEL, PROMPT, prompt_cache(PROMPT, [39, 1], 16, skip_first))
+    question = PROMPT[:30] + [7, 8]
+    cache, rest = store.fetch_nearest_cache(MODEL, question)
+    assert cache is None and rest == question
+    # mlx-lm's own class trims it anyway, ignoring the refusal: the cache
+    # then holds 40 tokens where it says it answers for 30.
+    theirs = mlx_lm_cache.LRUPromptCache()
+    theirs.insert_cache(MODEL, PROMPT, prompt_cache(PROMPT, [39, 1], 16, skip_first))
+    cache, rest = theirs.fetch_nearest_cache(MODEL, question)
+    assert len(question) - len(rest) == 30 and cache[-1].offset == 40
+    # With a last block of 2, a prompt one token shorter is within it (the
+    # store keeps the prompt's last token to process, so it trims 2).
+    store.insert_cache(MODEL, PROMPT, prompt_cache(PROMPT, [38, 2], 16, skip_first))
+    cache, rest = store.fetch_nearest_cache(MODEL, PROMPT[:-1])
+    assert check_answer(PROMPT[:-1], cache, rest) == 38
+
+
+def test_a_cache_that_never_evicted_trims_as_mlx_lm_does():
+    store = LRUPromptCache()
+    store.insert_cache(MODEL, PROMPT, prompt_cache(PROMPT, [30, 1, 9], 64))
+    question = PROMPT[:25] + [1, 2, 3]
+    cache, rest = store.fetch_nearest_cache(MODEL, question)
+    assert check_answer(question, cache, rest) == 25
+    # The stored entry is untouched: fetch trims a copy.
+    cache, rest = store.fetch_nearest_cache(MODEL, PROMPT)
+    assert rest == [] and cache[0].offset == 40
+
+
+def test_prefixes_the_new_cache_cannot_stand_in_for_are_kept():
+    store = LRUPromptCache()
+    short = PROMPT[:20]
+    store.insert_cache(MODEL, short, prompt_cache(short, [20], 16))
+    # Evicting past its last block: the 20-token entry still answers its prompt.
+    store.insert_cache(MODEL, PROMPT, prompt_cache(PROMPT, [39, 1], 16))
+    assert len(store) == 2
+    cache, rest = store.fetch_nearest_cache(MODEL, short + [5])
+    assert check_answer(short + [5], cache, rest) == 20
+    # A cache that can trim back to the prefix replaces it, as in mlx-lm.
+    store = LRUPromptCache()
+    store.insert_cache(MODEL, short, prompt_cache(short, [20], 64))
+    store.insert_cache(MODEL, PROMPT, prompt_cache(PROMPT, [39, 1], 64))
+    assert len(store) == 1
+    cache, rest = store.fetch_nearest_cache(MODEL, short)
+    assert check_answer(short, cache, rest) == 19
+
+
+def test_can_trim_prompt_cache_asks_each_layer():
+    layers = prompt_cache(PROMPT, [39, 1], 16, skip_first=True)
+    assert can_trim_prompt_cache(layers, 1) and not can_trim_prompt_cache(layers, 2)
+    assert can_trim_prompt_cache([KVCache()], 5)
