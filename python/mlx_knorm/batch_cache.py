@@ -375,8 +375,8 @@ class BatchL2NormKVCache(_BaseCache):
         cache = L2NormKVCache(budget=self.budget, n_sink=self.n_sink, recent=self.recent,
                               keep=self.keep, layout=self.layout)
         lo, end = self._lo[idx], min(self.timeline, self._hi[idx])
-        if self.keys is None:
-            return cache
+        if self.keys is None or end <= lo:
+            return cache  # no token of this sequence yet: the empty cache
         kept = self.size()
         real = min(self._real[idx], kept)
         rows = [b[idx : idx + 1, :, : self.filled] for b in self._buffers()]
