@@ -260,3 +260,19 @@ def test_nbytes_counts_the_buffers_and_sliding_windows_are_refused():
     with pytest.raises(ValueError, match="sliding-window"):
         batch.make_mask(1, window_size=4)
     assert not batch.is_trimmable() and batch.trim(1) == 0
+
+
+def test_extend_refuses_other_shapes_and_a_pending_right_padded_prefill():
+    rng = np.random.default_rng(3)
+    batch, _ = merged(rng, dict(budget=5), [4], 2)
+    other = L2NormKVCache(budget=5)
+    other.update_and_fetch(mx.zeros((1, HEADS, 2, KEY_DIM + 1)), mx.zeros((1, HEADS, 2, VALUE_DIM)))
+    with pytest.raises(ValueError, match="other holds rows of other heads, widths or dtype"):
+        batch.extend(L2NormKVCache.merge([other]))
+    batch.prepare(lengths=[1], right_padding=[0])
+    fresh, _ = merged(rng, dict(budget=5), [2], 2)
+    fresh.prepare(lengths=[1], right_padding=[1])
+    with pytest.raises(ValueError, match="finalize"):
+        batch.extend(fresh)
+    with pytest.raises(TypeError, match="must be a BatchL2NormKVCache"):
+        batch.extend(other)

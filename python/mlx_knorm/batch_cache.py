@@ -284,9 +284,10 @@ class BatchL2NormKVCache(_BaseCache):
                     if c.keys.shape[3] != template.keys.shape[3] or c.values.shape[3] != template.values.shape[3] \
                             or heads != c.norms.shape[1] or c.keys.dtype != template.keys.dtype:
                         raise ValueError(
-                            "mlx_knorm: BatchL2NormKVCache.extend: the caches hold rows of different shapes "
-                            f"or dtypes: keys {list(self.keys.shape)} {self.keys.dtype} vs "
-                            f"{list(other.keys.shape)} {other.keys.dtype}"
+                            "mlx_knorm: BatchL2NormKVCache.extend: other holds rows of other heads, widths "
+                            f"or dtype: keys {list(other.keys.shape)} {other.keys.dtype}, values "
+                            f"{list(other.values.shape)} vs keys {list(self.keys.shape)} {self.keys.dtype}, "
+                            f"values {list(self.values.shape)}"
                         )
                     rows = [b[:, :, : c.filled] for b in c._buffers()]
                 positions = rows[3]
