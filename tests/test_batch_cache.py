@@ -276,3 +276,29 @@ def test_extend_refuses_other_shapes_and_a_pending_right_padded_prefill():
         batch.extend(fresh)
     with pytest.raises(TypeError, match="must be a BatchL2NormKVCache"):
         batch.extend(other)
+
+
+@pytest.mark.usefixtures("cpu_default_device")
+@pytest.mark.parametrize("layout", ["slots", "temporal"])
+def test_batch_decode_steps_run_in_place(layout):
+    """As the single cache's: once a step's attention has run, a decode step
+    of the batch writes into its buffers (budget + 1 slots), allocating no
+    second copy, with padding in the batch."""
+    rng = np.random.default_rng(4)
+    budget = 64
+    batch, sequences = merged(rng, dict(budget=budget, n_sink=2, layout=layout), [90, 20, 0], 30)
+    for _ in range(3):
+        rows = [seq.rows(1) for seq in sequences]
+        mx.eval(batch.update_and_fetch(mx.concatenate([k for k, _ in rows]),
+                                       mx.concatenate([v for _, v in rows])))
+    assert batch.keys.shape[2] == budget + 1
+    buffer_bytes = batch.nbytes
+    for _ in range(3):
+        rows = [seq.rows(1) for seq in sequences]
+        keys, values = mx.concatenate([k for k, _ in rows]), mx.concatenate([v for _, v in rows])
+        mx.eval(keys, values)
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(batch.update_and_fetch(keys, values))
+        assert mx.get_peak_memory() - before < buffer_bytes // 4
+        assert batch.nbytes == buffer_bytes
