@@ -49,6 +49,7 @@ import importlib
 import logging
 import time
 import types
+import weakref
 
 import mlx.core as mx
 from huggingface_hub.utils import CacheNotFound
@@ -96,23 +97,28 @@ class ServerSession(Session):
         self.last_response = None  # of the request being served alone
         self.batch_config = None  # the cache settings of the batch being served
         self.batch_statistics: dict[int, str] = {}  # id(finished prompt cache) -> its statistics
-        self._batchable: dict = {}
+        self._batchable: dict = {}  # config -> whether it batches, for the model below
+        self._batchable_model = lambda: None
 
     def batchable(self, config, model) -> bool:
         """Whether requests with ``config`` can be batched: every layer of
         their cache an ``L2NormKVCache`` (or, for a baseline cache factory,
         none an eviction cache). A cache that fails to build is served
         alone, which reports the error."""
-        if config not in self._batchable:
+        if self._batchable_model() is not model:
+            # Another model is served: its answers differ.
+            self._batchable, self._batchable_model = {}, weakref.ref(model)
+        key = config
+        if key not in self._batchable:
             try:
                 with self.request_config(config):
                     cache = model.make_cache()
             except (TypeError, ValueError):
                 return False
             ours = [isinstance(c, L2NormCacheBase) for c in cache]
-            self._batchable[config] = (all(type(c) is L2NormKVCache for c in cache) if any(ours)
-                                       else all(hasattr(c, "merge") for c in cache))
-        return self._batchable[config]
+            self._batchable[key] = (all(type(c) is L2NormKVCache for c in cache) if any(ours)
+                                    else all(hasattr(c, "merge") for c in cache))
+        return self._batchable[key]
 
     def patches(self) -> dict:
         session = self
