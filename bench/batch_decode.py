@@ -5,10 +5,14 @@ cache of a batch picks today) and ``BatchKVCache`` (no bound, for
 reference), at 1, 4 and 8 concurrent sequences, and the same sequences
 decoded one at a time with ``L2NormKVCache`` (what a server without batching
 does). The model is decode_e2e.py's random-weight llama with Llama-3.2-1B's
-attention shapes, float32 weights (set ``LD_PRELOAD`` to OpenBLAS, see the
-developers' guide, for a CPU's real speed); budget 512 (``n_sink=4``).
+attention shapes (random prompts), or with ``--model`` a real one (a GGUF
+file or a packaged name: ``smollm2`` is SmolLM2-135M-Instruct; prompts of
+English prose from ``pydoc_data.topics``); float32 weights either way (set
+``LD_PRELOAD`` to OpenBLAS, see the developers' guide, for a CPU's real
+speed); budget 512 (``n_sink=4``).
 
     python bench/batch_decode.py --json bench/results/batch-decode-cpu.json
+    python bench/batch_decode.py --model smollm2 --json bench/results/batch-decode-cpu-smollm2.json
 
 Each sequence has its own prompt, lengths spread over ``--prompt-min`` to
 ``--prompt-max`` (default 1024 to 4096). Each prompt is prefilled once,
@@ -139,6 +143,29 @@ class Decoder:
         return samples
 
 
+def real_model(name: str, stride: int):
+    """A real model in float32 and its prompts: disjoint slices of English
+    prose, ``stride`` tokens apart."""
+    import pydoc_data.topics
+
+    from mlx_knorm.models import load
+
+    model, tokenizer = load(name, dtype="float32")
+    ids = tokenizer.encode("\n\n".join(pydoc_data.topics.topics.values()))
+
+    def prompt(index: int, n: int) -> mx.array:
+        return mx.array(ids[index * stride : index * stride + n])
+
+    return model, prompt
+
+
+def describe(model) -> dict:
+    args = model.args
+    return {name: getattr(args, name, None) for name in (
+        "model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "num_hidden_layers", "intermediate_size", "vocab_size")}
+
+
 def prompt_lengths(args) -> list[int]:
     n = max(BATCH_SIZES)
     return [round(args.prompt_min + (args.prompt_max - args.prompt_min) * i / (n - 1)) for i in range(n)]
@@ -148,8 +175,15 @@ def run(args) -> dict:
     host, date = machine(), now()
     mx.set_default_device(mx.cpu)
     warm_up()
-    model = build_model(args.layers, args.intermediate, args.vocab)
-    model.set_dtype(mx.float32)
+    if args.model:
+        model, make_prompt = real_model(args.model, args.prompt_max)
+    else:
+        model = build_model(args.layers, args.intermediate, args.vocab)
+        model.set_dtype(mx.float32)
+
+        def make_prompt(index: int, n: int) -> mx.array:
+            return mx.random.randint(0, args.vocab, (n,), key=mx.random.key(index))
+
     mx.eval(model.parameters())
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     lengths = prompt_lengths(args)
@@ -161,7 +195,7 @@ def run(args) -> dict:
     last_tokens = []
     for index, n in enumerate(lengths):
         print(f"prefill prompt {index + 1}/{len(lengths)}: {n} tokens", file=sys.stderr)
-        prompt = mx.random.randint(0, args.vocab, (n,), key=mx.random.key(index))
+        prompt = make_prompt(index, n)
         rows = prefill(model, prompt)
         last_tokens.append(prompt[-1].item())
         for kind, make in makers.items():
@@ -212,9 +246,7 @@ def run(args) -> dict:
         "machine": host,
         "backend": backend_info(),
         "warm_process": True,
-        "model": {"hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 8,
-                  "head_dim": 64, "num_hidden_layers": args.layers,
-                  "intermediate_size": args.intermediate, "vocab_size": args.vocab,
+        "model": {"name": args.model or "random llama (decode_e2e.py)", **describe(model),
                   "dtype": "float32", "weights_bytes": weights},
         "prompt_tokens": lengths, "prefill_step_size": PREFILL_STEP, "budget": args.budget,
         "n_sink": N_SINK, "warmup_steps": args.warmup, "round_steps": args.round_steps,
@@ -244,8 +276,10 @@ def print_report(report: dict) -> None:
     print(f"mlx-knorm {report['mlx_knorm_version']} batched decode on cpu: "
           f"{m['cpu_model'] or m['processor']}, MLX {report['mlx_version']}, "
           f"mlx-lm {report['mlx_lm_version']}, {report['date']}")
-    print(f"llama, hidden 2048, 32/8 heads, head_dim 64, {model['num_hidden_layers']} layers, "
-          f"MLP {model['intermediate_size']}, vocab {model['vocab_size']}, float32; prompts "
+    print(f"{model['name']}: {model['model_type']}, hidden {model['hidden_size']}, "
+          f"{model['num_attention_heads']}/{model['num_key_value_heads']} heads, head_dim "
+          f"{model['head_dim']}, {model['num_hidden_layers']} layers, MLP {model['intermediate_size']}, "
+          f"vocab {model['vocab_size']}, float32; prompts "
           f"{report['prompt_tokens']} tokens, budget {report['budget']}. Warm process, every batch "
           "interleaved in rounds; medians; ratios per round to BatchRotatingKVCache at the same B.")
     header = ["B", "cache", "ms/step [p25, p75]", "tokens/s", "vs rotating", "peak MiB", "vs rotating",
@@ -273,6 +307,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, help="timed rounds (default 5)")
     parser.add_argument("--round-steps", type=int, default=4, help="decode steps per batch and round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps first")
+    parser.add_argument("--model", help="a real model: a GGUF file or a packaged name (smollm2); "
+                                        "default decode_e2e.py's random llama")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--intermediate", type=int, default=512, help="MLP width")
     parser.add_argument("--vocab", type=int, default=1024)
