@@ -193,3 +193,27 @@ def test_commands_program_compares_draft_models_and_kv_bits(tmp_path):
     for name, row in (("eviction float", 128), ("eviction 8-bit", 64 + 4), ("eviction 4-bit", 32 + 4)):
         assert kv[name] / 1e6 == pytest.approx(round(slots * (2 * row + 8) / 1e6, 3))
     assert kv["full 4-bit"] < kv["full 8-bit"] < kv["full float"]
+
+
+def test_batch_decode_program_on_tiny_prompts(tmp_path):
+    """bench/batch_decode.py end to end on one layer, prompts of 20 to 40
+    tokens and budget 16: every kind at every batch size decodes and
+    reports, and the batches' caches are the batch caches; never timings."""
+    program, report = run_program("batch_decode.py", [
+        "--prompt-min", "20", "--prompt-max", "40", "--budget", "16", "--rounds", "1",
+        "--round-steps", "1", "--warmup", "1", "--layers", "1", "--intermediate", "64", "--vocab", "64",
+    ], tmp_path)
+    assert report["benchmark"] == "batch_decode" and report["warm_process"] is True
+    assert sorted(report["prompt_tokens"]) == [20, 23, 26, 29, 31, 34, 37, 40]
+    kinds = {"BatchKVCache", "BatchRotatingKVCache", "BatchL2NormKVCache"}
+    assert set(report["batches"]) == {"1", "4", "8"}
+    for batch, row in report["batches"].items():
+        assert set(row) == kinds | ({"L2NormKVCache one at a time"} if batch != "1" else set())
+        for c in row.values():
+            assert c["sequences"] == int(batch) and c["reps"] == 1 and c["tokens_per_s"] > 0
+        assert row["BatchRotatingKVCache"]["tokens_per_s_ratio_to_rotating"] == 1.0
+    assert "B4_speedup_over_one_at_a_time" in report["targets"]
+    model = program["build_model"](1, 64, 64)
+    caches = program["single_caches"](model, 16)
+    merged = [type(c[0].merge([c[0]])).__name__ for c in (make() for make in caches.values())]
+    assert merged == ["BatchKVCache", "BatchRotatingKVCache", "BatchL2NormKVCache"]

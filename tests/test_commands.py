@@ -81,7 +81,7 @@ def test_help_lists_every_mlx_lm_flag_and_the_cache_flags(command):
     assert {"--budget", "--max-kv-size", "--n-sink", "--recent", "--keep", "--skip-layers", "--layout"} <= ours
     assert text.startswith(f"usage: mlx-knorm {command}")
     if command == "server":
-        assert "served one at a time" in text
+        assert "Concurrent requests with the same cache settings are batched" in text
 
 
 @pytest.mark.parametrize("model, prompt, flags", [

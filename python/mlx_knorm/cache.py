@@ -44,10 +44,11 @@ share it across layers. Every ``L2NormKVCache`` of a model holds the same
 row count, so they agree; a model that asks for an array mask
 (``return_array=True``, e.g. gemma2, deepseek_v3) would apply it to a
 ``skip_layers`` layer, whose row count differs once eviction starts, so
-``make_knorm_cache`` refuses ``skip_layers`` for such models. There is no
-``merge``, so mlx-lm's ``BatchGenerator`` (and ``mlx_lm.server`` batching)
-does not batch these caches; batches built by the caller (``[B, S]``
-inputs) are supported.
+``make_knorm_cache`` refuses ``skip_layers`` for such models.
+``L2NormKVCache.merge`` gives ``BatchL2NormKVCache`` (mlx_knorm.batch_cache),
+so mlx-lm's ``BatchGenerator``, ``batch_generate`` and server batch these
+caches with eviction per sequence; batches built by the caller (``[B, S]``
+inputs, every sequence the same length) work on the plain cache too.
 
 ``L2NormKVCache.to_quantized`` gives ``QuantizedL2NormKVCache``, the same
 cache with its rows in MLX's affine quantization (mlx-lm's ``kv_bits``):
@@ -107,6 +108,17 @@ def segment_mask(lengths: list[int]) -> mx.array:
     starts = ends - mx.array(lengths, mx.int32)
     column = mx.arange(sum(lengths), dtype=mx.int32)
     return (column >= starts[:, None]) & (column < ends[:, None])
+
+
+def step_capacity(needed: int, current: int, budget: int) -> int:
+    """Slots for a step's output buffers (docs/spec.md §8): the current ones
+    when they fit and are not larger than a decode step at the budget needs
+    (then the step can run in place), else ``needed`` rounded up to
+    ``GROWTH_STEP``, capped there."""
+    most = max(needed, budget + 1)
+    if needed <= current <= most:
+        return current
+    return min(-(-needed // GROWTH_STEP) * GROWTH_STEP, most)
 
 
 def _storage_dtype(keys: mx.array, values: mx.array) -> mx.Dtype:
@@ -270,14 +282,7 @@ class L2NormCacheBase(_BaseCache):
         return joined(0), joined(1)
 
     def _capacity(self, needed: int, current: int) -> int:
-        """Slots for the next buffers: the current ones when they fit and are
-        not larger than a decode step at the budget needs (then the step can
-        run in place), else ``needed`` rounded up to ``GROWTH_STEP``, capped
-        there."""
-        most = max(needed, self.budget + 1)
-        if needed <= current <= most:
-            return current
-        return min(-(-needed // GROWTH_STEP) * GROWTH_STEP, most)
+        return step_capacity(needed, current, self.budget)
 
     def _occupied(self, rows):
         """Slots ``[0, filled)`` of ``[B, H, capacity, D]`` buffers (views)."""
@@ -530,9 +535,9 @@ class L2NormKVCache(L2NormCacheBase):
     slots ``[0, filled)`` are occupied, in storage order. ``state`` and
     ``positions`` give the kept rows in temporal order. ``trim`` removes the
     newest tokens exactly or refuses (``trimmable()``); ``to_quantized``
-    gives the quantized cache that mlx-lm's ``kv_bits`` asks for. Not
-    mergeable into mlx-lm's batch caches: it defines no ``merge``, so
-    mlx-lm's server does not batch it.
+    gives the quantized cache that mlx-lm's ``kv_bits`` asks for;
+    ``merge`` gives the batch cache that mlx-lm's ``BatchGenerator`` asks
+    for.
     """
 
     def __init__(
@@ -560,6 +565,15 @@ class L2NormKVCache(L2NormCacheBase):
     def _new_rows(self, keys, values, dtype):
         # The step takes the norms from the stored keys itself (docs/spec.md §4).
         return keys.astype(dtype), values.astype(dtype), None
+
+    @classmethod
+    def merge(cls, caches) -> "BatchL2NormKVCache":
+        """One ``BatchL2NormKVCache`` of single-sequence caches of one
+        configuration (docs/spec.md §8, batches): what mlx-lm's
+        ``BatchGenerator`` and server call to batch a layer."""
+        from .batch_cache import BatchL2NormKVCache
+
+        return BatchL2NormKVCache.merge(caches)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "QuantizedL2NormKVCache":
         """This cache with its stored rows in MLX's affine quantization, as
@@ -622,6 +636,15 @@ class QuantizedL2NormKVCache(L2NormCacheBase):
 
     def _extra(self) -> tuple:
         return self.group_size, self.bits
+
+    @classmethod
+    def merge(cls, caches):
+        """Refused: there is no quantized batch cache. Defined so that
+        mlx-lm's ``BatchGenerator`` reports this instead of falling back."""
+        raise ValueError(
+            "mlx_knorm: QuantizedL2NormKVCache cannot be batched (no quantized batch cache); "
+            "batch L2NormKVCache caches (no kv_bits) or generate one sequence at a time"
+        )
 
     def _widths(self) -> tuple[int, int]:
         return (self.keys[1].shape[3] * self.group_size, self.values[1].shape[3] * self.group_size)
