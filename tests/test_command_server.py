@@ -160,24 +160,30 @@ def test_chat_completions_streaming_and_not(server):
     assert whole
 
 
-def test_several_clients_at_once_get_what_one_gets(server):
-    body = {"prompt": PROMPT, "max_tokens": 24}
-    alone = text_of(server.complete("/v1/completions", body))
-    results = [None] * 6
+def at_once(server, bodies: list[dict]) -> list[str]:
+    """The texts of ``bodies`` sent at once, one client thread each (odd ones streaming)."""
+    results = [None] * len(bodies)
 
     def client(i):
+        body = bodies[i]
         if i % 2:
             events = server.stream("/v1/completions", body)
             results[i] = "".join(e["choices"][0].get("text", "") for e in events)
         else:
             results[i] = text_of(server.complete("/v1/completions", body))
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(results))]
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(bodies))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(REQUEST_TIMEOUT_S)
-    assert results == [alone] * len(results)
+    return results
+
+
+def test_several_clients_at_once_get_what_one_gets(server):
+    body = {"prompt": PROMPT, "max_tokens": 24}
+    alone = text_of(server.complete("/v1/completions", body))
+    assert at_once(server, [body] * 6) == [alone] * 6
 
 
 BAD_REQUESTS = {

@@ -7,13 +7,12 @@ requests with other cache settings, or settings that cannot batch
 from __future__ import annotations
 
 import re
-import threading
 
 import pytest
 
 from command_runs import MLX_KNORM, command_env
 from mlx_knorm.quality import MODEL_DIR
-from test_command_server import LONG_PROMPT, PROMPT, REQUEST_TIMEOUT_S, Server, text_of
+from test_command_server import LONG_PROMPT, PROMPT, Server, at_once, text_of
 
 BUDGET = 64
 PROMPTS = [PROMPT, LONG_PROMPT, "class Config:\n    ", LONG_PROMPT[: len(LONG_PROMPT) // 3] + "def load(path):\n"]
@@ -26,25 +25,6 @@ def server(tmp_path_factory):
                env, tmp_path_factory.mktemp("logs") / "mlx-knorm-server.log")
     yield s
     s.stop()
-
-
-def at_once(server, bodies: list[dict]) -> list[str]:
-    results = [None] * len(bodies)
-
-    def client(i):
-        body = bodies[i]
-        if i % 2:
-            events = server.stream("/v1/completions", body)
-            results[i] = "".join(e["choices"][0].get("text", "") for e in events)
-        else:
-            results[i] = text_of(server.complete("/v1/completions", body))
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(bodies))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(REQUEST_TIMEOUT_S)
-    return results
 
 
 def batch_sizes(log: str) -> list[int]:
