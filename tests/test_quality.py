@@ -13,7 +13,7 @@ from mlx_knorm.cache import make_knorm_cache
 from mlx_knorm.quality import MODEL_DIR, data
 from mlx_knorm.quality.byte_tokenizer import byte_tokenizer
 from mlx_knorm.quality.eval import evaluate, teacher_forced_logits
-from mlx_knorm.quality.policies import POLICIES, kept_mask
+from mlx_knorm.quality.policies import kept_mask
 
 
 @pytest.fixture(scope="module")
@@ -113,10 +113,17 @@ def test_eval_on_a_tiny_slice_gives_sane_numbers(shipped, sequences):
     assert results.mean_recall("full") == pytest.approx(1.0, abs=1e-5)
     full_ppl = results.perplexity("full")
     assert 1.0 < full_ppl < 256.0
-    for policy in POLICIES:
+    assert len(results.policies()) == 9
+    for policy in results.policies():
         # A budget of the whole sequence evicts nothing.
         assert results.perplexity(policy, everything) == pytest.approx(full_ppl, rel=1e-5)
         assert results.mean_recall(policy, everything) == pytest.approx(1.0, abs=1e-5)
+        low, high = results.perplexity_ci(policy, everything)
+        assert low <= results.perplexity(policy, everything) <= high
+        if results.cut(policy, small) is None:
+            # Layers 0 and 1 kept whole take more than a quarter of the memory of 4 layers.
+            assert "skip=0,1" in policy
+            continue
         assert 0.0 < results.mean_recall(policy, small) < 1.0
         assert np.isfinite(results.perplexity(policy, small))
     assert all(-1.0 <= r <= 1.0 for r in results.layer_spearman().values())
@@ -130,7 +137,7 @@ def test_eval_and_demo_commands_run(tmp_path, capsys):
     assert main(["eval", "--n-seqs", "1", "--seq-len", "128", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     n_layers = json.loads((MODEL_DIR / "config.json").read_text())["num_hidden_layers"]
-    assert report["budgets"] == [32, 64, 96] and len(report["layer_spearman"]) == n_layers
+    assert report["budgets"] == [16, 32, 64] and len(report["layer_spearman"]) == n_layers
     assert report["model"] == "shipped byte-level model"
     assert main(["demo", "--max-tokens", "40", "--budget", "16"]) == 0
     assert "% saved" in capsys.readouterr().out
