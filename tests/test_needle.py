@@ -30,26 +30,32 @@ def shipped():
 
 
 @pytest.mark.parametrize("name", ["passkey", "prose"])
-def test_prompts_hold_the_needle_at_a_sentence_start_near_the_depth(shipped, name):
+def test_prompts_hold_the_needle_at_the_start_nearest_the_depth(shipped, name):
     _, tokenizer = shipped
-    haystack = make_haystack(name, tokenizer, 600)
+    haystack = make_haystack(name, tokenizer, 900)
+    needle = haystack.needle.format(key="48213")
+    longest = max(len(s) for s in tokenizer.decode(list(haystack.filler)).split("\n" if name == "prose" else "."))
     for depth in (0.0, 0.3, 0.5, 1.0):
-        prompt = build_prompt(haystack, tokenizer, 600, depth, "48213")
-        assert len(prompt.tokens) == 600
+        prompt = build_prompt(haystack, tokenizer, 900, depth, "48213")
+        # Short of the context by less than one line (prose) or sentence (passkey), plus its separator.
+        assert 900 - longest - 2 <= len(prompt.tokens) <= 900
         text = tokenizer.decode(list(prompt.tokens))
-        needle = haystack.needle.format(key="48213")
         assert text.count(needle) == 1 and text.startswith(tokenizer.decode(list(haystack.intro)))
         assert text.endswith(tokenizer.decode(list(haystack.question)))
-        at = prompt.needle_at - len(haystack.intro)
-        n_filler = 600 - len(haystack.intro) - len(haystack.needle_ids(tokenizer, "48213")) - len(haystack.question)
         assert prompt.tokens[prompt.needle_at : prompt.needle_at + len(needle)] == tuple(needle.encode())
-        if 0 < at < n_filler:
-            assert at in haystack.boundaries  # a sentence start: the previous sentence ended there
-            assert tokenizer.decode(list(haystack.filler[:at])).rstrip()[-1] in ".!?"
-        # No sentence start lies nearer the depth.
-        starts = [0, n_filler] + [b for b in haystack.boundaries if b < n_filler]
-        assert abs(at - depth * n_filler) <= min(abs(b - depth * n_filler) for b in starts)
-    assert build_prompt(haystack, tokenizer, 600, 0.0, "1").needle_at == len(haystack.intro)
+        at = prompt.needle_at - len(haystack.intro)
+        end = len(prompt.tokens) - len(haystack.intro) - len(needle) - len(haystack.question)
+        before = tokenizer.decode(list(haystack.filler[:at]))
+        if 0 < at < end:
+            assert at in haystack.starts
+            assert before.endswith("\n\n") if name == "prose" else before.rstrip()[-1] in ".!?"
+        # No start lies nearer the depth.
+        starts = [0, end] + [b for b in haystack.starts if b < end]
+        assert abs(at - depth * end) <= min(abs(b - depth * end) for b in starts)
+        # What precedes the question is whole.
+        filler = tokenizer.decode(list(haystack.filler[:at])) + tokenizer.decode(list(haystack.filler[at:end]))
+        assert filler.endswith("\n") if name == "prose" else filler.rstrip().endswith(".")
+    assert build_prompt(haystack, tokenizer, 900, 0.0, "1").needle_at == len(haystack.intro)
 
 
 def test_depth_ends_and_bad_prompts(shipped):
@@ -60,6 +66,8 @@ def test_depth_ends_and_bad_prompts(shipped):
         build_prompt(haystack, tokenizer, 300, 1.5, "12345")
     with pytest.raises(ValueError, match="filler tokens"):
         build_prompt(haystack, tokenizer, 5000, 0.5, "12345")
+    with pytest.raises(ValueError, match="filler tokens"):
+        build_prompt(haystack, tokenizer, len(haystack.intro) + 80, 0.5, "12345")
     with pytest.raises(ValueError, match="haystack must be one of"):
         make_haystack("hay", tokenizer, 300)
 
@@ -115,7 +123,7 @@ def test_a_trial_is_generate_step_on_the_whole_prompt(shipped, policy):
 
 def test_the_grid_runs_every_policy_through_its_real_cache_and_writes_json_and_a_plot(tmp_path, capsys):
     out, png = tmp_path / "needle.json", tmp_path / "needle.png"
-    argv = ["needle", "--model", str(MODEL_DIR), "--contexts", "256", "--depths", "0,1", "--budgets", "0.25",
+    argv = ["needle", "--model", str(MODEL_DIR), "--contexts", "400", "--depths", "0,1", "--budgets", "0.25",
             "--keys", "2", "--prefill-step-size", "64", "--json", str(out), "--plot", str(png)]
     assert main(argv) == 0
     printed = capsys.readouterr().out

@@ -1,9 +1,10 @@
 """Needle retrieval through the real caches: a key at a chosen depth of a long context, asked for at the end.
 
-A prompt of exactly ``context`` tokens is an intro, a haystack with one
-needle sentence holding a 5-digit key at a sentence boundary nearest to
-``depth`` (0: the start of the haystack, 1: its end), and a question whose
-answer is the key. The model answers greedily through
+A prompt of ``context`` tokens (less the part of a sentence or line that
+would not fit) is an intro, a haystack with one needle holding a 5-digit key
+at the sentence (passkey) or paragraph (prose) start nearest to ``depth``
+(0: the start of the haystack, 1: its end), and a question whose answer is
+the key. The model answers greedily through
 ``mlx_lm.generate.generate_step`` with the policy's cache as its
 ``prompt_cache`` (``policies.policy_cache``: ``make_knorm_cache``, mlx-lm's
 ``RotatingKVCache`` and ``KVCache``, ``policies.RandomEvictionCache``), so the
@@ -13,7 +14,8 @@ its first number is the key.
 
 Two haystacks: ``passkey``, the classic filler of the passkey task
 (Mohtashami & Jaggi, 2023), and ``prose``, Python's reference documentation
-(``pydoc_data.topics``, sorted by topic), with the key in one plain sentence.
+(``pydoc_data.topics``, sorted by topic), with the key in a one-sentence
+paragraph.
 
 Work shared between trials, exactly: every trial of a (context, policy,
 budget) reads the same tokens up to its needle, so one pass of the haystack
@@ -50,8 +52,8 @@ PASSKEY_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 PASSKEY_QUESTION = " What is the pass key? The pass key is"
 
 PROSE_INTRO = "The following is an excerpt from the Python documentation.\n\n"
-PROSE_NEEDLE = " The special magic number is {key}."
-PROSE_QUESTION = "\n\nWhat is the special magic number in the text above? The special magic number is"
+PROSE_NEEDLE = "The special magic number is {key}.\n\n"  # a paragraph of its own
+PROSE_QUESTION = "What is the special magic number in the text above? The special magic number is"
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,8 @@ class Haystack:
     filler: tuple[int, ...]
     needle: str  # with a {key} field
     question: tuple[int, ...]
-    boundaries: tuple[int, ...]  # filler positions that start a sentence
+    starts: tuple[int, ...]  # filler positions where the needle may go: sentence (passkey) or paragraph starts
+    ends: tuple[int, ...]  # filler positions where the filler may end: sentence (passkey) or line starts
 
     def needle_ids(self, tokenizer, key: str) -> list[int]:
         return _encode(tokenizer, self.needle.format(key=key))
@@ -73,33 +76,46 @@ def _encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def sentence_starts(tokenizer, ids) -> tuple[int, ...]:
-    """Positions ``i`` where token ``i - 1`` ends a sentence (``.``, ``!``, ``?``) and token ``i`` starts with a space."""
+def text_starts(tokenizer, ids, kind: str) -> tuple[int, ...]:
+    """Positions ``i`` in ``ids`` where a ``kind`` of text starts: ``sentence`` (token ``i - 1`` ends with
+    ``.``, ``!`` or ``?`` and token ``i`` starts with a space), ``paragraph`` (after a blank line, at a
+    token that does not start with a space: text, not code) or ``line`` (after a newline, at a token
+    that does not start with another)."""
     pieces = [tokenizer.decode([i]) for i in ids]
-    return tuple(i for i in range(1, len(ids))
-                 if pieces[i - 1].rstrip().endswith((".", "!", "?")) and pieces[i][:1].isspace())
+    found = []
+    for i in range(1, len(ids)):
+        before, piece = "".join(pieces[max(0, i - 2) : i]), pieces[i]
+        if kind == "sentence":
+            ok = pieces[i - 1].rstrip().endswith((".", "!", "?")) and piece[:1].isspace()
+        elif kind == "paragraph":
+            ok = before.endswith("\n\n") and not piece[:1].isspace()
+        else:
+            ok = before.endswith("\n") and not piece.startswith("\n")
+        if ok:
+            found.append(i)
+    return tuple(found)
 
 
 def make_haystack(name: str, tokenizer, length: int) -> Haystack:
     """``name`` in HAYSTACKS with at least ``length`` filler tokens."""
     if name == "passkey":
         once = _encode(tokenizer, PASSKEY_FILLER)
-        filler = once * (length // len(once) + 1)
-        intro, needle, question = PASSKEY_INTRO, PASSKEY_NEEDLE, PASSKEY_QUESTION
+        filler = once * (length // len(once) + 2)
+        intro, needle, question, kinds = PASSKEY_INTRO, PASSKEY_NEEDLE, PASSKEY_QUESTION, ("sentence", "sentence")
     elif name == "prose":
         text = pydoc_topics()
         # About four characters a token: encode a little more than needed.
         filler = _encode(tokenizer, text[: 6 * length + 1000])
         if len(filler) < length:
             filler = _encode(tokenizer, text)
-        intro, needle, question = PROSE_INTRO, PROSE_NEEDLE, PROSE_QUESTION
+        intro, needle, question, kinds = PROSE_INTRO, PROSE_NEEDLE, PROSE_QUESTION, ("paragraph", "line")
     else:
         raise ValueError(f"haystack must be one of {HAYSTACKS}, got {name!r}")
     if len(filler) < length:
         raise ValueError(f"the {name} haystack has {len(filler)} tokens, {length} needed")
     filler = tuple(filler[: length + 1])
-    return Haystack(name, tuple(_encode(tokenizer, intro)), filler, needle,
-                    tuple(_encode(tokenizer, question)), sentence_starts(tokenizer, filler))
+    return Haystack(name, tuple(_encode(tokenizer, intro)), filler, needle, tuple(_encode(tokenizer, question)),
+                    text_starts(tokenizer, filler, kinds[0]), text_starts(tokenizer, filler, kinds[1]))
 
 
 @dataclass(frozen=True)
@@ -110,24 +126,29 @@ class Prompt:
 
 
 def build_prompt(haystack: Haystack, tokenizer, context: int, depth: float, key: str) -> Prompt:
-    """``context`` tokens: intro, filler with the needle at the sentence start nearest ``depth``, question."""
+    """At most ``context`` tokens: intro, filler with the needle at the start nearest ``depth``, question.
+
+    The filler ends where its last whole sentence (passkey) or line (prose)
+    that fits ends, so the prompt falls short of ``context`` by less than one.
+    """
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must lie in [0, 1], got {depth!r}")
     needle = haystack.needle_ids(tokenizer, key)
-    n_filler = context - len(haystack.intro) - len(needle) - len(haystack.question)
-    if n_filler < 1 or n_filler > len(haystack.filler):
-        raise ValueError(f"context {context} leaves {n_filler} filler tokens; the {haystack.name} haystack "
-                         f"has {len(haystack.filler)}")
-    at = needle_offset(haystack, n_filler, depth)
-    tokens = (*haystack.intro, *haystack.filler[:at], *needle, *haystack.filler[at:n_filler], *haystack.question)
-    assert len(tokens) == context
+    room = context - len(haystack.intro) - len(needle) - len(haystack.question)
+    ends = [e for e in haystack.ends if e <= room]
+    if room > len(haystack.filler) or not ends:
+        raise ValueError(f"context {context} leaves {room} filler tokens; the {haystack.name} haystack "
+                         f"has {len(haystack.filler)}, and its first place to end is {haystack.ends[:1]}")
+    end = ends[-1]
+    at = needle_offset(haystack, end, depth)
+    tokens = (*haystack.intro, *haystack.filler[:at], *needle, *haystack.filler[at:end], *haystack.question)
     return Prompt(tokens, len(haystack.intro) + at, key)
 
 
-def needle_offset(haystack: Haystack, n_filler: int, depth: float) -> int:
-    """The filler position of the needle: 0, ``n_filler``, or the sentence start nearest ``depth * n_filler``."""
-    target = depth * n_filler
-    starts = [0, *(b for b in haystack.boundaries if b < n_filler), n_filler]
+def needle_offset(haystack: Haystack, end: int, depth: float) -> int:
+    """The filler position of the needle: 0, ``end``, or the start nearest ``depth * end``."""
+    target = depth * end
+    starts = [0, *(b for b in haystack.starts if b < end), end]
     return min(starts, key=lambda b: (abs(b - target), b))
 
 
@@ -198,6 +219,7 @@ class Trial:
     context: int
     depth: float
     needle_at: int
+    prompt_tokens: int
     policy: str
     budget_fraction: float | None
     budget: int | None
@@ -313,7 +335,7 @@ def _run_cut(model, tokenizer, name, stream, context, prompts, policy, fraction,
     whatever its key or depth: the tokens up to the last chunk boundary
     before each needle are read once.
     """
-    snapshot_at = {d: (ps[0].needle_at // step) * step for d, ps in prompts.items()}
+    snapshot_at = {d: (min(p.needle_at for p in ps) // step) * step for d, ps in prompts.items()}
     caches = policy_cache(model, policy, budget or context, context, n_sink, seed)
     snapshots, done = {}, 0
     for d in sorted(snapshot_at, key=snapshot_at.get):
@@ -335,7 +357,8 @@ def _run_cut(model, tokenizer, name, stream, context, prompts, policy, fraction,
             tail = prompt.tokens[snapshot_at[depth]:]
             grid.prefill_tokens += len(tail)
             text = answer(model, tokenizer, tail, caches, step, max_tokens)
-            trials.append(Trial(name, context, depth, prompt.needle_at, FULL if policy is None else policy.name,
+            trials.append(Trial(name, context, depth, prompt.needle_at, len(prompt.tokens),
+                                FULL if policy is None else policy.name,
                                 fraction, budget, prompt.key, text, is_correct(text, prompt.key)))
             bar.update()
     return trials
