@@ -120,12 +120,15 @@ def test_eval_on_a_tiny_slice_gives_sane_numbers(shipped, sequences):
         assert results.mean_recall(policy, everything) == pytest.approx(1.0, abs=1e-5)
         low, high = results.perplexity_ci(policy, everything)
         assert low <= results.perplexity(policy, everything) <= high
+        assert results.perplexity_ratio_ci(policy, everything) == pytest.approx((1.0, 1.0), abs=1e-5)
         if results.cut(policy, small) is None:
             # Layers 0 and 1 kept whole take more than a quarter of the memory of 4 layers.
             assert "skip=0,1" in policy
             continue
         assert 0.0 < results.mean_recall(policy, small) < 1.0
         assert np.isfinite(results.perplexity(policy, small))
+        low, high = results.perplexity_ratio_ci(policy, small)
+        assert low <= results.perplexity_ratio(policy, small) <= high
     assert all(-1.0 <= r <= 1.0 for r in results.layer_spearman().values())
     assert results.verdict().startswith("keep=low keeps more attention mass than random on this model at 25%")
 

@@ -73,18 +73,19 @@ def _as_policy(policy) -> Policy:
 
 
 def plan_cuts(model, policies, budgets, length: int, n_sink: int, skip_layers=(),
-              strict: bool = True) -> tuple[tuple[int, ...], list, list[str]]:
-    """``(attention layers, cuts, notes)``: each policy at each budget where it fits.
+              strict: bool = True) -> tuple[tuple[int, ...], list, list[str], list[str]]:
+    """``(attention layers, cuts, notes, names)``: each policy at each budget where it fits.
 
     Each policy's ``skip_layers`` (its own plus the command's) goes through
     ``make_knorm_cache``, which validates them for this model. A policy the
     model cannot run (its skipped layers are all there is, or the model
     refuses ``skip_layers``) raises, or with ``strict=False`` is left out
     with a note; so is, silently, a policy at a budget whose memory its
-    skipped layers exceed (tables show it as missing).
+    skipped layers exceed (tables show it as missing). ``names``: the
+    policies planned, with the command's ``skip_layers`` in their names.
     """
     attention = attention_layers(model, n_sink)
-    cuts, notes = [], []
+    cuts, notes, names = [], [], []
     for policy in policies:
         policy = Policy(policy.score, policy.recent, tuple(sorted(set(policy.skip) | set(skip_layers))))
         compressed = tuple(i for i in attention if i not in policy.skip)
@@ -106,7 +107,8 @@ def plan_cuts(model, policies, budgets, length: int, n_sink: int, skip_layers=()
             notes.append(f"{policy.name} left out: {error}")
             continue
         cuts += planned
-    return attention, cuts, notes
+        names.append(policy.name)
+    return attention, cuts, notes, names
 
 
 class _LayerProbe(KVCache):
@@ -220,10 +222,11 @@ class Results:
     spearman: list = field(default_factory=list)
     seed: int = 0
     notes: list = field(default_factory=list)  # policies left out, and why
+    planned: list = field(default_factory=list)  # policy names, those with no room at any budget included
     skip_layers: tuple[int, ...] = ()  # left uncompressed by every policy
 
     def policies(self) -> list[str]:
-        return list(dict.fromkeys(cut.policy.name for cut in self.cuts))
+        return self.planned or list(dict.fromkeys(cut.policy.name for cut in self.cuts))
 
     def cut(self, policy: str, budget: int) -> Cut | None:
         return next((c for c in self.cuts if c.key == (policy, budget)), None)
@@ -237,6 +240,15 @@ class Results:
 
     def perplexity_ci(self, policy, budget=None) -> tuple[float, float]:
         return perplexity_interval(self.nll[(policy, budget)], self._indices())
+
+    def perplexity_ratio(self, policy, budget) -> float:
+        """Perplexity under the policy over the full cache's, on the same sequences."""
+        return self.perplexity(policy, budget) / self.perplexity(FULL)
+
+    def perplexity_ratio_ci(self, policy, budget) -> tuple[float, float]:
+        """Paired interval of that ratio: per-sequence NLL differences, resampled by sequence."""
+        gap = np.array(self.nll[(policy, budget)]) - np.array(self.nll[(FULL, None)])
+        return perplexity_interval(gap, self._indices())
 
     def mean_recall(self, policy, budget=None) -> float:
         return float(np.mean(self.recall[(policy, budget)]))
@@ -286,6 +298,8 @@ class Results:
             "full_perplexity_ci": self.perplexity_ci(FULL),
             "perplexity": {named(k): self.perplexity(*k) for k in measured},
             "perplexity_ci": {named(k): self.perplexity_ci(*k) for k in measured},
+            "perplexity_ratio_to_full": {named(k): self.perplexity_ratio(*k) for k in measured},
+            "perplexity_ratio_to_full_ci": {named(k): self.perplexity_ratio_ci(*k) for k in measured},
             "recall": {named(c.key): self.mean_recall(*c.key) for c in self.cuts},
             "recall_ci": {named(c.key): self.recall_ci(*c.key) for c in self.cuts},
             "layer_recall": {named(c.key): self.layer_recall(*c.key) for c in self.cuts},
@@ -518,7 +532,7 @@ def evaluate(model, sequences: np.ndarray, n_sink: int = 4, skip_layers=(), frac
     budgets = [int(round(f * length)) for f in fractions]
     # The command's own skip_layers must work whatever the policies.
     plan_cuts(model, [Policy("keep-low")], [length], length, n_sink, skip_layers)
-    attention, cuts, notes = plan_cuts(model, policies, budgets, length, n_sink, skip_layers, strict)
+    attention, cuts, notes, planned = plan_cuts(model, policies, budgets, length, n_sink, skip_layers, strict)
     for score in ("keep-low", "random"):
         name = Policy(score, skip=tuple(sorted(set(skip_layers)))).name
         missing = [b for b in budgets if not any(c.key == (name, b) for c in cuts)]
@@ -527,7 +541,7 @@ def evaluate(model, sequences: np.ndarray, n_sink: int = 4, skip_layers=(), frac
                              f"keep {length} rows each, more than those budgets' memory over the "
                              f"{len(attention)} full-attention layers")
     results = Results(length, n_seqs, n_sink, budgets, attention, cuts, seed=seed,
-                      skip_layers=tuple(sorted(set(skip_layers))), notes=notes)
+                      skip_layers=tuple(sorted(set(skip_layers))), notes=notes, planned=planned)
     last = length // 2 - 1
     starts = [min(c.rows + 1, last) for c in cuts]
     # Model calls per sequence: the full pass; per cut one or two (before and from the scored positions),
@@ -577,6 +591,7 @@ def markdown_table(results: Results) -> str:
 
 def plot(results: Results, path: str, title: str) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -585,6 +600,8 @@ def plot(results: Results, path: str, title: str) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     for policy in results.policies():
         cuts = [c for c in (results.cut(policy, b) for b in results.budgets) if c is not None]
+        if not cuts:
+            continue
         fractions = [c.budget / results.seq_len for c in cuts]
         for ax, value, interval in ([(axes[0], results.perplexity, results.perplexity_ci)] if with_ppl else []) \
                 + [(axes[1], results.mean_recall, results.recall_ci)]:
@@ -593,6 +610,9 @@ def plot(results: Results, path: str, title: str) -> None:
             ax.errorbar(fractions, centre, yerr=np.abs(bounds - centre), fmt="o-", capsize=3, label=policy)
     axes[0].axhline(results.perplexity(FULL), color="k", ls="--", label="full cache")
     axes[0].set_yscale("log")
+    axes[0].yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    axes[0].yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+    axes[0].tick_params(axis="y", which="minor", labelsize=7)
     axes[1].axhline(1.0, color="k", ls="--", label="full cache")
     axes[0].set(xlabel="budget / sequence length (equal memory)", ylabel="continuation perplexity (tokens)",
                 title="Perplexity (lower is better)")
