@@ -1,4 +1,4 @@
-"""Command line: ``python -m mlx_knorm [bench | info | eval | demo | convert | fetch]``.
+"""Command line: ``python -m mlx_knorm [bench | info | eval | needle | demo | convert | fetch]``.
 
 With no command it runs the quick benchmark suite.
 """

@@ -1,4 +1,4 @@
-"""``python -m mlx_knorm eval`` (any mlx-lm model or GGUF file, any text) and ``python -m mlx_knorm demo``.
+"""``python -m mlx_knorm eval`` (any mlx-lm model or GGUF file, any text), ``needle`` and ``demo``.
 
 mlx-lm, tqdm and matplotlib are imported here, not at package import, so that
 ``python -m mlx_knorm info`` works with MLX alone.
@@ -182,7 +182,7 @@ def demo_command(args) -> int:
 
 
 def register(commands) -> None:
-    """Add the ``eval`` and ``demo`` subcommands to ``python -m mlx_knorm``."""
+    """Add the ``eval``, ``needle`` and ``demo`` subcommands to ``python -m mlx_knorm``."""
     ev = commands.add_parser(
         "eval", help="compare eviction policies on an mlx-lm model (the shipped byte-level one by default)",
         description="Teacher-forced, exact comparison of eviction policies at equal memory against the full "

@@ -40,7 +40,7 @@ from mlx_lm.generate import generate_step
 
 from . import HAYSTACKS, NEEDLE_BUDGET_FRACTIONS, NEEDLE_CONTEXTS, NEEDLE_DEPTHS, NEEDLE_KEYS, PREFILL_STEP_SIZE
 from .data import pydoc_topics
-from .policies import FULL, Policy, RandomEvictionCache, derived_key, policy_cache
+from .policies import FULL, Policy, RandomEvictionCache, attention_layers, derived_key, policy_cache
 from .stats import wilson_interval
 
 KEY_DIGITS = 5
@@ -230,7 +230,7 @@ class Trial:
 
 @dataclass
 class Grid:
-    """The trials of a run and where its time went."""
+    """The trials of a run and how many prompt tokens it read."""
 
     config: dict
     trials: list = field(default_factory=list)
@@ -309,22 +309,31 @@ def run_grid(model, tokenizer, haystacks=HAYSTACKS, contexts=NEEDLE_CONTEXTS, de
             for fraction in fractions:
                 budget = int(round(fraction * context))
                 for policy in policies:
-                    try:
-                        policy_cache(model, policy, budget, context, n_sink)
-                    except ValueError as error:
-                        if "has no room" in str(error):
-                            continue
-                        raise
+                    if policy.layer_budget(budget, context, attention_layers(model, n_sink), n_sink) is None:
+                        continue
+                    policy_cache(model, policy, budget, context, n_sink)  # refuses what cannot run
                     cuts.append((policy, fraction, budget))
             plan.append((name, stream, context, prompts, cuts))
-    total = sum(len(cuts) * len(depths) * keys for *_, cuts in plan)
-    bar = tqdm(total=total, desc="needle", unit="trial", disable=not progress)
+    # Progress in prompt tokens read: trials at long contexts cost more.
+    total = sum(len(cuts) * _tokens_to_read(prompts, prefill_step_size) for *_, prompts, cuts in plan)
+    bar = tqdm(total=total, desc="needle", unit="token", unit_scale=True, disable=not progress)
     for name, stream, context, prompts, cuts in plan:
         for policy, fraction, budget in cuts:
             grid.trials += _run_cut(model, tokenizer, name, stream, context, prompts, policy, fraction, budget,
                                     n_sink, prefill_step_size, seed, max_tokens, grid, bar)
     bar.close()
     return grid
+
+
+def _snapshot_at(group, step: int) -> int:
+    """The last chunk boundary at or before the earliest needle of ``group``."""
+    return (min(p.needle_at for p in group) // step) * step
+
+
+def _tokens_to_read(prompts: dict, step: int) -> int:
+    """Prompt tokens one cut reads: the shared haystack once, then each trial's tail."""
+    at = {d: _snapshot_at(group, step) for d, group in prompts.items()}
+    return max(at.values()) + sum(len(p.tokens) - at[d] for d, group in prompts.items() for p in group)
 
 
 def _run_cut(model, tokenizer, name, stream, context, prompts, policy, fraction, budget, n_sink, step, seed,
@@ -335,13 +344,14 @@ def _run_cut(model, tokenizer, name, stream, context, prompts, policy, fraction,
     whatever its key or depth: the tokens up to the last chunk boundary
     before each needle are read once.
     """
-    snapshot_at = {d: (min(p.needle_at for p in ps) // step) * step for d, ps in prompts.items()}
+    snapshot_at = {d: _snapshot_at(group, step) for d, group in prompts.items()}
     caches = policy_cache(model, policy, budget or context, context, n_sink, seed)
     snapshots, done = {}, 0
     for d in sorted(snapshot_at, key=snapshot_at.get):
         stop = snapshot_at[d]
         prefill(model, caches, stream[done:stop], step)
         grid.prefill_tokens += stop - done
+        bar.update(stop - done)
         done = stop
         snapshots[d] = copy_caches(caches)
     del caches
@@ -360,7 +370,7 @@ def _run_cut(model, tokenizer, name, stream, context, prompts, policy, fraction,
             trials.append(Trial(name, context, depth, prompt.needle_at, len(prompt.tokens),
                                 FULL if policy is None else policy.name,
                                 fraction, budget, prompt.key, text, is_correct(text, prompt.key)))
-            bar.update()
+            bar.update(len(tail))
     return trials
 
 
