@@ -10,6 +10,7 @@ import pytest
 from mlx_lm import load
 
 from mlx_knorm.cache import make_knorm_cache
+from mlx_knorm.defaults import default_recent
 from mlx_knorm.quality import MODEL_DIR, data
 from mlx_knorm.quality.byte_tokenizer import byte_tokenizer
 from mlx_knorm.quality.eval import evaluate, teacher_forced_logits
@@ -75,7 +76,7 @@ def test_keep_low_masks_reproduce_knorm_cache_decoding(shipped, sequences):
     model, _ = shipped
     budget, n_sink = 32, 4
     tokens = mx.array(sequences[1][:96], dtype=mx.int32)
-    cache = make_knorm_cache(model, budget=budget, n_sink=n_sink)
+    cache = make_knorm_cache(model, budget=budget, n_sink=n_sink, recent=0)
     decoded = mx.concatenate([model(tokens[None, t : t + 1], cache=cache)[0] for t in range(len(tokens))])
     masked = teacher_forced_logits(model, tokens, "keep-low", budget, n_sink)
     full = teacher_forced_logits(model, tokens)
@@ -143,4 +144,7 @@ def test_eval_and_demo_commands_run(tmp_path, capsys):
     assert report["budgets"] == [16, 32, 64] and len(report["layer_spearman"]) == n_layers
     assert report["model"] == "shipped byte-level model"
     assert main(["demo", "--max-tokens", "40", "--budget", "16"]) == 0
-    assert "% saved" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "% saved" in out and f"(budget 16, recent {default_recent(16)}) in {n_layers} of {n_layers} layers" in out
+    assert main(["demo", "--max-tokens", "20", "--budget", "16", "--recent", "2", "--skip-layers", "0"]) == 0
+    assert f"(budget 16, recent 2) in {n_layers - 1} of {n_layers} layers" in capsys.readouterr().out

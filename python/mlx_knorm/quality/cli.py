@@ -13,6 +13,7 @@ import resource
 import time
 from pathlib import Path
 
+from ..defaults import DEFAULT_N_SINK, DEFAULT_RECENT_SHARE, DEFAULT_SKIP_LAYERS
 from ..models.cli import MODEL_HELP, add_weight_arguments
 from . import (BUDGET_FRACTIONS, HAYSTACKS, MODEL_DIR, NEEDLE_BUDGET_FRACTIONS, NEEDLE_CONTEXTS, NEEDLE_DEPTHS,
                NEEDLE_KEYS, PREFILL_STEP_SIZE, QUERY_CHUNK)
@@ -164,18 +165,22 @@ def demo_command(args) -> int:
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from ..cache import make_knorm_cache
+    from ..cache import L2NormKVCache, make_knorm_cache
 
     model, tokenizer, _ = load(args.model, args)
-    cache = make_knorm_cache(model, budget=args.budget, n_sink=args.n_sink)
+    cache = make_knorm_cache(model, budget=args.budget, n_sink=args.n_sink, recent=args.recent,
+                             skip_layers=args.skip_layers)
     mx.random.seed(args.seed)
     print(args.prompt, end="")
     for response in stream_generate(model, tokenizer, args.prompt, max_tokens=args.max_tokens,
                                     sampler=make_sampler(temp=args.temp), prompt_cache=cache):
         print(response.text, end="", flush=True)
-    kept = sum(c.knorm_kept_bytes for c in cache)
-    full = sum(c.full_seq_bytes for c in cache)
-    print(f"\n\n--- {cache[0].offset} tokens seen, {cache[0].size()} kept per head (budget {args.budget}); "
+    compressed = [c for c in cache if isinstance(c, L2NormKVCache)]
+    kept = sum(c.knorm_kept_bytes for c in compressed)
+    full = sum(c.full_seq_bytes for c in compressed)
+    first = compressed[0]
+    print(f"\n\n--- {first.offset} tokens seen, {first.size()} kept per head (budget {args.budget}, "
+          f"recent {first.recent}) in {len(compressed)} of {len(cache)} layers; "
           f"K+V at float16: {kept / 1024:.1f} KiB kept vs {full / 1024:.1f} KiB for a full cache, "
           f"{100 * (1 - kept / full):.1f}% saved")
     return 0
@@ -199,7 +204,7 @@ def register(commands) -> None:
     ev.add_argument("--budgets", type=_fractions, default=list(BUDGET_FRACTIONS),
                     help="cache budgets as fractions of --seq-len, comma-separated: KV rows per full-attention "
                          "layer on average, the same memory for every policy")
-    ev.add_argument("--n-sink", type=int, default=4, help="protected first tokens, for every policy")
+    ev.add_argument("--n-sink", type=int, default=DEFAULT_N_SINK, help="protected first tokens, for every policy")
     ev.add_argument("--policies", type=_policies,
                     help="policies separated by spaces or semicolons, each SCORE[+recent=F][+skip=I,J] with "
                          "SCORE keep-low, keep-high, window or random, F a share of the budget, I,J layers "
@@ -236,7 +241,7 @@ def register(commands) -> None:
                     help="as for eval (default: the same nine); the full cache always runs")
     nd.add_argument("--keys", type=_positive, default=NEEDLE_KEYS,
                     help="keys per (context, depth): the same keys for every policy")
-    nd.add_argument("--n-sink", type=int, default=4, help="protected first tokens, for every policy")
+    nd.add_argument("--n-sink", type=int, default=DEFAULT_N_SINK, help="protected first tokens, for every policy")
     nd.add_argument("--prefill-step-size", type=_positive, default=PREFILL_STEP_SIZE,
                     help="prompt tokens per model call (generate_step's prefill_step_size)")
     nd.add_argument("--seed", type=int, default=0, help="seed of the keys and of random eviction")
@@ -250,7 +255,12 @@ def register(commands) -> None:
     demo.add_argument("--prompt", default=DEMO_PROMPT)
     demo.add_argument("--max-tokens", type=int, default=400)
     demo.add_argument("--budget", type=int, default=128)
-    demo.add_argument("--n-sink", type=int, default=4)
+    demo.add_argument("--n-sink", type=int, default=DEFAULT_N_SINK)
+    demo.add_argument("--recent", type=int,
+                      help="latest tokens always kept (default: make_knorm_cache's, "
+                           f"{DEFAULT_RECENT_SHARE} of the budget)")
+    demo.add_argument("--skip-layers", type=_layers, default=list(DEFAULT_SKIP_LAYERS),
+                      help="layers left uncompressed, comma-separated (default: none)")
     demo.add_argument("--temp", type=float, default=0.8)
     demo.add_argument("--seed", type=int, default=0)
     add_weight_arguments(demo)

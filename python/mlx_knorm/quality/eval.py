@@ -324,7 +324,7 @@ class _Evaluator:
         self.seed = seed
 
     def caches(self) -> list:
-        return make_knorm_cache(self.model, budget=self.results.n_sink + 1, n_sink=self.results.n_sink)
+        return make_knorm_cache(self.model, budget=self.results.n_sink + 1, n_sink=self.results.n_sink, recent=0)
 
     def scores(self, sequence: int, layer: int, score: str, keys, values):
         # One random-eviction key per (sequence, layer), shared by the recall and perplexity passes.

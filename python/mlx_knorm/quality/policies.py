@@ -38,6 +38,7 @@ from mlx_lm.models.cache import RotatingKVCache, _BaseCache, create_attention_ma
 
 from .. import key_norms, protected_topk_gather
 from ..cache import L2NormKVCache, make_knorm_cache
+from ..defaults import share_of
 
 SCORES = ("keep-low", "keep-high", "window", "random")
 SCORE_LABELS = {
@@ -121,7 +122,7 @@ class Policy:
         return rows
 
     def recent_rows(self, layer_budget: int) -> int:
-        return int(round(self.recent * layer_budget))
+        return share_of(self.recent, layer_budget)
 
 
 def parse_policies(text: str) -> list[Policy]:
@@ -285,7 +286,7 @@ class RandomEvictionCache(_BaseCache):
 
 def attention_layers(model, n_sink: int = 4) -> tuple[int, ...]:
     """The layers ``make_knorm_cache`` compresses when nothing is skipped: the ones a policy acts on."""
-    return tuple(i for i, c in enumerate(make_knorm_cache(model, budget=n_sink + 1, n_sink=n_sink))
+    return tuple(i for i, c in enumerate(make_knorm_cache(model, budget=n_sink + 1, n_sink=n_sink, recent=0))
                  if isinstance(c, L2NormKVCache))
 
 
