@@ -21,8 +21,11 @@ cache=cache), argmax, mx.eval, one token at a time. All caches stay alive in
 one warm process and decode in rounds, a few tokens of each in turn, the
 order rotating, so that the machine's drift hits all alike. Reported per
 cache: the median ms/token over the tokens after the warm-up, tokens/s
-(1000 / that median), the peak memory of its prefill and of its decode, and
-minor page faults per token.
+(1000 / that median), the median CPU time of the process per token (every
+thread's; on a machine shared with other work it moves less than wall time
+does), the peak memory of its prefill and of its decode, and minor page
+faults per token. Ours is make_knorm_cache as a user calls it, so with its
+default recent window (recorded as our_recent).
 
 Peak memory: mx.reset_peak_memory() before each cache's prefill and before
 each of its decode rounds. The memory active at a reset holds the weights,
@@ -52,6 +55,7 @@ from mlx_knorm.bench.cli import native_missing, write_json
 from mlx_knorm.bench.report import machine, markdown_table, now, verdict
 from mlx_knorm.bench.timing import minor_faults, summary, warm_up
 from mlx_knorm.cache import make_knorm_cache
+from mlx_knorm.defaults import default_recent
 
 BUDGETS, PREFILL_STEP = (512,), 512
 # Targets for our cache against RotatingKVCache, checked in the report.
@@ -119,7 +123,7 @@ class Decoder:
 
     def __init__(self, model, cache):
         self.model, self.cache = model, cache
-        self.samples, self.faults = [], 0
+        self.samples, self.cpu_samples, self.faults = [], [], 0
         self.prefill_peak = self.decode_peak = 0
 
     def _rise(self, run) -> int:
@@ -143,12 +147,13 @@ class Decoder:
         def run():
             faults = minor_faults()
             for _ in range(count):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 logits = self.model(self.token[None], cache=self.cache)
                 self.token = mx.argmax(logits[:, -1, :], axis=-1)
                 mx.eval(self.token)
                 if timed:
                     self.samples.append(time.perf_counter() - t0)
+                    self.cpu_samples.append(time.process_time() - c0)
             if timed:
                 self.faults += minor_faults() - faults
 
@@ -183,6 +188,7 @@ def run(args) -> dict:
         measured[key] = {
             **timing,
             "tokens_per_s": 1e3 / timing["median_ms"],
+            "cpu_median_ms": summary(d.cpu_samples, 0)["median_ms"],
             "peak_memory_bytes": weights + max(d.prefill_peak, d.decode_peak),
             "prefill_peak_memory_bytes": weights + d.prefill_peak,
             "decode_peak_memory_bytes": weights + d.decode_peak,
@@ -193,6 +199,7 @@ def run(args) -> dict:
         rotating = caches["RotatingKVCache"]
         for c in caches.values():
             c["tokens_per_s_ratio_to_rotating"] = c["tokens_per_s"] / rotating["tokens_per_s"]
+            c["cpu_ms_ratio_to_rotating"] = c["cpu_median_ms"] / rotating["cpu_median_ms"]
             c["peak_memory_ratio_to_rotating"] = c["peak_memory_bytes"] / rotating["peak_memory_bytes"]
         per_budget[str(budget)] = {"caches": caches, "targets": targets(caches)}
     return {
@@ -211,6 +218,7 @@ def run(args) -> dict:
         "model": {**description, "weights_bytes": weights},
         "prompt_tokens": args.prompt, "prompt_source": prompt_source, "prefill_step_size": PREFILL_STEP,
         "n_sink": N_SINK, "warmup_tokens": args.warmup, "round_tokens": args.round_tokens,
+        "our_recent": {str(b): default_recent(b, N_SINK) for b in args.budgets},
         "budgets": per_budget,
     }
 
@@ -239,8 +247,10 @@ def print_report(report: dict) -> None:
           f"vocab {model['vocab_size']}, {model['dtype']} ({model['weights_bytes'] / 2**20:.0f} MiB of "
           f"weights); prompt {report['prompt_tokens']} tokens ({report['prompt_source']}) in chunks of "
           f"{report['prefill_step_size']}. Timed in a warm process, the caches of every budget interleaved "
-          "in rounds; medians over the tokens after the warm-up; faults/token = minor page faults per token.")
-    header = ["cache", "ms/token [p25, p75]", "tokens/s", "vs RotatingKVCache", "peak MiB",
+          "in rounds; medians over the tokens after the warm-up; CPU ms = the process's CPU time per token; "
+          "faults/token = minor page faults per token.")
+    header = ["cache", "ms/token [p25, p75]", "tokens/s", "vs RotatingKVCache", "CPU ms/token",
+              "CPU vs RotatingKVCache", "peak MiB",
               "vs RotatingKVCache", "prefill / decode peak MiB", "faults/token"]
     for budget, result in report["budgets"].items():
         print(f"\nbudget {budget}:")
@@ -253,6 +263,7 @@ def print_table(header, result: dict) -> None:
         rows.append([
             name, f"{c['median_ms']:.4g} [{c['p25_ms']:.4g}, {c['p75_ms']:.4g}]",
             f"{c['tokens_per_s']:.3g}", f"{c['tokens_per_s_ratio_to_rotating']:.3f}x",
+            f"{c['cpu_median_ms']:.4g}", f"{c['cpu_ms_ratio_to_rotating']:.3f}x",
             f"{c['peak_memory_bytes'] / 2**20:.1f}", f"{c['peak_memory_ratio_to_rotating']:.3f}x",
             f"{c['prefill_peak_memory_bytes'] / 2**20:.1f} / {c['decode_peak_memory_bytes'] / 2**20:.1f}",
             f"{c['faults_per_call']:.2f}",

@@ -153,9 +153,10 @@ def check_decode_e2e(report, budgets):
         caches = result["caches"]
         assert set(caches) == names | ({"reference"} if report["reference_version"] else set())
         for c in caches.values():
-            assert c["reps"] == 2 and c["tokens_per_s"] > 0
+            assert c["reps"] == 2 and c["tokens_per_s"] > 0 and c["cpu_median_ms"] >= 0
             assert c["peak_memory_bytes"] >= max(c["prefill_peak_memory_bytes"], weights)
         assert caches["RotatingKVCache"]["peak_memory_ratio_to_rotating"] == 1.0
+        assert caches["RotatingKVCache"]["cpu_ms_ratio_to_rotating"] == 1.0
         assert set(result["targets"]) == {
             f"{layout}_{what}" for layout in ("slots", "temporal")
             for what in ("tokens_per_s_ratio", "peak_memory_ratio")
@@ -174,6 +175,7 @@ def test_decode_e2e_program_on_a_tiny_prompt(tmp_path):
     ], tmp_path)
     assert report["model"]["num_hidden_layers"] == 1 and report["prompt_tokens"] == 40
     check_decode_e2e(report, [8, 16])
+    assert report["our_recent"] == {"8": 3, "16": 8}  # make_knorm_cache's default window at n_sink 4
 
 
 def test_decode_e2e_program_on_a_real_model_decodes_real_text(tmp_path):
