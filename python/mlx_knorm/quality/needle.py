@@ -420,8 +420,9 @@ def plot(grid: Grid, path: str, title: str) -> None:
              for r in grid.cells()}
     panels = [(h, f) for h in config["haystacks"] for f in config["budget_fractions"]]
     rows = [FULL] + config["policies"]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(1.0 + 0.55 * len(columns), 1.2 + 0.42 * len(rows) * len(panels)),
-                             squeeze=False)
+    # At least 7 inches wide: the panel titles fit a grid of few columns.
+    fig, axes = plt.subplots(len(panels), 1, squeeze=False,
+                             figsize=(max(7.0, 1.0 + 0.55 * len(columns)), 1.2 + 0.42 * len(rows) * len(panels)))
     for ax, (name, fraction) in zip(axes[:, 0], panels):
         values = np.full((len(rows), len(columns)), np.nan)
         for i, policy in enumerate(rows):
