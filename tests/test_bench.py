@@ -12,6 +12,7 @@ import mlx_knorm
 from mlx_knorm.__main__ import main
 from mlx_knorm.bench.cases import TARGET_STEPS
 from mlx_knorm.bench.timing import RAISED_CACHE_LIMIT
+from mlx_knorm.quality import MODEL_DIR
 
 pytestmark = pytest.mark.skipif(
     not mlx_knorm.native_available(), reason="native extension not loaded"
@@ -144,26 +145,48 @@ def test_cache_step_program_runs_the_same_suite(tmp_path):
     check_cache_report(report, [(16, 1), (16, 2)])
 
 
+def check_decode_e2e(report, budgets):
+    assert report["benchmark"] == "decode_e2e" and report["warm_process"] is True
+    assert list(report["budgets"]) == [str(b) for b in budgets]
+    names = {"KVCache", "RotatingKVCache", "slots", "temporal"}
+    weights = report["model"]["weights_bytes"]
+    for result in report["budgets"].values():
+        caches = result["caches"]
+        assert set(caches) == names | ({"reference"} if report["reference_version"] else set())
+        for c in caches.values():
+            assert c["reps"] == 2 and c["tokens_per_s"] > 0 and c["cpu_median_ms"] >= 0
+            assert c["peak_memory_bytes"] >= max(c["prefill_peak_memory_bytes"], weights)
+        assert caches["RotatingKVCache"]["peak_memory_ratio_to_rotating"] == 1.0
+        assert caches["RotatingKVCache"]["cpu_ms_ratio_to_rotating"] == 1.0
+        assert set(result["targets"]) == {
+            f"{layout}_{what}" for layout in ("slots", "temporal")
+            for what in ("tokens_per_s_ratio", "peak_memory_ratio")
+        }
+    # One KVCache (it keeps everything), listed under every budget.
+    first, *rest = report["budgets"].values()
+    assert all(r["caches"]["KVCache"]["samples_ms"] == first["caches"]["KVCache"]["samples_ms"] for r in rest)
+
+
 def test_decode_e2e_program_on_a_tiny_prompt(tmp_path):
-    """bench/decode_e2e.py end to end on one layer and a 40-token prompt:
+    """bench/decode_e2e.py end to end on one layer, a 40-token prompt and two budgets:
     JSON structure and the targets' fields, never the timings."""
     _, report = run_program("decode_e2e.py", [
         "--prompt", "40", "--tokens", "2", "--warmup", "1", "--round-tokens", "1", "--layers", "1",
-        "--intermediate", "64", "--vocab", "64",
+        "--intermediate", "64", "--vocab", "64", "--budgets", "8,16",
     ], tmp_path)
-    assert report["benchmark"] == "decode_e2e" and report["warm_process"] is True
     assert report["model"]["num_hidden_layers"] == 1 and report["prompt_tokens"] == 40
-    names = {"KVCache", "RotatingKVCache", "slots", "temporal"}
-    assert set(report["caches"]) == names | ({"reference"} if report["reference_version"] else set())
-    weights = report["model"]["weights_bytes"]
-    for c in report["caches"].values():
-        assert c["reps"] == 2 and c["tokens_per_s"] > 0
-        assert c["peak_memory_bytes"] >= max(c["prefill_peak_memory_bytes"], weights)
-    assert report["caches"]["RotatingKVCache"]["peak_memory_ratio_to_rotating"] == 1.0
-    assert set(report["targets"]) == {
-        f"{layout}_{what}" for layout in ("slots", "temporal")
-        for what in ("tokens_per_s_ratio", "peak_memory_ratio")
-    }
+    check_decode_e2e(report, [8, 16])
+    assert report["our_recent"] == {"8": 3, "16": 8}  # make_knorm_cache's default window at n_sink 4
+
+
+def test_decode_e2e_program_on_a_real_model_decodes_real_text(tmp_path):
+    _, report = run_program("decode_e2e.py", [
+        "--model", str(MODEL_DIR), "--prompt", "40", "--tokens", "2", "--warmup", "1", "--round-tokens", "1",
+        "--budgets", "16",
+    ], tmp_path)
+    assert report["model"]["name"] == str(MODEL_DIR) and report["model"]["num_hidden_layers"] == 4
+    assert report["prompt_source"] == "pydoc_data.topics, sorted by topic"
+    check_decode_e2e(report, [16])
 
 
 def test_commands_program_counts_drafts_as_mlx_lm_proposes_them():

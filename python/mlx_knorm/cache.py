@@ -69,15 +69,12 @@ from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
 from .cache_state import StateError, check_block, check_state, parse_meta_state
+from .defaults import (DEFAULT_BUDGET, DEFAULT_KEEP, DEFAULT_LAYOUT, DEFAULT_N_SINK, DEFAULT_RECENT,
+                       DEFAULT_SKIP_LAYERS, default_recent)
 from .ops.evict_and_fill import check_layout, evict_and_fill_unchecked
 from .ops.key_norms import key_norms_unchecked
 from .validation import check_config, check_int
 
-DEFAULT_BUDGET = 512
-DEFAULT_N_SINK = 4
-DEFAULT_RECENT = 0
-DEFAULT_KEEP = "low"
-DEFAULT_LAYOUT = "slots"
 # Slots added at a time while the cache fills, as KVCache grows.
 GROWTH_STEP = 256
 # The longest block a linked cache attends to as single steps would
@@ -699,16 +696,19 @@ def make_knorm_cache(
     model: nn.Module,
     budget: int = DEFAULT_BUDGET,
     n_sink: int = DEFAULT_N_SINK,
-    recent: int = DEFAULT_RECENT,
+    recent: int | None = None,
     keep: str = DEFAULT_KEEP,
-    skip_layers: Iterable[int] = (),
+    skip_layers: Iterable[int] = DEFAULT_SKIP_LAYERS,
     layout: str = DEFAULT_LAYOUT,
 ) -> list:
     """A prompt cache for ``model`` with an ``L2NormKVCache`` per attention layer.
 
     Starts from the cache mlx-lm would build (``model.make_cache()`` where the
     model defines it, else one ``KVCache`` per layer) and replaces each plain
-    ``KVCache`` by an ``L2NormKVCache``. Layers listed in ``skip_layers`` keep
+    ``KVCache`` by an ``L2NormKVCache``. ``recent`` (rows) defaults to
+    ``default_recent(budget, n_sink)``: ``DEFAULT_RECENT_SHARE`` of the budget
+    (docs/quality.md has the evidence); ``recent=0`` is the paper's pure
+    keep-low and the reference's default. Layers listed in ``skip_layers`` keep
     a plain ``KVCache``: the paper leaves layers 0 and 1 uncompressed
     (``skip_layers=(0, 1)``), since their key norms do not predict attention.
     Layers whose model cache is something else (sliding-window
@@ -742,6 +742,9 @@ def make_knorm_cache(
     ``skip_layers``, and split by ``pipeline()``), gemma2 and deepseek_v3
     (which refuse ``skip_layers``).
     """
+    if recent is None:
+        budget, n_sink, _, keep = check_config(budget, n_sink, 0, keep)
+        recent = default_recent(budget, n_sink)
     budget, n_sink, recent, keep = check_config(budget, n_sink, recent, keep)
     layout = check_layout(layout)
     caches = _model_cache(model)

@@ -34,14 +34,8 @@ import weakref
 from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
-from ..cache import (
-    DEFAULT_BUDGET,
-    DEFAULT_KEEP,
-    DEFAULT_LAYOUT,
-    DEFAULT_N_SINK,
-    DEFAULT_RECENT,
-    make_knorm_cache,
-)
+from ..cache import make_knorm_cache
+from ..defaults import DEFAULT_BUDGET, DEFAULT_KEEP, DEFAULT_LAYOUT, DEFAULT_N_SINK, DEFAULT_RECENT_SHARE, default_recent
 from ..ops.evict_and_fill import LAYOUTS, check_layout
 from ..validation import KEEP_CHOICES, check_config, check_int
 from .loading import install_cache, load_model
@@ -71,13 +65,14 @@ class CacheConfig:
 
     budget: int = DEFAULT_BUDGET
     n_sink: int = DEFAULT_N_SINK
-    recent: int = DEFAULT_RECENT
+    # None: make_knorm_cache's default window for the budget and n_sink.
+    recent: int | None = None
     keep: str = DEFAULT_KEEP
     skip_layers: tuple[int, ...] = ()
     layout: str = DEFAULT_LAYOUT
 
     def __post_init__(self) -> None:
-        check_config(self.budget, self.n_sink, self.recent, self.keep)
+        check_config(self.budget, self.n_sink, self.window, self.keep)
         check_layout(self.layout)
         if not isinstance(self.skip_layers, (tuple, list)):
             raise TypeError(
@@ -85,12 +80,19 @@ class CacheConfig:
         object.__setattr__(self, "skip_layers",
                            tuple(check_int(i, "skip_layers entry") for i in self.skip_layers))
 
+    @property
+    def window(self) -> int:
+        """The recent window the cache protects."""
+        if self.recent is None:
+            return default_recent(check_int(self.budget, "budget"), check_int(self.n_sink, "n_sink"))
+        return self.recent
+
     def make_cache(self, model) -> list:
-        return make_knorm_cache(model, **asdict(self))
+        return make_knorm_cache(model, **{**asdict(self), "recent": self.window})
 
     def describe(self) -> str:
         skip = ",".join(map(str, self.skip_layers)) or "none"
-        return (f"budget {self.budget}, n_sink {self.n_sink}, recent {self.recent}, keep {self.keep}, "
+        return (f"budget {self.budget}, n_sink {self.n_sink}, recent {self.window}, keep {self.keep}, "
                 f"skip_layers {skip}, layout {self.layout}")
 
 
@@ -121,7 +123,8 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--n-sink", type=int, default=None,
                        help=f"first tokens always kept (default: {DEFAULT_N_SINK})")
     group.add_argument("--recent", type=int, default=None,
-                       help=f"latest tokens always kept (default: {DEFAULT_RECENT})")
+                       help=f"latest tokens always kept (default: {DEFAULT_RECENT_SHARE} of the budget, "
+                            "fewer where the budget leaves no row to evict)")
     group.add_argument("--keep", choices=KEEP_CHOICES, default=None,
                        help=f"keep the lowest or the highest key norms (default: {DEFAULT_KEEP})")
     group.add_argument("--skip-layers", type=_layers, default=None, metavar="I,J,...",
