@@ -287,3 +287,19 @@ def test_threads_that_cannot_start_raise():
     assert re.fullmatch(r"raised: metal emulator: knorm_key_norms_float32_\d+: started \d+ of a threadgroup's 128 threads .*",
                         lines[0]), lines[0]
     assert lines[1] == "equal after: True"
+
+
+@pytest.mark.parametrize("width", [1, 16, 31, 64])
+def test_pipelines_with_other_simd_widths_are_refused(width):
+    """The scans, ballots and shuffles assume 32 lanes: eval_gpu refuses any
+    other threadExecutionWidth before encoding (the emulator runs the same
+    check with its own, 32)."""
+    with pytest.raises(RuntimeError, match=rf"knorm_evict_and_fill_given needs SIMD groups of 32 lanes; this GPU runs it with {width} "):
+        _native.ext.check_metal_pipeline("knorm_evict_and_fill_given", 256, 1024, width)
+
+
+def test_pipelines_with_too_few_threads_are_refused():
+    with pytest.raises(RuntimeError, match="needs threadgroups of 256 threads; this GPU runs it with at most 224"):
+        _native.ext.check_metal_pipeline("knorm_protected_topk_gather_float16_float16", 256, 224, 32)
+    _native.ext.check_metal_pipeline("knorm_protected_topk_gather_float16_float16", 256, 256, 32)
+

@@ -192,6 +192,11 @@ void EvictAndFill::check_inputs(const EvictAndFillInputs& in) {
   if (in.valid) {
     check_int32(*in.valid, "valid");
   }
+  for (int i = 0; i < m; ++i) {
+    if (in.row_bytes(i) > static_cast<size_t>(kMaxRowBytes)) {
+      check_row_bytes(in.rows[i], name(i).c_str());
+    }
+  }
   for (int i = 1; i < m; ++i) {
     const bool rows_agree = leading_equal(keys, in.rows[i], heads + 1);
     if (!rows_agree || !leading_equal(new_keys, in.new_rows[i], heads + 1)) {

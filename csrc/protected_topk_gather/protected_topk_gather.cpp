@@ -74,10 +74,13 @@ void ProtectedTopKGather::check_inputs(const GatherInputs& in) {
                      in.prior_norms, "prior_keys", in.prior_keys, 2);
   check_leading_axes("new_norms must be [N, S]", "new_norms", in.new_norms,
                      "new_keys", in.new_keys, 2);
-  if (static_cast<int64_t>(in.n_prior()) + in.n_new() > kMaxRows) {
+  if (static_cast<int64_t>(in.n_prior()) + in.n_new() > kMaxHeadRows) {
     throw std::invalid_argument(
-        "mlx_knorm: n_prior + S must fit in uint32 row indices");
+        "mlx_knorm: n_prior + S (" + std::to_string(static_cast<int64_t>(in.n_prior()) + in.n_new()) +
+        ") must be < 2**31");
   }
+  check_row_bytes(in.prior_keys, "prior_keys");
+  check_row_bytes(in.prior_values, "prior_values");
   check_selection_config(config_);
 }
 

@@ -18,6 +18,7 @@ from ..validation import (
     check_floating,
     check_int,
     check_rank,
+    check_row_bytes,
     dtype_name,
     shape_mismatch,
 )
@@ -243,6 +244,8 @@ def check_step(
         check_float32(new_norms, "new_norms")
     if valid is not None and valid.dtype != mx.int32:
         raise TypeError(f"mlx_knorm: valid must be int32, got {dtype_name(valid.dtype)}")
+    for x, name in zip(rows, names):
+        check_row_bytes(x, name)
     for i in range(1, len(rows)):
         what = f"{names[0]}/{names[i]} mismatch in N or rows"
         if rows[i].shape[: heads + 1] != first.shape[: heads + 1]:
