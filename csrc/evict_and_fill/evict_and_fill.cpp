@@ -94,7 +94,8 @@ std::vector<mx::array> evict_and_fill(
   }
   auto stream = mx::to_stream(s);
   auto primitive = std::make_shared<EvictAndFill>(stream, config, executor);
-  primitive->check_inputs(inputs);
+  // make_outputs asks the primitive for the output shapes, which checks
+  // the inputs (output_shapes) before any output exists.
   std::vector<mx::Dtype> dtypes;
   dtypes.reserve(inputs.rows.size() + 2);
   for (const mx::array& r : inputs.rows) {

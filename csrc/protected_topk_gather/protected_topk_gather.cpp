@@ -32,7 +32,8 @@ std::vector<mx::array> protected_topk_gather(
   auto stream = mx::to_stream(s);
   auto primitive =
       std::make_shared<ProtectedTopKGather>(stream, config, executor);
-  primitive->check_inputs(inputs);
+  // make_outputs asks the primitive for the output shapes, which checks
+  // the inputs (output_shapes) before any output exists.
   return make_outputs(
       primitive,
       inputs.to_vector(),

@@ -9,6 +9,7 @@ from typing import NamedTuple, Union
 
 import mlx.core as mx
 
+from .. import _native
 from ..backend import resolve
 from ..validation import (
     INT32_MAX,
@@ -295,12 +296,13 @@ def evict_and_fill_unchecked(
     the same calls (docs/spec.md §6)."""
     one_keys = type(keys) is mx.array
     backend = resolve(stream, key_dim=keys.shape[-1] if new_norms is None and one_keys else None)
-    if (backend != "fallback" and one_keys and type(values) is mx.array and new_norms is None
+    if (backend == "kernel" and one_keys and type(values) is mx.array and new_norms is None
             and valid is None):
-        # The float cache's decode step: positional arguments (the binding
-        # matches keywords by name), the fewest Python operations.
-        return tuple(run_native(
-            backend, "evict_and_fill", keys, values, norms, positions, new_keys, new_values,
+        # The float cache's decode step, on every layer of every token: the
+        # binding itself, positional arguments (it matches keywords by
+        # name), the fewest Python operations.
+        return tuple(_native.ext.evict_and_fill(
+            keys, values, norms, positions, new_keys, new_values,
             filled, offset, capacity, budget, n_sink, recent, keep, layout, stream=stream,
         ))
     config = dict(
