@@ -3,7 +3,7 @@ KVCache and RotatingKVCache(max_size=budget, keep=4), the reference's
 L2NormKVCache and ours (layout "slots" and "temporal"), at budgets 512,
 2048 and 8192, B = 1 and 4, H = 8, D = 128, float16, with the slot layout's
 evict_and_fill alone and the copy of K + V of the budget's size as the floor
-(README's cache-step table).
+(docs/benchmarks.md's cache-step table).
 
     python bench/cache_step.py --json bench/results/cache-step-cpu.json
 

@@ -1,6 +1,6 @@
 """``mlx-knorm generate`` and ``mlx-knorm server`` next to what a user bounding
 the KV cache picks today: mlx-lm with a ``RotatingKVCache`` of the same size
-(README's command table; the issue's targets: decode tokens/s within 5%, peak
+(docs/commands.md's table; the issue's targets: decode tokens/s within 5%, peak
 memory within 5%).
 
     python bench/commands.py --model DIR --json bench/results/commands-cpu.json
@@ -32,6 +32,20 @@ untimed warm-up round, in one warm process (no buffer-cache clearing);
 medians over rounds; minor page faults per call next to each figure. Each
 round's prompt is a different ``--prompt``-token slice of English prose
 (``pydoc_data.topics``), the same for both sides.
+
+``--compare kv-bits``: instead, ``mlx-knorm generate`` with the eviction
+cache and with the full cache (the model's own ``KVCache`` per layer), each
+with float rows and at ``--kv-bits`` 8 and 4 (``--kv-group-size 64``,
+``--quantized-kv-start 0``; mlx-lm turns ``KVCache`` into its
+``QuantizedKVCache``): the KV bytes each holds at the end (the command's KV
+memory line), peak memory, decode tokens/s, the same rounds.
+``--compare draft``: greedy ``mlx-knorm generate`` with the eviction cache,
+without a draft model and with each of ``--draft-model`` (default: the
+model itself) and, with ``--draft-bits N``, the model's weights rounded
+through ``mx.quantize`` at N bits and kept in their dtype (a weaker draft as
+fast as the target), ``--num-draft-tokens`` each: decode tokens/s, the
+share of generated tokens that were accepted drafts, and whether the text
+is the text without a draft (it must be).
 """
 
 from __future__ import annotations
@@ -62,7 +76,7 @@ from mlx_knorm.bench.timing import minor_faults, warm_up
 from mlx_knorm.commands import generate as generate_command
 from mlx_knorm.commands import server as server_command
 from mlx_knorm.commands.server import mlx_lm_server
-from mlx_knorm.commands.loading import load_model
+from mlx_knorm.commands.loading import load_model, model_cache
 from mlx_knorm.quality import MODEL_DIR
 
 SIDES = ("mlx-knorm", "RotatingKVCache")
@@ -101,22 +115,190 @@ STAT = re.compile(r"^(Prompt|Generation): (\d+) tokens, ([0-9.]+) tokens-per-sec
 
 
 def generate_once(side: str, args, prompt: str, max_tokens: int) -> dict:
+    result = generate_text(args, prompt, max_tokens, [], FACTORIES[side])
+    del result["text"]
+    return result
+
+
+# -- kv-bits and draft models ------------------------------------------------
+
+KV_LINE = re.compile(r"KV cache: ([0-9.]+) MB kept, ([0-9.]+) MB for a full cache")
+
+
+def full_cache(model, config) -> list:
+    """The model's own cache, as mlx-lm builds it without us (no eviction)."""
+    return model_cache(model)
+
+
+def generate_text(args, prompt: str, max_tokens: int, flags: list, factory=None) -> dict:
+    """``generate_once``'s figures for ``mlx-knorm generate ... *flags``, with
+    the text, the KV memory line's bytes, and how many generated tokens were
+    accepted drafts (mlx-lm's ``from_draft``)."""
     argv = ["--model", args.model, "--prompt", prompt, "--max-tokens", str(max_tokens),
-            "--ignore-chat-template", "--budget", str(args.budget)]
+            "--ignore-chat-template", "--budget", str(args.budget), *flags]
+    stream = generate_command.mlx_lm_generate.stream_generate
+    drafted = []
+
+    def counting_stream_generate(*a, **k):
+        for response in stream(*a, **k):
+            drafted.append(response.from_draft)
+            yield response
+
+    trim = generate_command.mlx_lm_generate.trim_prompt_cache
+    trims = []  # (asked, trimmed), the target's and the draft's in turn (mlx-lm's _rewind_cache)
+
+    def recording_trim_prompt_cache(cache, n):
+        trimmed = trim(cache, n)
+        trims.append((n, trimmed))
+        return trimmed
+
     out = io.StringIO()
-    gc.collect()  # nothing of the previous call left for this one's peak
+    gc.collect()
     mx.reset_peak_memory()
     faults = minor_faults()
-    with contextlib.redirect_stdout(out):
-        status = generate_command.main(argv, cache_factory=FACTORIES[side])
+    with contextlib.redirect_stdout(out), contextlib.ExitStack() as stack:
+        stack.enter_context(patched_attribute(generate_command.mlx_lm_generate, "stream_generate",
+                                              counting_stream_generate))
+        stack.enter_context(patched_attribute(generate_command.mlx_lm_generate, "trim_prompt_cache",
+                                              recording_trim_prompt_cache))
+        status = generate_command.main(argv, cache_factory=factory)
     faults = minor_faults() - faults
     peak = mx.get_peak_memory()
+    text = out.getvalue()
     if status != 0:
-        raise RuntimeError(f"mlx-knorm generate ({side}) exited {status}:\n{out.getvalue()}")
-    stats = {name: (int(n), float(tps)) for name, n, tps in STAT.findall(out.getvalue())}
+        raise RuntimeError(f"mlx-knorm generate {' '.join(flags)} exited {status}:\n{text}")
+    stats = {name: (int(n), float(tps)) for name, n, tps in STAT.findall(text)}
+    kept, full = map(float, KV_LINE.search(text).groups())
     return {"prompt_tokens": stats["Prompt"][0], "prompt_tokens_per_s": stats["Prompt"][1],
             "generation_tokens": stats["Generation"][0], "tokens_per_s": stats["Generation"][1],
-            "peak_memory_bytes": peak, "faults": faults}
+            "peak_memory_bytes": peak, "faults": faults, "kv_kept_bytes": kept * 1e6,
+            "kv_full_bytes": full * 1e6, "accepted_drafts": sum(drafted),
+            "drafted": drafted_tokens(drafted, args.num_draft_tokens) if "--draft-model" in flags else 0,
+            "target_trims": trim_counts(trims[0::2]), "draft_trims": trim_counts(trims[1::2]),
+            "text": text.split("==========")[1]}
+
+
+def trim_counts(trims: list[tuple[int, int]]) -> dict:
+    """Trims asked for (of at least one token), and how many of them the cache refused."""
+    asked = [(n, done) for n, done in trims if n > 0]
+    return {"asked": len(asked), "refused": sum(done == 0 for _, done in asked)}
+
+
+def drafted_tokens(from_draft: list[bool], num_draft: int) -> int:
+    """Draft tokens proposed, from the ``from_draft`` flags of the tokens
+    generated: mlx-lm's loop proposes ``min(left, num_draft)`` each round and
+    yields the accepted ones, then the target's token (``from_draft`` False)."""
+    proposed, position, total = 0, 0, len(from_draft)
+    while position < total:
+        proposed += min(total - position, num_draft)
+        while position < total and from_draft[position]:
+            position += 1
+        position += 1
+    return proposed
+
+
+@contextlib.contextmanager
+def patched_attribute(owner, name: str, value):
+    before = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, before)
+
+
+def weakened_copy(model: str, bits: int, out_dir: Path) -> Path:
+    """A copy of the mlx-lm model directory ``model`` whose 2-D weights went
+    through ``mx.quantize`` at ``bits`` (group 64) and back, kept in their
+    dtype: a draft that disagrees with the model now and then, at its speed."""
+    import shutil
+
+    source = Path(model)
+    if not source.is_dir():
+        raise SystemExit(f"bench/commands.py: --draft-bits needs a model directory, got {model}")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    shutil.copytree(source, out_dir)
+    for shard in sorted(out_dir.glob("*.safetensors")):
+        weights, metadata = mx.load(str(shard), return_metadata=True)
+        for name, w in weights.items():
+            if name.endswith(".weight") and w.ndim == 2 and w.shape[-1] % 64 == 0 and mx.issubdtype(
+                    w.dtype, mx.floating):
+                weights[name] = mx.dequantize(*mx.quantize(w, group_size=64, bits=bits), group_size=64,
+                                              bits=bits).astype(w.dtype)
+        mx.save_safetensors(str(shard), weights, metadata)
+    return out_dir
+
+
+KV_BITS_CASES = {f"{cache} {rows}": (factory, flags)
+                 for cache, factory in (("eviction", None), ("full", full_cache))
+                 for rows, flags in (("float", []),
+                                     ("8-bit", ["--kv-bits", "8", "--kv-group-size", "64",
+                                                "--quantized-kv-start", "0"]),
+                                     ("4-bit", ["--kv-bits", "4", "--kv-group-size", "64",
+                                                "--quantized-kv-start", "0"]))}
+
+
+def rotated(run, cases: dict, texts: list[str], args) -> dict:
+    """``run(case, prompt, max_tokens)`` for every case: a warm-up call each,
+    cut short, then ``args.rounds`` rounds, one text each, the order of the
+    cases rotating by one each round."""
+    names = list(cases)
+    for name in names:
+        run(name, texts[-1][: len(texts[-1]) // 8], 8)
+    results = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            print(f"  round {r + 1}/{args.rounds}: {name}", file=sys.stderr)
+            results[name].append(run(name, texts[r], args.tokens))
+    return results
+
+
+def kv_bits_report(args, texts) -> dict:
+    results = rotated(lambda name, prompt, n: generate_text(args, prompt, n, KV_BITS_CASES[name][1],
+                                                            KV_BITS_CASES[name][0]),
+                      KV_BITS_CASES, texts, args)
+    cases = {name: summarize(runs) for name, runs in results.items()}
+    for name, summary in cases.items():
+        summary["kv_kept_bytes"] = statistics.median(r["kv_kept_bytes"] for r in results[name])
+    base = cases["eviction float"]
+    full = cases["full float"]
+    for summary in cases.values():
+        summary["kv_vs_eviction_float"] = summary["kv_kept_bytes"] / base["kv_kept_bytes"]
+        summary["kv_vs_full_float"] = summary["kv_kept_bytes"] / full["kv_kept_bytes"]
+        summary["peak_vs_full_float"] = summary["peak_memory_bytes"] / full["peak_memory_bytes"]
+    for summary in cases.values():
+        for r in summary["rounds"]:
+            r.pop("text")
+    return {"cases": cases}
+
+
+def draft_report(args, texts) -> dict:
+    drafts = {"no draft": None, "self draft": args.draft_model or args.model}
+    if args.draft_bits:
+        drafts[f"{args.draft_bits}-bit-rounded draft"] = str(
+            weakened_copy(args.model, args.draft_bits, Path(args.log_dir) / f"draft-{args.draft_bits}bit"))
+    cases = {name: ([] if path is None else
+                    ["--draft-model", path, "--num-draft-tokens", str(args.num_draft_tokens)])
+             for name, path in drafts.items()}
+    results = rotated(lambda name, prompt, n: generate_text(args, prompt, n, cases[name]), cases, texts, args)
+    report = {"drafts": drafts, "num_draft_tokens": args.num_draft_tokens, "cases": {}}
+    plain = results["no draft"]
+    for name, runs in results.items():
+        summary = summarize(runs)
+        accepted = sum(r["accepted_drafts"] for r in runs)
+        summary["from_draft_share"] = accepted / sum(r["generation_tokens"] for r in runs)
+        summary["acceptance_rate"] = accepted / max(1, sum(r["drafted"] for r in runs))
+        for part in ("target_trims", "draft_trims"):
+            summary[part] = {k: sum(r[part][k] for r in runs) for k in ("asked", "refused")}
+        summary["same_text_as_no_draft"] = all(r["text"] == p["text"] for r, p in zip(runs, plain))
+        summary["tokens_per_s_vs_no_draft"] = statistics.median(
+            r["tokens_per_s"] / p["tokens_per_s"] for r, p in zip(runs, plain))
+        report["cases"][name] = summary
+    for summary in report["cases"].values():
+        for r in summary["rounds"]:
+            r.pop("text")
+    return report
 
 
 # -- server -----------------------------------------------------------------
@@ -238,16 +420,26 @@ def run(args) -> dict:
     host, date = machine(), now()
     warm_up()
     texts = prompts(args.model, args.prompt, args.rounds + 1)
-    print("generate", file=sys.stderr)
-    generate = interleaved(lambda side, prompt, n: generate_once(side, args, prompt, n), texts, args)
     report = {
         "benchmark": "commands", "mlx_knorm_version": __version__, "mlx_version": mx.__version__,
         "mlx_lm_version": package_version("mlx-lm"), "device": str(mx.default_device()),
         "date": date, "command": " ".join(["python bench/commands.py", *args.argv]),
         "machine": host, "backend": backend_info(), "warm_process": True, "model": args.model,
         "prompt_tokens": args.prompt, "decode_tokens": args.tokens, "budget": args.budget,
-        "n_sink": 4, "rounds": args.rounds, "generate": compare(generate),
+        "n_sink": 4, "rounds": args.rounds, "compare": args.compare,
     }
+    if args.compare == "kv-bits":
+        print("generate, --kv-bits", file=sys.stderr)
+        report["kv_bits"] = kv_bits_report(args, texts)
+        return report
+    if args.compare == "draft":
+        print("generate, --draft-model", file=sys.stderr)
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+        report["draft"] = draft_report(args, texts)
+        return report
+    print("generate", file=sys.stderr)
+    report["generate"] = compare(
+        interleaved(lambda side, prompt, n: generate_once(side, args, prompt, n), texts, args))
     if not args.no_server:
         print("server", file=sys.stderr)
         log_dir = Path(args.log_dir)
@@ -264,11 +456,44 @@ def run(args) -> dict:
     return report
 
 
+def print_kv_bits(report: dict) -> None:
+    print(f"model {report['model']}; prompt {report['prompt_tokens']} tokens, {report['decode_tokens']} "
+          f"decoded, budget {report['budget']}; {report['rounds']} rounds, medians")
+    header = ["cache", "KV MB", "vs eviction float", "vs full float", "peak MB", "vs full float",
+              "decode tokens/s"]
+    rows = [[name, f"{c['kv_kept_bytes'] / 1e6:.3f}", f"{c['kv_vs_eviction_float']:.3f}x",
+             f"{c['kv_vs_full_float']:.3f}x", f"{c['peak_memory_bytes'] / 1e6:.1f}",
+             f"{c['peak_vs_full_float']:.3f}x", f"{c['tokens_per_s']:.4g}"]
+            for name, c in report["kv_bits"]["cases"].items()]
+    print(markdown_table(header, rows))
+
+
+def print_draft(report: dict) -> None:
+    d = report["draft"]
+    print(f"model {report['model']}; prompt {report['prompt_tokens']} tokens, {report['decode_tokens']} "
+          f"decoded, budget {report['budget']}, greedy, --num-draft-tokens {d['num_draft_tokens']}; "
+          f"{report['rounds']} rounds, medians")
+    header = ["draft", "decode tokens/s [p25, p75]", "vs no draft", "drafts accepted",
+              "tokens from the draft", "draft trims refused", "target trims refused", "same text"]
+    rows = [[name, f"{c['tokens_per_s']:.4g} [{c['tokens_per_s_p25']:.4g}, {c['tokens_per_s_p75']:.4g}]",
+             f"{c['tokens_per_s_vs_no_draft']:.3f}x", f"{c['acceptance_rate']:.1%}",
+             f"{c['from_draft_share']:.1%}",
+             f"{c['draft_trims']['refused']} of {c['draft_trims']['asked']}",
+             f"{c['target_trims']['refused']} of {c['target_trims']['asked']}",
+             "yes" if c["same_text_as_no_draft"] else "NO"]
+            for name, c in d["cases"].items()]
+    print(markdown_table(header, rows))
+
+
 def print_report(report: dict) -> None:
     m = report["machine"]
     print(f"mlx-knorm {report['mlx_knorm_version']} commands on {report['device']}: "
           f"{m['cpu_model'] or m['processor']}, MLX {report['mlx_version']}, "
           f"mlx-lm {report['mlx_lm_version']}, {report['date']}")
+    if "kv_bits" in report:
+        return print_kv_bits(report)
+    if "draft" in report:
+        return print_draft(report)
     print(f"model {report['model']}; prompt {report['prompt_tokens']} tokens, "
           f"{report['decode_tokens']} decoded, budget {report['budget']} (RotatingKVCache max_size "
           f"{report['budget']}, keep 4); {report['rounds']} interleaved rounds, medians; "
@@ -311,6 +536,14 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, help="timed rounds per side (default 5)")
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--no-server", action="store_true", help="time generate only")
+    parser.add_argument("--compare", choices=["rotating", "kv-bits", "draft"], default="rotating",
+                        help="rotating: next to RotatingKVCache (default); kv-bits: KV bytes and peak "
+                             "memory at --kv-bits 8 and 4, eviction and full cache; draft: speculative "
+                             "decoding (generate only)")
+    parser.add_argument("--draft-model", help="--compare draft: the draft model (default: --model)")
+    parser.add_argument("--draft-bits", type=int,
+                        help="--compare draft: also a draft of the model's weights rounded at this many bits")
+    parser.add_argument("--num-draft-tokens", type=int, default=3)
     parser.add_argument("--log-dir", default="build/bench-commands", help="the servers' logs")
     parser.add_argument("--json", metavar="PATH", help="write the raw figures as JSON")
     args = parser.parse_args(argv)

@@ -1,12 +1,19 @@
-"""End-to-end decode of a random-weight mlx-lm llama with the attention shapes
-of Llama-3.2-1B (hidden 2048, 32 query heads, 8 KV heads, head_dim 64;
-float16 weights, few layers, a small MLP and vocabulary so that it runs on a
-CPU), for each prompt cache: mlx-lm's KVCache (no eviction, for reference),
-RotatingKVCache(max_size=512, keep=4), the reference's L2NormKVCache and ours
-(make_knorm_cache, layout "slots" and "temporal"), budget 512 (README's
-end-to-end table).
+"""End-to-end decode, for each prompt cache: mlx-lm's KVCache (no eviction,
+for reference), RotatingKVCache(max_size=budget, keep=4), the reference's
+L2NormKVCache and ours (make_knorm_cache, layout "slots" and "temporal"), at
+each budget, all in one run (README's end-to-end tables).
+
+The model is a random-weight mlx-lm llama with the attention shapes of
+Llama-3.2-1B (hidden 2048, 32 query heads, 8 KV heads, head_dim 64; float16
+weights, few layers, a small MLP and vocabulary so that it runs on a CPU),
+or with --model a real one (anything mlx_knorm.models.load takes: smollm2, a
+GGUF file, an mlx-lm model), whose prompt is then the start of Python's
+reference documentation (pydoc_data.topics) in its tokenizer.
 
     python bench/decode_e2e.py --json bench/results/decode-e2e-cpu.json
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \
+        python bench/decode_e2e.py --model smollm2 --dtype float32 --budgets 512,2048 \
+        --json bench/results/decode-e2e-smollm2-cpu.json
 
 Each cache first takes the prompt in chunks of 512 (mlx-lm's
 prefill_step_size), then decodes greedily as mlx_lm.generate does: model(y[None],
@@ -14,8 +21,11 @@ cache=cache), argmax, mx.eval, one token at a time. All caches stay alive in
 one warm process and decode in rounds, a few tokens of each in turn, the
 order rotating, so that the machine's drift hits all alike. Reported per
 cache: the median ms/token over the tokens after the warm-up, tokens/s
-(1000 / that median), the peak memory of its prefill and of its decode, and
-minor page faults per token.
+(1000 / that median), the median CPU time of the process per token (every
+thread's; on a machine shared with other work it moves less than wall time
+does), the peak memory of its prefill and of its decode, and minor page
+faults per token. Ours is make_knorm_cache as a user calls it, so with its
+default recent window (recorded as our_recent).
 
 Peak memory: mx.reset_peak_memory() before each cache's prefill and before
 each of its decode rounds. The memory active at a reset holds the weights,
@@ -28,6 +38,7 @@ caches, alive only for the interleaving, are left out.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -44,8 +55,9 @@ from mlx_knorm.bench.cli import native_missing, write_json
 from mlx_knorm.bench.report import machine, markdown_table, now, verdict
 from mlx_knorm.bench.timing import minor_faults, summary, warm_up
 from mlx_knorm.cache import make_knorm_cache
+from mlx_knorm.defaults import default_recent
 
-BUDGET, PREFILL_STEP = 512, 512
+BUDGETS, PREFILL_STEP = (512,), 512
 # Targets for our cache against RotatingKVCache, checked in the report.
 MIN_TOKENS_PER_S_RATIO = 0.95
 MAX_PEAK_MEMORY_RATIO = 1.05
@@ -65,15 +77,44 @@ def build_model(layers: int, intermediate: int, vocab: int) -> llama.Model:
     return model
 
 
-def prompt_caches(model) -> dict:
-    """name -> make(): a fresh prompt cache (one cache per layer) of each kind
-    that the cache-step benchmark times; ours as a user builds it."""
+def load_model(args):
+    """``(model, description, prompt)``: the random-weight llama, or ``--model`` with a prompt of real text."""
+    if args.model is None:
+        model = build_model(args.layers, args.intermediate, args.vocab)
+        prompt = mx.random.randint(0, args.vocab, (args.prompt,), key=mx.random.key(1))
+        description = {"name": "random-weight llama", "hidden_size": 2048, "num_attention_heads": 32,
+                       "num_key_value_heads": 8, "head_dim": 64, "num_hidden_layers": args.layers,
+                       "intermediate_size": args.intermediate, "vocab_size": args.vocab, "dtype": "float16"}
+        return model, description, prompt, "random token ids"
+    from mlx_knorm.models import load
+    from mlx_knorm.quality.data import pydoc_topics
+
+    model, tokenizer, config = load(args.model, dtype=args.dtype, return_config=True)
+    ids = tokenizer.encode(pydoc_topics()[: 8 * args.prompt], add_special_tokens=False)
+    if len(ids) < args.prompt:
+        raise SystemExit(f"bench/decode_e2e.py: the prompt text has {len(ids)} tokens, {args.prompt} needed")
+    dtypes = sorted({str(v.dtype).removeprefix("mlx.core.") for _, v in tree_flatten(model.parameters())})
+    description = {"name": args.model, "dtype": args.dtype or "as stored", "parameter_dtypes": dtypes,
+                   **{k: config.get(k) for k in ("model_type", "hidden_size", "num_attention_heads",
+                                                  "num_key_value_heads", "head_dim", "num_hidden_layers",
+                                                  "intermediate_size", "vocab_size")}}
+    return model, description, mx.array(ids[: args.prompt]), "pydoc_data.topics, sorted by topic"
+
+
+def prompt_caches(model, budgets) -> dict:
+    """(budget, name) -> make(): a fresh prompt cache (one cache per layer) of each kind
+    that the cache-step benchmark times, at each budget; ours as a user builds it.
+    KVCache keeps everything: one, listed under every budget."""
     layers = range(len(model.layers))
-    kinds = {name: (lambda make=make: [make(BUDGET) for _ in layers])
-             for name, make in cache_kinds().items()}
-    for layout in ("slots", "temporal"):
-        kinds[layout] = lambda layout=layout: make_knorm_cache(
-            model, budget=BUDGET, n_sink=N_SINK, layout=layout)
+    kinds = {}
+    for budget in budgets:
+        for name, make in cache_kinds().items():
+            if name == "KVCache" and budget != budgets[0]:
+                continue
+            kinds[(budget, name)] = lambda make=make, budget=budget: [make(budget) for _ in layers]
+        for layout in ("slots", "temporal"):
+            kinds[(budget, layout)] = lambda layout=layout, budget=budget: make_knorm_cache(
+                model, budget=budget, n_sink=N_SINK, layout=layout)
     return kinds
 
 
@@ -82,7 +123,7 @@ class Decoder:
 
     def __init__(self, model, cache):
         self.model, self.cache = model, cache
-        self.samples, self.faults = [], 0
+        self.samples, self.cpu_samples, self.faults = [], [], 0
         self.prefill_peak = self.decode_peak = 0
 
     def _rise(self, run) -> int:
@@ -106,12 +147,13 @@ class Decoder:
         def run():
             faults = minor_faults()
             for _ in range(count):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 logits = self.model(self.token[None], cache=self.cache)
                 self.token = mx.argmax(logits[:, -1, :], axis=-1)
                 mx.eval(self.token)
                 if timed:
                     self.samples.append(time.perf_counter() - t0)
+                    self.cpu_samples.append(time.process_time() - c0)
             if timed:
                 self.faults += minor_faults() - faults
 
@@ -125,14 +167,13 @@ def run(args) -> dict:
     host, date = machine(), now()
     mx.set_default_device(mx.cpu)
     warm_up()
-    model = build_model(args.layers, args.intermediate, args.vocab)
+    model, description, prompt, prompt_source = load_model(args)
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    prompt = mx.random.randint(0, args.vocab, (args.prompt,), key=mx.random.key(1))
     decoders = {}
-    for name, make in prompt_caches(model).items():
-        print(f"prefill {args.prompt} tokens: {name}", file=sys.stderr)
-        decoders[name] = Decoder(model, make())
-        decoders[name].prefill(prompt)
+    for key, make in prompt_caches(model, args.budgets).items():
+        print(f"prefill {args.prompt} tokens: {key[1]} at budget {key[0]}", file=sys.stderr)
+        decoders[key] = Decoder(model, make())
+        decoders[key].prefill(prompt)
     names = list(decoders)
     for name in names:
         decoders[name].decode(args.warmup, timed=False)
@@ -141,20 +182,26 @@ def run(args) -> dict:
         print(f"decode round {r + 1}/{rounds}", file=sys.stderr)
         for name in names[r % len(names):] + names[: r % len(names)]:
             decoders[name].decode(args.round_tokens, timed=True)
-    caches = {}
-    for name, d in decoders.items():
+    measured = {}
+    for key, d in decoders.items():
         timing = summary(d.samples, d.faults)
-        caches[name] = {
+        measured[key] = {
             **timing,
             "tokens_per_s": 1e3 / timing["median_ms"],
+            "cpu_median_ms": summary(d.cpu_samples, 0)["median_ms"],
             "peak_memory_bytes": weights + max(d.prefill_peak, d.decode_peak),
             "prefill_peak_memory_bytes": weights + d.prefill_peak,
             "decode_peak_memory_bytes": weights + d.decode_peak,
         }
-    rotating = caches["RotatingKVCache"]
-    for c in caches.values():
-        c["tokens_per_s_ratio_to_rotating"] = c["tokens_per_s"] / rotating["tokens_per_s"]
-        c["peak_memory_ratio_to_rotating"] = c["peak_memory_bytes"] / rotating["peak_memory_bytes"]
+    per_budget = {}
+    for budget in args.budgets:
+        caches = {name: dict(c) for (b, name), c in measured.items() if b == budget or name == "KVCache"}
+        rotating = caches["RotatingKVCache"]
+        for c in caches.values():
+            c["tokens_per_s_ratio_to_rotating"] = c["tokens_per_s"] / rotating["tokens_per_s"]
+            c["cpu_ms_ratio_to_rotating"] = c["cpu_median_ms"] / rotating["cpu_median_ms"]
+            c["peak_memory_ratio_to_rotating"] = c["peak_memory_bytes"] / rotating["peak_memory_bytes"]
+        per_budget[str(budget)] = {"caches": caches, "targets": targets(caches)}
     return {
         "benchmark": "decode_e2e",
         "mlx_knorm_version": __version__,
@@ -167,14 +214,12 @@ def run(args) -> dict:
         "machine": host,
         "backend": backend_info(),
         "warm_process": True,
-        "model": {"hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 8,
-                  "head_dim": 64, "num_hidden_layers": args.layers,
-                  "intermediate_size": args.intermediate, "vocab_size": args.vocab,
-                  "dtype": "float16", "weights_bytes": weights},
-        "prompt_tokens": args.prompt, "prefill_step_size": PREFILL_STEP, "budget": BUDGET,
+        "blas_preload": os.environ.get("LD_PRELOAD") or None,
+        "model": {**description, "weights_bytes": weights},
+        "prompt_tokens": args.prompt, "prompt_source": prompt_source, "prefill_step_size": PREFILL_STEP,
         "n_sink": N_SINK, "warmup_tokens": args.warmup, "round_tokens": args.round_tokens,
-        "caches": caches,
-        "targets": targets(caches),
+        "our_recent": {str(b): default_recent(b, N_SINK) for b in args.budgets},
+        "budgets": per_budget,
     }
 
 
@@ -195,27 +240,37 @@ def print_report(report: dict) -> None:
     m, model = report["machine"], report["model"]
     print(f"mlx-knorm {report['mlx_knorm_version']} decode end to end on cpu: "
           f"{m['cpu_model'] or m['processor']}, MLX {report['mlx_version']}, "
-          f"mlx-lm {report['mlx_lm_version']}, {report['date']}")
-    print(f"llama, hidden 2048, 32/8 heads, head_dim 64, {model['num_hidden_layers']} layers, "
-          f"MLP {model['intermediate_size']}, vocab {model['vocab_size']}, float16 "
-          f"({model['weights_bytes'] / 2**20:.0f} MiB of weights); prompt {report['prompt_tokens']} "
-          f"tokens in chunks of {report['prefill_step_size']}, budget {report['budget']}. "
-          "Timed in a warm process, the caches interleaved in rounds; medians over the tokens "
-          "after the warm-up; faults/token = minor page faults per token.")
-    header = ["cache", "ms/token [p25, p75]", "tokens/s", "vs RotatingKVCache", "peak MiB",
+          f"mlx-lm {report['mlx_lm_version']}, {report['date']}, BLAS preload: {report['blas_preload']}")
+    print(f"{model['name']} ({model['model_type'] if 'model_type' in model else 'llama'}), hidden "
+          f"{model['hidden_size']}, {model['num_attention_heads']}/{model['num_key_value_heads']} heads, "
+          f"head_dim {model['head_dim']}, {model['num_hidden_layers']} layers, MLP {model['intermediate_size']}, "
+          f"vocab {model['vocab_size']}, {model['dtype']} ({model['weights_bytes'] / 2**20:.0f} MiB of "
+          f"weights); prompt {report['prompt_tokens']} tokens ({report['prompt_source']}) in chunks of "
+          f"{report['prefill_step_size']}. Timed in a warm process, the caches of every budget interleaved "
+          "in rounds; medians over the tokens after the warm-up; CPU ms = the process's CPU time per token; "
+          "faults/token = minor page faults per token.")
+    header = ["cache", "ms/token [p25, p75]", "tokens/s", "vs RotatingKVCache", "CPU ms/token",
+              "CPU vs RotatingKVCache", "peak MiB",
               "vs RotatingKVCache", "prefill / decode peak MiB", "faults/token"]
+    for budget, result in report["budgets"].items():
+        print(f"\nbudget {budget}:")
+        print_table(header, result)
+
+
+def print_table(header, result: dict) -> None:
     rows = []
-    for name, c in report["caches"].items():
+    for name, c in result["caches"].items():
         rows.append([
             name, f"{c['median_ms']:.4g} [{c['p25_ms']:.4g}, {c['p75_ms']:.4g}]",
             f"{c['tokens_per_s']:.3g}", f"{c['tokens_per_s_ratio_to_rotating']:.3f}x",
+            f"{c['cpu_median_ms']:.4g}", f"{c['cpu_ms_ratio_to_rotating']:.3f}x",
             f"{c['peak_memory_bytes'] / 2**20:.1f}", f"{c['peak_memory_ratio_to_rotating']:.3f}x",
             f"{c['prefill_peak_memory_bytes'] / 2**20:.1f} / {c['decode_peak_memory_bytes'] / 2**20:.1f}",
             f"{c['faults_per_call']:.2f}",
         ])
     print(markdown_table(header, rows))
-    print("\nTargets (this run):")
-    for name, v in report["targets"].items():
+    print("Targets (this run):")
+    for name, v in result["targets"].items():
         print(f"  {name} {v['measured']:.3f} (target {v['target']}): {'met' if v['met'] else 'MISSED'}")
 
 
@@ -228,9 +283,16 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, help="timed decode tokens per cache (default 96)")
     parser.add_argument("--warmup", type=int, default=4, help="untimed decode tokens first")
     parser.add_argument("--round-tokens", type=int, default=8, help="tokens per cache and round")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--intermediate", type=int, default=512, help="MLP width")
-    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--budgets", type=lambda t: [int(v) for v in t.split(",")], default=list(BUDGETS),
+                        help="cache budgets, comma-separated (default 512)")
+    parser.add_argument("--model", help="a real model instead of the random-weight llama: smollm2, a GGUF "
+                                        "file, an mlx-lm model directory or repo")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                        help="--model GGUF files: every weight in this float type (float32 for a CPU "
+                             "with OpenBLAS preloaded)")
+    parser.add_argument("--layers", type=int, default=2, help="random-weight llama: layers")
+    parser.add_argument("--intermediate", type=int, default=512, help="random-weight llama: MLP width")
+    parser.add_argument("--vocab", type=int, default=1024, help="random-weight llama: vocabulary")
     parser.add_argument("--json", metavar="PATH", help="write the raw figures as JSON")
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)
@@ -238,6 +300,8 @@ def main(argv=None) -> int:
     args.tokens = args.tokens or (16 if args.quick else 96)
     if args.prompt < 2:
         parser.error("--prompt must be at least 2 tokens")
+    if not args.budgets or min(args.budgets) <= N_SINK:
+        parser.error(f"--budgets must be above n_sink ({N_SINK})")
     if native_missing("bench/decode_e2e.py"):
         return 1
     report = run(args)

@@ -1,5 +1,5 @@
 """The op benchmark's sweeps: kernel vs fallback vs reference vs memcpy over
-decode budgets 256-4096 and prefill lengths 1024-8192 (README's plot).
+decode budgets 256-4096 and prefill lengths 1024-8192 (docs/benchmarks.md's plot).
 
     python bench/ops.py --json bench/results/ops-sweep-cpu.json \
         --plot bench/results/ops-sweep-cpu.png

@@ -321,7 +321,8 @@ inline void knorm_move_row(KnormEvictBuffers b, uint src, uint dst, uint lane) {
     }
   }
   if (lane == 0) {
-    b.out_norms[dst] = b.norms[src];
+    // Norms move as bits (docs/spec.md section 5): a signalling NaN stays one.
+    ((device uint*)b.out_norms)[dst] = ((device const uint*)b.norms)[src];
     b.out_positions[dst] = b.positions[src];
   }
 }
@@ -395,8 +396,8 @@ inline void knorm_compact_temporal(
       }
     }
     if (!b.norms_in_place() || any_moves) {
-      knorm_move_rows<kEvictGroupSize>(b.norms, b.out_norms, b.norms_in_place(), src,
-                                       kept_before, n, 1u, tid);
+      knorm_move_rows<kEvictGroupSize>((device const uint*)b.norms, (device uint*)b.out_norms,
+                                       b.norms_in_place(), src, kept_before, n, 1u, tid);
     }
     if (!b.positions_in_place() || any_moves) {
       knorm_move_rows<kEvictGroupSize>(b.positions, b.out_positions, b.positions_in_place(), src,
@@ -489,20 +490,22 @@ inline void knorm_fill_holes(
 // bfloat16 or float32: knorm_row_norm), or are given: KnormGivenNorms.
 struct KnormGivenNorms {};
 
+// A new row's norm as float32 bits: computed from its key, or given (moved
+// as bits, docs/spec.md section 5).
 template <typename K>
-inline float knorm_new_norm(device const uchar* key, uint key_bytes, device const float*, uint,
-                            uint lane) {
+inline uint knorm_new_norm(device const uchar* key, uint key_bytes, device const float*, uint,
+                           uint lane) {
   // Sized for the widest key the kernel takes: the padding past P leaves
   // the pinned sum as it is (knorm_row_norm), and a new row's norm is a
   // small part of a step.
-  return knorm_row_norm<kKeyNormsMaxDim / kSimdWidth>(
-      reinterpret_cast<device const K*>(key), key_bytes / uint(sizeof(K)), lane);
+  return as_type<uint>(knorm_row_norm<kKeyNormsMaxDim / kSimdWidth>(
+      reinterpret_cast<device const K*>(key), key_bytes / uint(sizeof(K)), lane));
 }
 
 template <>
-inline float knorm_new_norm<KnormGivenNorms>(device const uchar*, uint, device const float* given,
-                                             uint j, uint) {
-  return given[j];
+inline uint knorm_new_norm<KnormGivenNorms>(device const uchar*, uint, device const float* given,
+                                            uint j, uint) {
+  return ((device const uint*)given)[j];
 }
 
 // One head's new rows and where they go: the outputs start at the head's
@@ -534,10 +537,10 @@ inline void knorm_fill_rows(
                          params.row_bytes[i], params.row_unit[i], lane, kSimdWidth);
       }
     }
-    const float norm = knorm_new_norm<K>(f.new_rows[0] + j * ulong(params.row_bytes[0]),
+    const uint norm = knorm_new_norm<K>(f.new_rows[0] + j * ulong(params.row_bytes[0]),
                                          params.row_bytes[0], f.new_norms, j, lane);
     if (lane == 0) {
-      f.out_norms[dst] = norm;
+      ((device uint*)f.out_norms)[dst] = norm;
       f.out_positions[dst] = int(params.offset + j);
     }
   }

@@ -37,24 +37,32 @@ MLX_KNORM = [str(_BIN)] if _BIN.exists() else [sys.executable, "-m", "mlx_knorm"
 MLX_LM = [sys.executable, "-m", "mlx_lm"]
 
 
-def write_tiny_llama(directory: Path) -> Path:
+def write_tiny_llama(directory: Path, **config) -> Path:
+    """The tiny llama (``config`` over ``TINY_LLAMA``) as a model directory."""
+    config = {**TINY_LLAMA, **config}
     mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(TINY_LLAMA))
+    model = llama.Model(llama.ModelArgs.from_dict(config))
     model.set_dtype(mx.float16)
     directory.mkdir(parents=True)
     mx.save_safetensors(str(directory / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (directory / "config.json").write_text(json.dumps(TINY_LLAMA))
+    (directory / "config.json").write_text(json.dumps(config))
     shutil.copy(MODEL_DIR / "tokenizer.json", directory)
     (directory / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE}))
     return directory
 
 
-def tiny_kv_bytes(budget: int) -> int:
+# The tiny llama with heads wide enough for --kv-bits (mx.quantize groups are 32 or more).
+WIDE_HEAD_DIM = 64
+
+
+def tiny_kv_bytes(budget: int, head_dim: int = TINY_HEAD_DIM, bits: int | None = None, group_size: int = 64) -> int:
     """What the tiny llama's caches hold while decoding past ``budget``:
-    ``budget + 1`` slots a head of float16 keys and values, float32 norms and
-    int32 positions, in every layer."""
-    slot = TINY_HEAD_DIM * 2 * 2 + 4 + 4
+    ``budget + 1`` slots a head of float16 keys and values (with ``bits``,
+    their packed words and a float16 scale and bias a group), float32 norms
+    and int32 positions, in every layer."""
+    row = head_dim * 2 if bits is None else head_dim * bits // 8 + 4 * head_dim // group_size
+    slot = 2 * row + 4 + 4
     return TINY_LLAMA["num_hidden_layers"] * TINY_KV_HEADS * (budget + 1) * slot
 
 

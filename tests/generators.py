@@ -70,8 +70,79 @@ def fill_norms(rng: np.random.Generator, shape, palette: str) -> mx.array:
     return mx.array(x.astype(np.float32))
 
 
+def protected_topk_gather_shapes(n_heads, n_prior, n_new, key_dim, value_dim) -> list[tuple]:
+    """Shapes of protected_topk_gather's six arrays, in argument order."""
+    return [
+        (n_heads, n_prior, key_dim), (n_heads, n_prior, value_dim), (n_heads, n_prior),
+        (n_heads, n_new, key_dim), (n_heads, n_new, value_dim), (n_heads, n_new),
+    ]
+
+
+def protected_topk_gather_arrays(
+    rng: np.random.Generator, n_heads: int, n_prior: int, n_new: int, key_dim: int,
+    value_dim: int | None = None, *, key_palette: str = "normal", value_palette: str = "normal",
+    norm_palette: str = "normal", dtypes=("float16", "float32"), shape_changes=None,
+) -> list[mx.array]:
+    """The arrays of one protected_topk_gather call: prior keys, values and
+    norms, then the new block's. ``dtypes`` are the keys' and the values';
+    ``shape_changes`` maps an argument index to the shape it takes instead
+    (an invalid relation, for the checks)."""
+    shapes = protected_topk_gather_shapes(n_heads, n_prior, n_new, key_dim,
+                                          key_dim if value_dim is None else value_dim)
+    shapes = [(shape_changes or {}).get(i, shape) for i, shape in enumerate(shapes)]
+    palettes = (key_palette, value_palette)
+    return [
+        fill_norms(rng, shape, norm_palette) if i % 3 == 2 else fill(rng, shape, palettes[i % 3], dtypes[i % 3])
+        for i, shape in enumerate(shapes)
+    ]
+
+
+def evict_and_fill_shapes(n_heads, slots, n_new, key_dim, value_dim) -> list[tuple]:
+    """Shapes of evict_and_fill's six arrays, in argument order."""
+    return [
+        (n_heads, slots, key_dim), (n_heads, slots, value_dim), (n_heads, slots), (n_heads, slots),
+        (n_heads, n_new, key_dim), (n_heads, n_new, value_dim),
+    ]
+
+
+def evict_and_fill_arrays(
+    rng: np.random.Generator, n_heads: int, slots: int, n_new: int, key_dim: int,
+    value_dim: int | None = None, *, positions: str = "distinct", layout: str = "slots",
+    key_palette: str = "normal", value_palette: str = "normal", norm_palette: str = "normal",
+    dtypes=("float16", "float32"), shape_changes=None,
+) -> list[mx.array]:
+    """The arrays of one evict_and_fill call: a cache's key, value, norm and
+    position buffers of ``slots`` slots, then the new block's keys and values.
+    ``positions``: ``"distinct"`` (each head a permutation of the slots,
+    sorted for the temporal layout), ``"equal"`` (all 3: only the slot tells
+    ranks apart) or ``"random"`` (any of 0..8, repeats included).
+    ``shape_changes`` as in ``protected_topk_gather_arrays``."""
+    shapes = evict_and_fill_shapes(n_heads, slots, n_new, key_dim,
+                                   key_dim if value_dim is None else value_dim)
+    shapes = [(shape_changes or {}).get(i, shape) for i, shape in enumerate(shapes)]
+    palettes = (key_palette, value_palette)
+    arrays = []
+    for i, shape in enumerate(shapes):
+        if i == 2:
+            arrays.append(fill_norms(rng, shape, norm_palette))
+        elif i == 3:
+            if positions == "distinct":
+                order = np.stack([rng.permutation(shape[-1]) for _ in range(int(np.prod(shape[:-1])))])
+                order = np.sort(order, axis=1) if layout == "temporal" else order
+                order = order.reshape(shape)
+            elif positions == "equal":
+                order = np.full(shape, 3)
+            else:
+                order = rng.integers(0, 9, size=shape)
+            arrays.append(mx.array(order.astype(np.int32)))
+        else:
+            part = 0 if i in (0, 4) else 1
+            arrays.append(fill(rng, shape, palettes[part], dtypes[part]))
+    return arrays
+
+
 @st.composite
-def gather_cases(draw, max_rows=4, max_prior=40, max_new=40, dims=DIMS, long_rows=False):
+def protected_topk_gather_cases(draw, max_rows=4, max_prior=40, max_new=40, dims=DIMS, long_rows=False):
     """Arguments of one protected_topk_gather call plus its configuration.
 
     ``long_rows`` also draws priors of 250-700 rows, which span several
@@ -179,7 +250,7 @@ def _valid_range(draw, offset):
 
 
 @st.composite
-def step_cases(draw, cache_like=True, max_heads=3, max_budget=24, max_new=6, dims=DIMS,
+def evict_and_fill_cases(draw, cache_like=True, max_heads=3, max_budget=24, max_new=6, dims=DIMS,
                long_rows=False, payloads=False, ranges=False):
     """Arguments of one evict_and_fill call: ``(arrays, config)``.
 

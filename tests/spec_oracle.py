@@ -25,7 +25,7 @@ def kept_rows(norms: list[float], budget: int, n_sink: int, recent: int, keep: s
     return sorted([*range(sinks), *chosen, *range(n_total - tail, n_total)])
 
 
-def step_sources(
+def evict_and_fill_sources(
     norms: list[float],
     positions: list[int],
     filled: int,

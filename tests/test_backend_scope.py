@@ -7,12 +7,14 @@ import contextvars
 import threading
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import mlx_knorm
 from mlx_knorm import _native, backend
 
 from conftest import assert_bitwise_equal, requires_emulator
+from generators import protected_topk_gather_arrays
 
 
 def in_thread(function, context: contextvars.Context | None = None):
@@ -47,15 +49,14 @@ def test_the_environment_variable_reaches_every_thread(monkeypatch):
     assert in_thread(mlx_knorm.current_backend) == "fallback"
 
 
-def gather_inputs():
-    keys = mx.random.normal((2, 20, 8), key=mx.random.key(1)).astype(mx.float16)
-    empty = mx.zeros((2, 0, 8), mx.float16)
-    return (empty, empty, mx.zeros((2, 0)), keys, keys, mlx_knorm.key_norms(keys), 12, 2, 0, "low")
+def protected_topk_gather_inputs():
+    arrays = protected_topk_gather_arrays(np.random.default_rng(1), 2, 0, 20, 8, dtypes=("float16", "float16"))
+    return (*arrays, 12, 2, 0, "low")
 
 
 @requires_emulator
 def test_metal_emulator_runs_on_the_given_cpu_stream(monkeypatch):
-    inputs = gather_inputs()
+    inputs = protected_topk_gather_inputs()
     keys = inputs[3]
     expected = mlx_knorm.key_norms(keys)
     expected_gather = mlx_knorm.protected_topk_gather(*inputs)
@@ -81,7 +82,7 @@ def test_metal_emulator_runs_on_the_given_cpu_stream(monkeypatch):
 @requires_emulator
 @pytest.mark.parametrize("stream", [mx.gpu, mx.Device(mx.gpu)], ids=["DeviceType", "Device"])
 def test_metal_emulator_refuses_a_gpu_stream(stream):
-    inputs = gather_inputs()
+    inputs = protected_topk_gather_inputs()
     with mlx_knorm.use_backend("metal-emulator"):
         with pytest.raises(ValueError, match="metal-emulator backend runs on the CPU; stream"):
             mlx_knorm.key_norms(inputs[3], stream=stream)

@@ -12,6 +12,7 @@ import mlx_knorm
 from mlx_knorm.__main__ import main
 from mlx_knorm.bench.cases import TARGET_STEPS
 from mlx_knorm.bench.timing import RAISED_CACHE_LIMIT
+from mlx_knorm.quality import MODEL_DIR
 
 pytestmark = pytest.mark.skipif(
     not mlx_knorm.native_available(), reason="native extension not loaded"
@@ -144,23 +145,98 @@ def test_cache_step_program_runs_the_same_suite(tmp_path):
     check_cache_report(report, [(16, 1), (16, 2)])
 
 
+def check_decode_e2e(report, budgets):
+    assert report["benchmark"] == "decode_e2e" and report["warm_process"] is True
+    assert list(report["budgets"]) == [str(b) for b in budgets]
+    names = {"KVCache", "RotatingKVCache", "slots", "temporal"}
+    weights = report["model"]["weights_bytes"]
+    for result in report["budgets"].values():
+        caches = result["caches"]
+        assert set(caches) == names | ({"reference"} if report["reference_version"] else set())
+        for c in caches.values():
+            assert c["reps"] == 2 and c["tokens_per_s"] > 0 and c["cpu_median_ms"] >= 0
+            assert c["peak_memory_bytes"] >= max(c["prefill_peak_memory_bytes"], weights)
+        assert caches["RotatingKVCache"]["peak_memory_ratio_to_rotating"] == 1.0
+        assert caches["RotatingKVCache"]["cpu_ms_ratio_to_rotating"] == 1.0
+        assert set(result["targets"]) == {
+            f"{layout}_{what}" for layout in ("slots", "temporal")
+            for what in ("tokens_per_s_ratio", "peak_memory_ratio")
+        }
+    # One KVCache (it keeps everything), listed under every budget.
+    first, *rest = report["budgets"].values()
+    assert all(r["caches"]["KVCache"]["samples_ms"] == first["caches"]["KVCache"]["samples_ms"] for r in rest)
+
+
 def test_decode_e2e_program_on_a_tiny_prompt(tmp_path):
-    """bench/decode_e2e.py end to end on one layer and a 40-token prompt:
+    """bench/decode_e2e.py end to end on one layer, a 40-token prompt and two budgets:
     JSON structure and the targets' fields, never the timings."""
     _, report = run_program("decode_e2e.py", [
         "--prompt", "40", "--tokens", "2", "--warmup", "1", "--round-tokens", "1", "--layers", "1",
-        "--intermediate", "64", "--vocab", "64",
+        "--intermediate", "64", "--vocab", "64", "--budgets", "8,16",
     ], tmp_path)
-    assert report["benchmark"] == "decode_e2e" and report["warm_process"] is True
     assert report["model"]["num_hidden_layers"] == 1 and report["prompt_tokens"] == 40
-    names = {"KVCache", "RotatingKVCache", "slots", "temporal"}
-    assert set(report["caches"]) == names | ({"reference"} if report["reference_version"] else set())
-    weights = report["model"]["weights_bytes"]
-    for c in report["caches"].values():
-        assert c["reps"] == 2 and c["tokens_per_s"] > 0
-        assert c["peak_memory_bytes"] >= max(c["prefill_peak_memory_bytes"], weights)
-    assert report["caches"]["RotatingKVCache"]["peak_memory_ratio_to_rotating"] == 1.0
-    assert set(report["targets"]) == {
-        f"{layout}_{what}" for layout in ("slots", "temporal")
-        for what in ("tokens_per_s_ratio", "peak_memory_ratio")
-    }
+    check_decode_e2e(report, [8, 16])
+    assert report["our_recent"] == {"8": 3, "16": 8}  # make_knorm_cache's default window at n_sink 4
+
+
+def test_decode_e2e_program_on_a_real_model_decodes_real_text(tmp_path):
+    _, report = run_program("decode_e2e.py", [
+        "--model", str(MODEL_DIR), "--prompt", "40", "--tokens", "2", "--warmup", "1", "--round-tokens", "1",
+        "--budgets", "16",
+    ], tmp_path)
+    assert report["model"]["name"] == str(MODEL_DIR) and report["model"]["num_hidden_layers"] == 4
+    assert report["prompt_source"] == "pydoc_data.topics, sorted by topic"
+    check_decode_e2e(report, [16])
+
+
+def test_commands_program_counts_drafts_as_mlx_lm_proposes_them():
+    drafted_tokens = runpy.run_path(str(BENCH / "commands.py"))["drafted_tokens"]
+    # 3 drafts accepted, then the target's token; none accepted; 1 of the
+    # last 2 (max_tokens 8 leaves 2 to propose), the target's token.
+    assert drafted_tokens([True, True, True, False, False, True, False], 3) == 3 + 3 + 2
+    # Stopped at max_tokens inside the accepted drafts: no target token.
+    assert drafted_tokens([True, True], 3) == 2
+
+
+def test_commands_program_compares_draft_models_and_kv_bits(tmp_path):
+    from command_runs import WIDE_HEAD_DIM, write_tiny_llama
+
+    small = ["--prompt", "48", "--tokens", "12", "--rounds", "1", "--budget", "16", "--log-dir", str(tmp_path)]
+    _, report = run_program("commands.py", ["--compare", "draft", "--draft-bits", "2", *small], tmp_path)
+    cases = report["draft"]["cases"]
+    assert list(cases) == ["no draft", "self draft", "2-bit-rounded draft"]
+    assert all(c["same_text_as_no_draft"] for c in cases.values())
+    assert cases["self draft"]["acceptance_rate"] == 1.0 and cases["no draft"]["acceptance_rate"] == 0
+    wide = write_tiny_llama(tmp_path / "wide", head_dim=WIDE_HEAD_DIM)
+    _, report = run_program("commands.py", ["--compare", "kv-bits", "--model", str(wide), *small], tmp_path)
+    kv = {name: c["kv_kept_bytes"] for name, c in report["kv_bits"]["cases"].items()}
+    # 4 layers x 4 heads x 17 slots: float16 rows of 64, or packed with a
+    # float16 scale and bias; in the memory line's MB of 3 decimals.
+    slots = 4 * 4 * 17
+    for name, row in (("eviction float", 128), ("eviction 8-bit", 64 + 4), ("eviction 4-bit", 32 + 4)):
+        assert kv[name] / 1e6 == pytest.approx(round(slots * (2 * row + 8) / 1e6, 3))
+    assert kv["full 4-bit"] < kv["full 8-bit"] < kv["full float"]
+
+
+def test_batch_decode_program_on_tiny_prompts(tmp_path):
+    """bench/batch_decode.py end to end on one layer, prompts of 20 to 40
+    tokens and budget 16: every kind at every batch size decodes and
+    reports, and the batches' caches are the batch caches; never timings."""
+    program, report = run_program("batch_decode.py", [
+        "--prompt-min", "20", "--prompt-max", "40", "--budget", "16", "--rounds", "1",
+        "--round-steps", "1", "--warmup", "1", "--layers", "1", "--intermediate", "64", "--vocab", "64",
+    ], tmp_path)
+    assert report["benchmark"] == "batch_decode" and report["warm_process"] is True
+    assert sorted(report["prompt_tokens"]) == [20, 23, 26, 29, 31, 34, 37, 40]
+    kinds = {"BatchKVCache", "BatchRotatingKVCache", "BatchL2NormKVCache"}
+    assert set(report["batches"]) == {"1", "4", "8"}
+    for batch, row in report["batches"].items():
+        assert set(row) == kinds | ({"L2NormKVCache one at a time"} if batch != "1" else set())
+        for c in row.values():
+            assert c["sequences"] == int(batch) and c["reps"] == 1 and c["tokens_per_s"] > 0
+        assert row["BatchRotatingKVCache"]["tokens_per_s_ratio_to_rotating"] == 1.0
+    assert "B4_speedup_over_one_at_a_time" in report["targets"]
+    model = program["build_model"](1, 64, 64)
+    caches = program["single_caches"](model, 16)
+    merged = [type(c[0].merge([c[0]])).__name__ for c in (make() for make in caches.values())]
+    assert merged == ["BatchKVCache", "BatchRotatingKVCache", "BatchL2NormKVCache"]

@@ -131,7 +131,7 @@ def test_latent_attention_keeps_the_lowest_key_norm_rows_with_their_values(backe
     and the lowest key norms of the rest, each key with its own value."""
     model = tiny_model("deepseek_v2", layers=2)
     ids = tokens(1, 40, seed=19)
-    cache = make_knorm_cache(model, budget=BUDGET, n_sink=N_SINK)
+    cache = make_knorm_cache(model, budget=BUDGET, n_sink=N_SINK, recent=0)
     with mlx_knorm.use_backend(backend):
         teacher_forced(model, cache, ids, [25, 1, 1, 13])
     full = [KVCache() for _ in model.layers]

@@ -14,11 +14,20 @@ import time
 import urllib.error
 import urllib.request
 
+import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate
 
-from command_runs import MLX_KNORM, MLX_LM, command_env, kv_lines
+from command_runs import (
+    MLX_KNORM,
+    MLX_LM,
+    WIDE_HEAD_DIM,
+    command_env,
+    kv_lines,
+    tiny_kv_bytes,
+    write_tiny_llama,
+)
 from mlx_knorm.quality import MODEL_DIR
 
 BUDGET = 128
@@ -151,24 +160,30 @@ def test_chat_completions_streaming_and_not(server):
     assert whole
 
 
-def test_several_clients_at_once_get_what_one_gets(server):
-    body = {"prompt": PROMPT, "max_tokens": 24}
-    alone = text_of(server.complete("/v1/completions", body))
-    results = [None] * 6
+def at_once(server, bodies: list[dict]) -> list[str]:
+    """The texts of ``bodies`` sent at once, one client thread each (odd ones streaming)."""
+    results = [None] * len(bodies)
 
     def client(i):
+        body = bodies[i]
         if i % 2:
             events = server.stream("/v1/completions", body)
             results[i] = "".join(e["choices"][0].get("text", "") for e in events)
         else:
             results[i] = text_of(server.complete("/v1/completions", body))
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(results))]
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(bodies))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(REQUEST_TIMEOUT_S)
-    assert results == [alone] * len(results)
+    return results
+
+
+def test_several_clients_at_once_get_what_one_gets(server):
+    body = {"prompt": PROMPT, "max_tokens": 24}
+    alone = text_of(server.complete("/v1/completions", body))
+    assert at_once(server, [body] * 6) == [alone] * 6
 
 
 BAD_REQUESTS = {
@@ -230,3 +245,86 @@ def test_past_the_budget_a_request_goes_on_and_memory_stays_at_the_budget(server
     assert (tokens_1, tokens_2) == (len(LONG_PROMPT) + 30, 2 * len(LONG_PROMPT) + 30)
     assert kept_1 == kept_2 < full_1 < full_2 and label_1 == f"budget {BUDGET}"
     assert "Peak memory:" in server.log_text()
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return load(str(MODEL_DIR))
+
+
+def test_a_prompt_that_leaves_a_cached_conversation_gets_a_fresh_cache_s_answer(server, shipped):
+    """Past the budget, a cached conversation cannot be trimmed back to a
+    shorter prompt (mlx-lm's own LRUPromptCache would trim it anyway, and
+    answer from rows of tokens the prompt does not hold); within it, it is
+    trimmed exactly, as mlx-lm trims a KVCache."""
+    from mlx_knorm.cache import make_knorm_cache
+
+    model, tokenizer = shipped
+    for cached, asked in [
+        (LONG_PROMPT, LONG_PROMPT[: len(LONG_PROMPT) // 2] + "def other():\n    "),
+        ("class Alphabet", "class Alpha_two"),
+    ]:
+        server.complete("/v1/completions", {"prompt": cached, "max_tokens": 8})
+        answer = server.complete("/v1/completions", {"prompt": asked, "max_tokens": 24})
+        fresh = generate(model, tokenizer, asked, max_tokens=24,
+                         prompt_cache=make_knorm_cache(model, budget=BUDGET))
+        assert text_of(answer) == fresh
+        reused = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert reused == (0 if len(cached) > BUDGET else len("class Alpha"))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A 2-layer tiny random llama (a draft sharing the shipped model's
+    tokenizer) and the tiny llama with heads wide enough for --kv-bits."""
+    where = tmp_path_factory.mktemp("models")
+    return {"draft": write_tiny_llama(where / "draft", num_hidden_layers=2),
+            "wide": write_tiny_llama(where / "wide", head_dim=WIDE_HEAD_DIM)}
+
+
+def test_a_draft_model_s_server_answers_what_decoding_without_one_gives(tmp_path_factory, env, models, shipped):
+    """Speculative decoding past the budget, greedy: the tokens of ordinary
+    decoding, for a fresh conversation and for its follow-up (which reuses
+    the stored target and draft caches)."""
+    from mlx_knorm.cache import make_knorm_cache
+
+    s = Server([*MLX_KNORM, "server", "--model", MODEL_DIR, "--budget", 48, "--draft-model", models["draft"],
+                "--num-draft-tokens", 3], env, tmp_path_factory.mktemp("logs") / "draft-server.log")
+    try:
+        model, tokenizer = shipped
+        first = text_of(s.complete("/v1/completions", {"prompt": PROMPT, "max_tokens": 60}))
+        assert first == generate(model, tokenizer, PROMPT, max_tokens=60,
+                                 prompt_cache=make_knorm_cache(model, budget=48))
+        follow_up = PROMPT + first + "\n\ndef other():\n    "
+        again = s.complete("/v1/completions", {"prompt": follow_up, "max_tokens": 40})
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > len(PROMPT)
+        assert text_of(again) == generate(model, tokenizer, follow_up, max_tokens=40,
+                                          prompt_cache=make_knorm_cache(model, budget=48))
+    finally:
+        s.stop()
+
+
+def test_kv_bits_on_the_server_keeps_budget_quantized_rows(tmp_path_factory, env, models):
+    from mlx_lm.sample_utils import make_sampler
+
+    from mlx_knorm.cache import make_knorm_cache
+
+    s = Server([*MLX_KNORM, "server", "--model", models["wide"], "--budget", 48, "--kv-bits", 4,
+                "--kv-group-size", 32, "--quantized-kv-start", 0], env,
+               tmp_path_factory.mktemp("logs") / "kv-bits-server.log")
+    try:
+        body = {"prompt": LONG_PROMPT[:200], "max_tokens": 40, "temperature": 0.8, "top_p": 0.9, "seed": 3}
+        answer = text_of(s.complete("/v1/completions", body))
+        deadline = time.monotonic() + 10
+        while not kv_lines(s.log_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        [(kept, full, tokens, label)] = kv_lines(s.log_text())
+    finally:
+        s.stop()
+    assert label == "budget 48" and tokens > 48
+    assert kept == round(tiny_kv_bytes(48, WIDE_HEAD_DIM, bits=4, group_size=32) / 1e6, 3) < full
+    model, tokenizer = load(str(models["wide"]))
+    mx.random.seed(3)
+    assert answer == generate(model, tokenizer, LONG_PROMPT[:200], max_tokens=40,
+                              sampler=make_sampler(0.8, 0.9), prompt_cache=make_knorm_cache(model, budget=48),
+                              kv_bits=4, kv_group_size=32, quantized_kv_start=0)

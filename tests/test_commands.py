@@ -15,6 +15,7 @@ import pytest
 from command_runs import (
     MLX_KNORM,
     MLX_LM,
+    WIDE_HEAD_DIM,
     command_env,
     kv_lines,
     mlx_lm_stat,
@@ -24,6 +25,7 @@ from command_runs import (
     write_tiny_llama,
 )
 from mlx_knorm.__main__ import main as mlx_knorm_main
+from mlx_knorm.commands.session import SKIP_LAYERS_WITH_DRAFT
 from mlx_knorm.quality import MODEL_DIR
 
 SHIPPED_PROMPT = "import os\nimport sys\n\n\ndef main():\n    "
@@ -40,6 +42,11 @@ def env(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return write_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("models") / "wide-llama", head_dim=WIDE_HEAD_DIM)
 
 
 def mlx_lm_flags(command: str) -> set[str]:
@@ -74,7 +81,7 @@ def test_help_lists_every_mlx_lm_flag_and_the_cache_flags(command):
     assert {"--budget", "--max-kv-size", "--n-sink", "--recent", "--keep", "--skip-layers", "--layout"} <= ours
     assert text.startswith(f"usage: mlx-knorm {command}")
     if command == "server":
-        assert "served one at a time" in text
+        assert "Concurrent requests with the same cache settings are batched" in text
 
 
 @pytest.mark.parametrize("model, prompt, flags", [
@@ -123,12 +130,9 @@ def test_skip_layers_keep_every_token_in_those_layers(tiny, env):
     (["--budget", "64", "--max-kv-size", "32"], "are one setting"),
     (["--n-sink", "-1"], "n_sink must be >= 0"),
     (["--skip-layers", "0,x"], "expected comma-separated layer indices"),
-    (["--kv-bits", "4"], "--kv-bits is not supported with eviction caches yet"),
+    (["--keep", "middle"], "invalid choice: 'middle'"),
 ])
 def test_bad_cache_flags_stop_the_command_before_it_loads_anything(command, flags, why, capsys):
-    if command == "chat" and flags[0] == "--kv-bits":
-        flags = ["--keep", "middle"]
-        why = "invalid choice: 'middle'"
     with pytest.raises(SystemExit) as stop:
         mlx_knorm_main([command, "--model", "no/such-model", "--prompt", "x",
                         "--prompt-cache-file", "x.safetensors", *flags]
@@ -137,11 +141,65 @@ def test_bad_cache_flags_stop_the_command_before_it_loads_anything(command, flag
     assert why in capsys.readouterr().err
 
 
-def test_draft_models_are_refused(capsys):
-    for command in ("generate", "server"):
-        with pytest.raises(SystemExit):
-            mlx_knorm_main([command, "--draft-model", str(MODEL_DIR)])
-        assert "--draft-model is not supported with eviction caches yet" in capsys.readouterr().err
+def test_kv_bits_within_the_budget_prints_what_mlx_lm_generate_prints(wide, env):
+    # float16 rows quantized as mlx-lm quantizes them: the same logits, so
+    # the same samples (a random-weight model's greedy text is one token).
+    args = ["--model", wide, "--prompt", "hello there", "--max-tokens", "60", *SAMPLING, "--verbose", "F"]
+    quantized = ["--kv-bits", "4", "--quantized-kv-start", "0"]
+    ours = succeeded(run([*MLX_KNORM, "generate", *args, *quantized, "--budget", "512"], env))
+    theirs = succeeded(run([*MLX_LM, "generate", *args, *quantized], env))
+    assert ours.stdout == theirs.stdout and ours.stdout.strip()
+    float_rows = succeeded(run([*MLX_KNORM, "generate", *args, "--budget", "512"], env))
+    assert float_rows.stdout != ours.stdout  # the quantization shows
+
+
+def test_kv_bits_past_the_budget_keeps_budget_quantized_rows(wide, env):
+    out = succeeded(run([*MLX_KNORM, "generate", "--model", wide, "--prompt", "hello there",
+                         "--max-tokens", "120", "--budget", "48", "--kv-bits", "4", "--kv-group-size", "32",
+                         "--quantized-kv-start", "0"], env)).stdout
+    assert mlx_lm_stat(out, "Generation") == 120
+    [(kept, full, tokens, label)] = kv_lines(out)
+    assert label == "budget 48" and tokens > 48
+    assert kept == round(tiny_kv_bytes(48, WIDE_HEAD_DIM, bits=4, group_size=32) / 1e6, 3) < full
+    assert kept < tiny_kv_bytes(48, WIDE_HEAD_DIM) / 1e6 * 0.35
+
+
+def test_a_draft_model_gives_the_tokens_of_ordinary_decoding(tiny, env):
+    """Greedy speculative decoding (the shipped model drafted by the tiny
+    random llama, which shares its tokenizer: many rejected drafts) past the
+    budget gives what decoding without a draft gives, in both layouts."""
+    for layout in ("slots", "temporal"):
+        args = ["--model", MODEL_DIR, "--prompt", SHIPPED_PROMPT, "--max-tokens", "100", "--budget", "48",
+                "--layout", layout, "--verbose", "F"]
+        plain = succeeded(run([*MLX_KNORM, "generate", *args], env)).stdout
+        drafted = succeeded(run([*MLX_KNORM, "generate", *args, "--draft-model", tiny,
+                                 "--num-draft-tokens", "3"], env)).stdout
+        assert drafted == plain and len(plain) > 90
+
+
+def test_a_model_drafting_for_itself_is_the_target_once_and_the_draft_once(env):
+    # Both loads come from one path: the first is the target (its cache is
+    # the one reported), the second the draft, which every draft agrees with.
+    args = ["--model", MODEL_DIR, "--prompt", SHIPPED_PROMPT, "--max-tokens", "60", "--budget", "32"]
+    plain = succeeded(run([*MLX_KNORM, "generate", *args], env)).stdout
+    drafted = succeeded(run([*MLX_KNORM, "generate", *args, "--draft-model", MODEL_DIR], env)).stdout
+    text = lambda out: out.split("==========")[1]
+    assert text(drafted) == text(plain) and len(text(plain)) > 50
+    # The target's cache (mlx-lm's speculative loop leaves its last token unfed).
+    [(kept, _, tokens, label)] = kv_lines(drafted)
+    [(_, _, plain_tokens, _)] = kv_lines(plain)
+    assert label == "budget 32" and tokens == plain_tokens - 1 and kept > 0
+
+
+def test_skip_layers_are_the_target_s_not_the_draft_s(tmp_path, env):
+    # Layer 3 of the 4-layer target; the 2-layer draft's cache evicts in every layer.
+    draft = write_tiny_llama(tmp_path / "draft", num_hidden_layers=2)
+    result = succeeded(run([*MLX_KNORM, "generate", "--model", MODEL_DIR, "--prompt", SHIPPED_PROMPT,
+                            "--max-tokens", "60", "--budget", "32", "--skip-layers", "3",
+                            "--draft-model", draft], env))
+    assert mlx_lm_stat(result.stdout, "Generation") == 60
+    # Not linked, the target's verify blocks attend as blocks: the command says so.
+    assert SKIP_LAYERS_WITH_DRAFT in result.stderr.replace("\n", " ")
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +251,18 @@ def test_generate_answers_from_a_prompt_cache_as_mlx_lm_does(prompt_caches, env)
     assert tokens == len(DOCUMENT) + 4 + 40 and label == "budget 64"
 
 
+def test_a_draft_model_answers_from_a_prompt_cache_what_decoding_without_one_gives(prompt_caches, tiny, env):
+    # The file holds the target's layers; the draft starts afresh (mlx-lm's
+    # own command fails here: it finds no draft layers in the file).
+    files, _ = prompt_caches
+    args = ["--prompt-cache-file", files["budget64"], "--prompt", "def ", "--max-tokens", "40"]
+    plain = succeeded(run([*MLX_KNORM, "generate", *args], env)).stdout
+    drafted = succeeded(run([*MLX_KNORM, "generate", *args, "--draft-model", tiny], env)).stdout
+    assert drafted.split("==========")[1] == plain.split("==========")[1]
+    [(_, _, tokens, label)] = kv_lines(drafted)
+    assert label == "budget 64" and tokens == kv_lines(plain)[0][2] - 1
+
+
 def _tamper(source, target, arrays=None, metadata=None):
     loaded, meta = mx.load(str(source), return_metadata=True)
     loaded.update(arrays(loaded) if arrays else {})
@@ -221,6 +291,66 @@ def test_generate_refuses_a_prompt_cache_that_does_not_fit(case, prompt_caches, 
     assert result.returncode == 1, result.stderr
     assert expect in result.stderr
     assert "==========" not in result.stdout and result.stdout == ""
+
+
+QUANTIZED = ["--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "0"]
+# Past the budget of 64, and short: mlx-lm's quantized attention is slow on this CPU.
+QUANTIZED_DOCUMENT = DOCUMENT[:300]
+
+
+@pytest.fixture(scope="module")
+def quantized_caches(tmp_path_factory, wide, env):
+    """The document cached with --kv-bits 4 by ``mlx-knorm cache-prompt``
+    (budget 64 and a budget it fits in) and by ``mlx_lm.cache_prompt``, on
+    the wide tiny llama."""
+    where = tmp_path_factory.mktemp("quantized-prompt-caches")
+    files = {name: where / f"{name}.safetensors" for name in ("budget64", "budget4096", "mlx_lm")}
+    common = ["--model", wide, "--prompt", QUANTIZED_DOCUMENT, *QUANTIZED]
+    for budget in (64, 4096):
+        succeeded(run([*MLX_KNORM, "cache-prompt", *common, "--budget", budget,
+                       "--prompt-cache-file", files[f"budget{budget}"]], env))
+    succeeded(run([*MLX_LM, "cache_prompt", *common, "--prompt-cache-file", files["mlx_lm"]], env))
+    return files
+
+
+def test_quantized_prompt_caches_save_load_and_answer_as_mlx_lm_s(quantized_caches, wide, env):
+    files = quantized_caches
+    arrays, metadata = mx.load(str(files["budget64"]), return_metadata=True)
+    assert [v for k, v in metadata.items() if k.startswith("1.")] == ["QuantizedL2NormKVCache"] * 4
+    # Keys: 64 rows of 64 4-bit values (8 words), 2 groups of 32 (a scale and a bias each).
+    assert arrays["0.0.0"].shape == (1, 4, 64, 8) and arrays["0.0.0"].dtype == mx.uint32
+    assert arrays["0.0.1"].shape == arrays["0.0.2"].shape == (1, 4, 64, 2)
+    args = ["--prompt", "def ", "--max-tokens", "24", "--kv-group-size", "32"]
+    ours = succeeded(run([*MLX_KNORM, "generate", "--prompt-cache-file", files["budget4096"], *args,
+                          *SAMPLING, "--verbose", "F"], env))
+    theirs = succeeded(run([*MLX_LM, "generate", "--prompt-cache-file", files["mlx_lm"], *args,
+                            *SAMPLING, "--verbose", "F"], env))
+    assert ours.stdout == theirs.stdout and ours.stdout.strip()
+    small = succeeded(run([*MLX_KNORM, "generate", "--prompt-cache-file", files["budget64"], *args], env)).stdout
+    [(kept, full, tokens, label)] = kv_lines(small)
+    from mlx_lm.models.cache import load_prompt_cache
+
+    cached = load_prompt_cache(str(files["budget64"]))[0].offset
+    assert label == "budget 64" and tokens == cached + mlx_lm_stat(small, "Prompt") + 24 > 64
+    assert kept == round(tiny_kv_bytes(64, WIDE_HEAD_DIM, bits=4, group_size=32) / 1e6, 3) < full
+
+
+@pytest.mark.parametrize("case", ["bits", "group size", "norms", "scales"])
+def test_generate_refuses_a_quantized_prompt_cache_that_does_not_fit(case, quantized_caches, env, tmp_path):
+    source, target, flags = quantized_caches["budget64"], tmp_path / "bad.safetensors", ["--kv-group-size", "32"]
+    if case == "bits":
+        bad, flags, expect = source, [*flags, "--kv-bits", "8"], "quantized with --kv-bits 4"
+    elif case == "group size":
+        bad, flags, expect = source, [], "quantized with --kv-group-size 32"
+    elif case == "norms":
+        bad, expect = _tamper(source, target, arrays=lambda a: {"1.2": a["1.2"] * 1.5}), "field 'norms'"
+    else:
+        bad = _tamper(source, target, arrays=lambda a: {"2.1.1": a["2.1.1"].astype(mx.float32)})
+        expect = "field 'values[1]': dtype float32 differs from the key scales' float16"
+    result = run([*MLX_KNORM, "generate", "--prompt-cache-file", bad, "--prompt", "def ", *flags], env)
+    assert result.returncode == 1, result.stderr
+    assert expect in result.stderr
+    assert result.stdout == ""
 
 
 def _plain(text: str) -> str:

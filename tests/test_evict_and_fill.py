@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 import mlx_knorm
 from conftest import EMULATOR_SETTINGS, NATIVE_BACKENDS, assert_bitwise_equal, requires_emulator
-from generators import fill, fill_bits, fill_norms, step_cases
-from spec_oracle import step_sources
+from generators import fill, fill_bits, fill_norms, evict_and_fill_cases
+from spec_oracle import evict_and_fill_sources
 
 OUTPUTS = ("keys", "values", "norms", "positions")
 
@@ -41,7 +41,7 @@ def n_new_of(arrays) -> int:
     return flat_rows(arrays[4])[0].shape[-2]
 
 
-def step_on(backend: str, arrays, config):
+def evict_and_fill_on(backend: str, arrays, config):
     with mlx_knorm.use_backend(backend):
         out = mlx_knorm.evict_and_fill(*arrays, **config)
         mx.eval(out)
@@ -52,7 +52,7 @@ def defined_slots(config, arrays) -> int:
     return min(config["filled"], config["budget"]) + n_new_of(arrays)
 
 
-def assert_same_step(actual, expected, arrays, config):
+def assert_same_outputs(actual, expected, arrays, config):
     """Same structure, shapes and dtypes; the same bits on the defined slots."""
     defined = defined_slots(config, arrays)
     for a, e in zip(actual[:2], expected[:2]):
@@ -73,7 +73,7 @@ def assert_matches_oracle(out, arrays, config):
     spec = {k: config[k] for k in ("filled", "offset", "budget", "n_sink", "recent", "keep", "layout")}
     valid = config.get("valid")
     sources = mx.array(
-        [step_sources(norms[n].tolist(), positions[n].tolist(), **spec,
+        [evict_and_fill_sources(norms[n].tolist(), positions[n].tolist(), **spec,
                       valid=None if valid is None else tuple(valid[n].tolist()))
          for n in range(n_heads)],
         dtype=mx.int32,
@@ -92,123 +92,123 @@ def assert_matches_oracle(out, arrays, config):
         assert_bitwise_equal(got[:, kept : kept + n_new], n, f"new {name}")
 
 
-@given(case=step_cases())
-def test_kernel_matches_fallback_on_cache_states(case):
+@given(case=evict_and_fill_cases())
+def test_evict_and_fill_kernel_matches_fallback_on_cache_states(case):
     arrays, config = case
-    assert_same_step(step_on("kernel", arrays, config), step_on("fallback", arrays, config), arrays, config)
+    assert_same_outputs(evict_and_fill_on("kernel", arrays, config), evict_and_fill_on("fallback", arrays, config), arrays, config)
 
 
-@given(case=step_cases(cache_like=False))
-def test_kernel_matches_fallback_on_any_state(case):
+@given(case=evict_and_fill_cases(cache_like=False))
+def test_evict_and_fill_kernel_matches_fallback_on_any_state(case):
     arrays, config = case
-    assert_same_step(step_on("kernel", arrays, config), step_on("fallback", arrays, config), arrays, config)
+    assert_same_outputs(evict_and_fill_on("kernel", arrays, config), evict_and_fill_on("fallback", arrays, config), arrays, config)
 
 
-@given(case=step_cases(dims=[1, 3, 8]))
-def test_kernel_matches_spec_oracle_on_cache_states(case):
+@given(case=evict_and_fill_cases(dims=[1, 3, 8]))
+def test_evict_and_fill_kernel_matches_spec_oracle_on_cache_states(case):
     arrays, config = case
-    assert_matches_oracle(step_on("kernel", arrays, config), *case)
+    assert_matches_oracle(evict_and_fill_on("kernel", arrays, config), *case)
 
 
-@given(case=step_cases(cache_like=False, dims=[1, 3, 8]))
-def test_kernel_matches_spec_oracle_on_any_state(case):
+@given(case=evict_and_fill_cases(cache_like=False, dims=[1, 3, 8]))
+def test_evict_and_fill_kernel_matches_spec_oracle_on_any_state(case):
     arrays, config = case
-    assert_matches_oracle(step_on("kernel", arrays, config), *case)
+    assert_matches_oracle(evict_and_fill_on("kernel", arrays, config), *case)
 
 
 @requires_emulator
 @EMULATOR_SETTINGS
-@given(case=step_cases(max_heads=2, dims=[1, 3, 8, 33, 80, 128, 256], long_rows=True))
-def test_metal_emulator_matches_fallback_on_cache_states(case):
+@given(case=evict_and_fill_cases(max_heads=2, dims=[1, 3, 8, 33, 80, 128, 256], long_rows=True))
+def test_evict_and_fill_metal_emulator_matches_fallback_on_cache_states(case):
     arrays, config = case
-    assert_same_step(step_on("metal-emulator", arrays, config), step_on("fallback", arrays, config), arrays, config)
+    assert_same_outputs(evict_and_fill_on("metal-emulator", arrays, config), evict_and_fill_on("fallback", arrays, config), arrays, config)
 
 
 @requires_emulator
 @EMULATOR_SETTINGS
-@given(case=step_cases(cache_like=False, max_heads=2, max_new=34, dims=[1, 3, 8, 33, 80], long_rows=True))
-def test_metal_emulator_matches_fallback_on_any_state(case):
+@given(case=evict_and_fill_cases(cache_like=False, max_heads=2, max_new=34, dims=[1, 3, 8, 33, 80], long_rows=True))
+def test_evict_and_fill_metal_emulator_matches_fallback_on_any_state(case):
     arrays, config = case
-    assert_same_step(step_on("metal-emulator", arrays, config), step_on("fallback", arrays, config), arrays, config)
+    assert_same_outputs(evict_and_fill_on("metal-emulator", arrays, config), evict_and_fill_on("fallback", arrays, config), arrays, config)
 
 
 @requires_emulator
 @EMULATOR_SETTINGS
-@given(case=step_cases(cache_like=False, max_heads=2, dims=[1, 3]))
-def test_metal_emulator_matches_spec_oracle(case):
+@given(case=evict_and_fill_cases(cache_like=False, max_heads=2, dims=[1, 3]))
+def test_evict_and_fill_metal_emulator_matches_spec_oracle(case):
     arrays, config = case
-    assert_matches_oracle(step_on("metal-emulator", arrays, config), *case)
+    assert_matches_oracle(evict_and_fill_on("metal-emulator", arrays, config), *case)
 
 
-@given(case=step_cases(cache_like=False, max_budget=6, dims=[2]))
-def test_fallback_matches_spec_oracle(case):
+@given(case=evict_and_fill_cases(cache_like=False, max_budget=6, dims=[2]))
+def test_evict_and_fill_fallback_matches_spec_oracle(case):
     arrays, config = case
-    assert_matches_oracle(step_on("fallback", arrays, config), *case)
+    assert_matches_oracle(evict_and_fill_on("fallback", arrays, config), *case)
 
 
 # Payloads of any dtype and structure, given norms, valid ranges
 # (docs/spec.md §4-§5): the same cross-checks.
 
 
-@given(case=step_cases(payloads=True, dims=[0, 1, 3, 8, 33]))
-def test_kernel_matches_fallback_on_payloads(case):
+@given(case=evict_and_fill_cases(payloads=True, dims=[0, 1, 3, 8, 33]))
+def test_evict_and_fill_kernel_matches_fallback_on_payloads(case):
     arrays, config = case
-    assert_same_step(step_on("kernel", arrays, config), step_on("fallback", arrays, config), arrays, config)
+    assert_same_outputs(evict_and_fill_on("kernel", arrays, config), evict_and_fill_on("fallback", arrays, config), arrays, config)
 
 
-@given(case=step_cases(ranges=True))
-def test_kernel_matches_fallback_on_batch_states(case):
+@given(case=evict_and_fill_cases(ranges=True))
+def test_evict_and_fill_kernel_matches_fallback_on_batch_states(case):
     arrays, config = case
-    assert_same_step(step_on("kernel", arrays, config), step_on("fallback", arrays, config), arrays, config)
+    assert_same_outputs(evict_and_fill_on("kernel", arrays, config), evict_and_fill_on("fallback", arrays, config), arrays, config)
 
 
-@given(case=step_cases(cache_like=False, payloads=True, ranges=True, dims=[0, 1, 3, 8]))
-def test_kernel_matches_fallback_on_any_payloads_and_ranges(case):
+@given(case=evict_and_fill_cases(cache_like=False, payloads=True, ranges=True, dims=[0, 1, 3, 8]))
+def test_evict_and_fill_kernel_matches_fallback_on_any_payloads_and_ranges(case):
     arrays, config = case
-    assert_same_step(step_on("kernel", arrays, config), step_on("fallback", arrays, config), arrays, config)
+    assert_same_outputs(evict_and_fill_on("kernel", arrays, config), evict_and_fill_on("fallback", arrays, config), arrays, config)
 
 
-@given(case=step_cases(payloads=True, ranges=True, dims=[1, 3, 8]))
-def test_kernel_matches_spec_oracle_on_payloads_and_batch_states(case):
+@given(case=evict_and_fill_cases(payloads=True, ranges=True, dims=[1, 3, 8]))
+def test_evict_and_fill_kernel_matches_spec_oracle_on_payloads_and_batch_states(case):
     arrays, config = case
-    assert_matches_oracle(step_on("kernel", arrays, config), *case)
+    assert_matches_oracle(evict_and_fill_on("kernel", arrays, config), *case)
 
 
-@given(case=step_cases(cache_like=False, payloads=True, ranges=True, dims=[1, 3]))
-def test_kernel_matches_spec_oracle_on_any_payloads_and_ranges(case):
+@given(case=evict_and_fill_cases(cache_like=False, payloads=True, ranges=True, dims=[1, 3]))
+def test_evict_and_fill_kernel_matches_spec_oracle_on_any_payloads_and_ranges(case):
     arrays, config = case
-    assert_matches_oracle(step_on("kernel", arrays, config), *case)
+    assert_matches_oracle(evict_and_fill_on("kernel", arrays, config), *case)
 
 
-@given(case=step_cases(cache_like=False, max_budget=6, payloads=True, ranges=True, dims=[2]))
-def test_fallback_matches_spec_oracle_on_payloads_and_ranges(case):
+@given(case=evict_and_fill_cases(cache_like=False, max_budget=6, payloads=True, ranges=True, dims=[2]))
+def test_evict_and_fill_fallback_matches_spec_oracle_on_payloads_and_ranges(case):
     arrays, config = case
-    assert_matches_oracle(step_on("fallback", arrays, config), *case)
+    assert_matches_oracle(evict_and_fill_on("fallback", arrays, config), *case)
 
 
 @requires_emulator
 @EMULATOR_SETTINGS
-@given(case=step_cases(max_heads=2, dims=[0, 1, 3, 8, 33], long_rows=True, payloads=True, ranges=True))
-def test_metal_emulator_matches_fallback_on_payloads_and_batch_states(case):
+@given(case=evict_and_fill_cases(max_heads=2, dims=[0, 1, 3, 8, 33], long_rows=True, payloads=True, ranges=True))
+def test_evict_and_fill_metal_emulator_matches_fallback_on_payloads_and_batch_states(case):
     arrays, config = case
-    assert_same_step(step_on("metal-emulator", arrays, config), step_on("fallback", arrays, config), arrays, config)
+    assert_same_outputs(evict_and_fill_on("metal-emulator", arrays, config), evict_and_fill_on("fallback", arrays, config), arrays, config)
 
 
 @requires_emulator
 @EMULATOR_SETTINGS
-@given(case=step_cases(cache_like=False, max_heads=2, max_new=34, dims=[0, 1, 3, 8], long_rows=True,
+@given(case=evict_and_fill_cases(cache_like=False, max_heads=2, max_new=34, dims=[0, 1, 3, 8], long_rows=True,
                        payloads=True, ranges=True))
-def test_metal_emulator_matches_fallback_on_any_payloads_and_ranges(case):
+def test_evict_and_fill_metal_emulator_matches_fallback_on_any_payloads_and_ranges(case):
     arrays, config = case
-    assert_same_step(step_on("metal-emulator", arrays, config), step_on("fallback", arrays, config), arrays, config)
+    assert_same_outputs(evict_and_fill_on("metal-emulator", arrays, config), evict_and_fill_on("fallback", arrays, config), arrays, config)
 
 
 @requires_emulator
 @EMULATOR_SETTINGS
-@given(case=step_cases(cache_like=False, max_heads=2, dims=[1, 3], payloads=True, ranges=True))
-def test_metal_emulator_matches_spec_oracle_on_payloads_and_ranges(case):
+@given(case=evict_and_fill_cases(cache_like=False, max_heads=2, dims=[1, 3], payloads=True, ranges=True))
+def test_evict_and_fill_metal_emulator_matches_spec_oracle_on_payloads_and_ranges(case):
     arrays, config = case
-    assert_matches_oracle(step_on("metal-emulator", arrays, config), *case)
+    assert_matches_oracle(evict_and_fill_on("metal-emulator", arrays, config), *case)
 
 
 def slot_state(n_heads=2, slots=12, dim=4, seed=0, positions=None, norms=None):
@@ -231,61 +231,61 @@ def config_for(**change):
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
-def test_decode_moves_the_spare_row_into_the_hole(backend):
+def test_evict_and_fill_decode_moves_the_spare_row_into_the_hole(backend):
     """Slots hold positions 0..11 in order; position 5 has the worst norm:
     slot 11 (the spare slot) moves into slot 5, the new row goes to slot 11."""
     norms = mx.array([[1.0] * 12])
     norms[0, 5] = 9.0
     arrays = slot_state(n_heads=1, positions=np.arange(12, dtype=np.int32)[None], norms=norms)
-    out = step_on(backend, arrays, config_for())
+    out = evict_and_fill_on(backend, arrays, config_for())
     assert out[3][0].tolist() == [0, 1, 2, 3, 4, 11, 6, 7, 8, 9, 10, 12]
-    temporal = step_on(backend, arrays, config_for(layout="temporal"))
+    temporal = evict_and_fill_on(backend, arrays, config_for(layout="temporal"))
     assert temporal[3][0].tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 12]
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
-def test_decode_evicting_the_spare_row_moves_nothing(backend):
+def test_evict_and_fill_decode_evicting_the_spare_row_moves_nothing(backend):
     norms = mx.array([[1.0] * 11 + [9.0]])
     arrays = slot_state(n_heads=1, positions=np.arange(12, dtype=np.int32)[None], norms=norms)
-    out = step_on(backend, arrays, config_for(recent=0))
+    out = evict_and_fill_on(backend, arrays, config_for(recent=0))
     assert out[3][0].tolist() == list(range(11)) + [12]
     assert_bitwise_equal(out[0][:, :11], arrays[0][:, :11], "keys")
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
-def test_nan_and_inf_never_evict_protected_rows(backend):
+def test_evict_and_fill_nan_and_inf_never_evict_protected_rows(backend):
     nan, inf = math.nan, math.inf
     norms = mx.array([[nan, inf, 1.0, nan, 0.5, -inf, 2.0, nan]], dtype=mx.float32)
     arrays = slot_state(n_heads=1, slots=8, positions=np.arange(8, dtype=np.int32)[None], norms=norms)
     for keep, kept in (("low", [0, 1, 4, 5, 7]), ("high", [0, 1, 2, 6, 7])):
         config = config_for(filled=8, offset=8, capacity=6, budget=5, n_sink=2, recent=1, keep=keep, layout="temporal")
-        assert step_on(backend, arrays, config)[3][0, :5].tolist() == kept
+        assert evict_and_fill_on(backend, arrays, config)[3][0, :5].tolist() == kept
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
-def test_equal_positions_tie_by_slot(backend):
+def test_evict_and_fill_equal_positions_tie_by_slot(backend):
     """Only reachable by passing such buffers: equal ranks keep the lower slot."""
     positions = np.array([[3, 3, 3, 3, 3, 3]], dtype=np.int32)
     arrays = slot_state(n_heads=1, slots=6, positions=positions, norms=mx.zeros((1, 6)))
-    out = step_on(backend, arrays, config_for(filled=6, offset=6, capacity=6, budget=5, n_sink=0, recent=0))
+    out = evict_and_fill_on(backend, arrays, config_for(filled=6, offset=6, capacity=6, budget=5, n_sink=0, recent=0))
     assert_bitwise_equal(out[0][:, :5], arrays[0][:, :5], "keys")
-    general = step_on(backend, arrays, config_for(filled=6, offset=6, capacity=6, budget=3, n_sink=0, recent=0))
+    general = evict_and_fill_on(backend, arrays, config_for(filled=6, offset=6, capacity=6, budget=3, n_sink=0, recent=0))
     assert_bitwise_equal(general[0][:, :3], arrays[0][:, :3], "keys")
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
-def test_empty_steps(backend):
+def test_evict_and_fill_empty_blocks_and_buffers(backend):
     arrays = slot_state(slots=0)
     arrays = (*arrays[:4], arrays[4][:, :0], arrays[5][:, :0])
-    out = step_on(backend, arrays, config_for(filled=0, offset=0, capacity=0))
+    out = evict_and_fill_on(backend, arrays, config_for(filled=0, offset=0, capacity=0))
     assert [o.shape for o in out] == [(2, 0, 4), (2, 0, 4), (2, 0), (2, 0)]
     assert [o.dtype for o in out] == [mx.float16, mx.bfloat16, mx.float32, mx.int32]
-    grown = step_on(backend, slot_state(slots=3), config_for(filled=0, offset=7, capacity=5))
+    grown = evict_and_fill_on(backend, slot_state(slots=3), config_for(filled=0, offset=7, capacity=5))
     assert grown[3][:, :1].tolist() == [[7], [7]]
 
 
 @pytest.mark.parametrize("layout", ["slots", "temporal"])
-def test_large_steps_use_several_threads_and_agree(layout):
+def test_evict_and_fill_large_calls_use_several_threads_and_agree(layout):
     """Heads split over threads above the size threshold; a decode step, a
     prefill chunk with many pending evictions, and more rows than budget."""
     rng = np.random.default_rng(7)
@@ -304,32 +304,32 @@ def test_large_steps_use_several_threads_and_agree(layout):
     for filled, budget in ((4097, 4096), (slots, 4096), (slots, 1000)):
         config = config_for(filled=filled, offset=slots, capacity=slots + 3, budget=budget, n_sink=4, recent=16,
                             layout=layout)
-        assert_same_step(step_on("kernel", arrays, config), step_on("fallback", arrays, config), arrays, config)
+        assert_same_outputs(evict_and_fill_on("kernel", arrays, config), evict_and_fill_on("fallback", arrays, config), arrays, config)
 
 
-def test_non_contiguous_inputs():
+def test_evict_and_fill_non_contiguous_inputs():
     arrays = slot_state(n_heads=4, slots=12, dim=8, seed=3)
     strided = tuple(a[::2] for a in arrays)
     copies = tuple(mx.contiguous(a) for a in strided)
     config = config_for(filled=10, budget=8, capacity=11)
-    assert_same_step(step_on("kernel", strided, config), step_on("fallback", copies, config), copies, config)
+    assert_same_outputs(evict_and_fill_on("kernel", strided, config), evict_and_fill_on("fallback", copies, config), copies, config)
 
 
-def test_inside_compile():
+def test_evict_and_fill_inside_compile():
     arrays = slot_state(seed=4)
     config = config_for(filled=12, budget=9, capacity=10, layout="temporal")
     compiled = mx.compile(lambda *a: mlx_knorm.evict_and_fill(*a, **config))
-    assert_same_step(compiled(*arrays), step_on("kernel", arrays, config), arrays, config)
+    assert_same_outputs(compiled(*arrays), evict_and_fill_on("kernel", arrays, config), arrays, config)
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
-def test_heads_on_several_axes_step_as_one(backend):
+def test_evict_and_fill_heads_on_several_axes_act_as_one(backend):
     """[B, H, C, D] buffers, as a model's cache holds them, give the [B*H, C, D]
     step's bits in the same shape."""
     arrays = slot_state(n_heads=6, slots=12, dim=8, seed=9)
     config = config_for(filled=12, budget=9, capacity=13)
-    flat = step_on(backend, arrays, config)
-    by_batch = step_on(backend, tuple(a.reshape(2, 3, *a.shape[1:]) for a in arrays), config)
+    flat = evict_and_fill_on(backend, arrays, config)
+    by_batch = evict_and_fill_on(backend, tuple(a.reshape(2, 3, *a.shape[1:]) for a in arrays), config)
     assert [o.shape for o in by_batch] == [(2, 3, *o.shape[1:]) for o in flat]
     defined = defined_slots(config, arrays)
     for name, a, b in zip(OUTPUTS, by_batch, flat):
@@ -431,24 +431,24 @@ def check_batch_against_sequences(backend, case):
 
 
 @given(case=batch_streams())
-def test_each_sequence_of_a_batch_keeps_what_it_keeps_alone(case):
+def test_evict_and_fill_each_sequence_of_a_batch_keeps_what_it_keeps_alone(case):
     check_batch_against_sequences("kernel", case)
 
 
 @given(case=batch_streams())
-def test_each_sequence_of_a_batch_keeps_what_it_keeps_alone_fallback(case):
+def test_evict_and_fill_each_sequence_of_a_batch_keeps_what_it_keeps_alone_fallback(case):
     check_batch_against_sequences("fallback", case)
 
 
 @requires_emulator
 @EMULATOR_SETTINGS
 @given(case=batch_streams(max_sequences=3, max_budget=6))
-def test_each_sequence_of_a_batch_keeps_what_it_keeps_alone_metal_emulator(case):
+def test_evict_and_fill_each_sequence_of_a_batch_keeps_what_it_keeps_alone_metal_emulator(case):
     check_batch_against_sequences("metal-emulator", case)
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
-def test_padding_never_outranks_a_real_row(backend):
+def test_evict_and_fill_padding_never_outranks_a_real_row(backend):
     """Padding with the best norms (0), real rows with NaN and infinite
     ones: every real row is kept first, padding fills the rest by position,
     and padding below lo + n_sink or in the window is no sink and no recent
@@ -462,26 +462,26 @@ def test_padding_never_outranks_a_real_row(backend):
     valid = mx.array([[3, 6], [5, INT32_MAX]], dtype=mx.int32)
     config = config_for(filled=8, offset=8, capacity=5, budget=4, n_sink=1, recent=1, layout="temporal",
                         valid=valid)
-    out = step_on(backend, arrays, config)
+    out = evict_and_fill_on(backend, arrays, config)
     # Head 0: its three tokens (sink 3, recent 5, the infinite 4), then the
     # first padding row by position; head 1: its three tokens (sink 5,
     # recent 7, then 6), then the first padding row.
     assert out[3][:, :4].tolist() == [[0, 3, 4, 5], [0, 5, 6, 7]]
     # No valid range: the same buffers keep the best norms.
-    plain = step_on(backend, arrays, config_for(filled=8, offset=8, capacity=5, budget=4, n_sink=1, recent=1,
+    plain = evict_and_fill_on(backend, arrays, config_for(filled=8, offset=8, capacity=5, budget=4, n_sink=1, recent=1,
                                                 layout="temporal"))
     assert plain[3][:, :4].tolist() == [[0, 1, 2, 7], [0, 1, 2, 7]]
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
-def test_empty_and_extreme_ranges(backend):
+def test_evict_and_fill_empty_and_extreme_ranges(backend):
     """lo >= hi: every row padding (kept by position); the whole int32
     range: every row real, the sinks counted from -2**31."""
     norms = mx.array([[5.0, 1.0, 4.0, 2.0, 3.0, 0.5]] * 2, dtype=mx.float32)
     arrays = slot_state(n_heads=2, slots=6, positions=np.tile(np.array([[4, 2, 0, 5, 1, 3]], np.int32), (2, 1)),
                         norms=norms)
     valid = mx.array([[3, 3], [-(2**31), INT32_MAX]], dtype=mx.int32)
-    out = step_on(backend, arrays, config_for(filled=6, offset=6, capacity=4, budget=3, n_sink=1, recent=0,
+    out = evict_and_fill_on(backend, arrays, config_for(filled=6, offset=6, capacity=4, budget=3, n_sink=1, recent=0,
                                                layout="temporal", valid=valid))
     # Head 0: positions 0, 1, 2 by position. Head 1: n_sink counts from
     # -2**31, so no sink among 0..5: the three best norms (0.5, 1, 2).
@@ -489,7 +489,7 @@ def test_empty_and_extreme_ranges(backend):
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
-def test_quantized_payloads_keep_the_float_step_rows(backend):
+def test_evict_and_fill_quantized_payloads_keep_the_float_rows(backend):
     """A quantized cache's step: keys and values as mx.quantize's (packed,
     scales, biases), the norms taken from the float keys before quantizing.
     The kept positions are the float step's, and each stored row is its
@@ -505,11 +505,11 @@ def test_quantized_payloads_keep_the_float_step_rows(backend):
     def quantized(x):
         return tuple(mx.quantize(x, group_size=32, bits=4))
 
-    float_out = step_on(backend, (float_keys[:, :slots], float_values[:, :slots], norms, positions,
+    float_out = evict_and_fill_on(backend, (float_keys[:, :slots], float_values[:, :slots], norms, positions,
                                   float_keys[:, slots:], float_values[:, slots:]), config)
     arrays = (quantized(float_keys[:, :slots]), quantized(float_values[:, :slots]), norms, positions,
               quantized(float_keys[:, slots:]), quantized(float_values[:, slots:]))
-    out = step_on(backend, arrays, {**config, "new_norms": mlx_knorm.key_norms(float_keys[:, slots:])})
+    out = evict_and_fill_on(backend, arrays, {**config, "new_norms": mlx_knorm.key_norms(float_keys[:, slots:])})
     assert isinstance(out[0], tuple) and len(out[0]) == 3 and isinstance(out[1], tuple)
     defined = 32
     assert_bitwise_equal(out[3][:, :defined], float_out[3][:, :defined], "positions")
@@ -521,20 +521,20 @@ def test_quantized_payloads_keep_the_float_step_rows(backend):
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
-def test_given_norms_are_stored_as_given(backend):
+def test_evict_and_fill_given_norms_are_stored_as_given(backend):
     """new_norms, NaN payloads, -0 and infinities included, land bit for bit;
     the keys' own norms are not taken."""
     arrays = slot_state(n_heads=2, slots=12, dim=4)
     nan_payload = np.array([0x7FC00001, 0xFFC00000], dtype=np.uint32).view(np.float32)
     new_norms = mx.array(np.array([[nan_payload[0]], [-0.0]], dtype=np.float32))
-    out = step_on(backend, arrays, config_for(new_norms=new_norms))
+    out = evict_and_fill_on(backend, arrays, config_for(new_norms=new_norms))
     assert_bitwise_equal(out[2][:, 11:12], new_norms, "norms")
     bits = np.array(out[2][:, 11]).view(np.uint32)
     assert bits.tolist() == [0x7FC00001, 0x80000000]
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
-def test_six_payloads_of_every_width_and_none_of_width_zero(backend):
+def test_evict_and_fill_six_payloads_of_every_width_and_none_of_width_zero(backend):
     """The most payloads a step takes, of 1, 2, 4 and 8-byte elements, odd
     widths and a width of 0, through a decode step and a step evicting
     several rows, in both layouts: the oracle's rows."""
@@ -551,4 +551,48 @@ def test_six_payloads_of_every_width_and_none_of_width_zero(backend):
     for budget, layout in ((11, "slots"), (11, "temporal"), (7, "slots"), (7, "temporal")):
         config = config_for(budget=budget, capacity=budget + 2, layout=layout,
                             new_norms=fill_norms(rng, (2, 2), "special"))
-        assert_matches_oracle(step_on(backend, arrays, config), arrays, config)
+        assert_matches_oracle(evict_and_fill_on(backend, arrays, config), arrays, config)
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
+def test_evict_and_fill_inputs_that_are_views_of_one_buffer(backend):
+    """new_norms and new_keys sliced from the stored norms and keys: views
+    that start where those start, of other sizes. Every backend reads them
+    as the arrays they are."""
+    rng = np.random.default_rng(5)
+    keys, values = fill(rng, (1, 4, 8), "normal", "float32"), fill(rng, (1, 4, 8), "normal", "float32")
+    norms = mx.array([[0.5, 3.0, 1.0, 2.0]])
+    positions = mx.array([[0, 1, 2, 3]], mx.int32)
+    config = dict(filled=4, offset=4, capacity=4, budget=3, n_sink=0, recent=0, keep="low")
+    with mlx_knorm.use_backend(backend):
+        out = mlx_knorm.evict_and_fill(keys, values, norms, positions, keys[:, :1], values[:, :1],
+                                       new_norms=norms[:, :1], **config)
+        mx.eval(out)
+    with mlx_knorm.use_backend("fallback"):
+        want = mlx_knorm.evict_and_fill(keys, values, norms, positions, mx.array(keys[:, :1]),
+                                        mx.array(values[:, :1]), new_norms=mx.array([[0.5]]), **config)
+    for name, got, expected in zip(OUTPUTS, out, want):
+        assert_bitwise_equal(got, expected, name)
+    assert out[2].tolist() == [[0.5, 2.0, 1.0, 0.5]]
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
+@pytest.mark.parametrize("field", ["valid", "new_norms", "norms"])
+def test_evict_and_fill_unchecked_names_an_argument_that_is_no_array(backend, field):
+    """The cache's entry point skips the op's checks but not this one: a
+    list where an array belongs is a TypeError naming it on every backend."""
+    from mlx_knorm.ops.evict_and_fill import evict_and_fill_unchecked
+
+    arrays = dict(keys=mx.zeros((2, 5, 4)), values=mx.zeros((2, 5, 3)), norms=mx.zeros((2, 5)),
+                  positions=mx.zeros((2, 5), mx.int32), new_keys=mx.zeros((2, 1, 4)),
+                  new_values=mx.zeros((2, 1, 3)))
+    extra = {}
+    if field == "norms":
+        arrays["norms"] = [[0.0] * 5] * 2
+    else:
+        extra[field] = [[0, 9], [0, 9]]
+        if field == "valid":
+            extra["new_norms"] = mx.zeros((2, 1))
+    with mlx_knorm.use_backend(backend), pytest.raises(TypeError, match=f"'?{field}'? must be an mlx.core.array"):
+        evict_and_fill_unchecked(*arrays.values(), filled=5, offset=5, capacity=6, budget=4, n_sink=1,
+                                 recent=1, keep="low", **extra)

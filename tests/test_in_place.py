@@ -9,7 +9,7 @@ import pytest
 
 import mlx_knorm
 from conftest import NATIVE_BACKENDS, assert_bitwise_equal
-from generators import fill
+from generators import evict_and_fill_arrays, fill, protected_topk_gather_arrays
 
 pytestmark = pytest.mark.usefixtures("cpu_default_device")
 
@@ -54,7 +54,7 @@ def steps_for(backend):
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS)
-def test_donated_steps_match_the_fallback(backend):
+def test_protected_topk_gather_donated_decode_matches_the_fallback(backend):
     state, new = full_state()
     new = new[: steps_for(backend)]
     mx.eval(state, new)
@@ -65,7 +65,7 @@ def test_donated_steps_match_the_fallback(backend):
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS)
-def test_a_prior_the_caller_holds_is_never_written(backend):
+def test_protected_topk_gather_never_writes_a_prior_the_caller_holds(backend):
     state, new = full_state()
     mx.eval(state, new)
     snapshot = [np.array(x) for x in state]
@@ -76,7 +76,7 @@ def test_a_prior_the_caller_holds_is_never_written(backend):
         assert np.array_equal(before, np.array(after), equal_nan=True)
 
 
-def test_donation_saves_the_state_copy():
+def test_protected_topk_gather_donation_saves_the_state_copy():
     def peak(hold):
         state, new = full_state(n_rows=16, budget=512, dim=128, seed=1)
         mx.eval(state, new)
@@ -88,20 +88,13 @@ def test_donation_saves_the_state_copy():
     assert peak(hold=True) - peak(hold=False) >= state_bytes
 
 
-def gather_state(n_heads, budget, n_new, evicted, seed=0):
+def protected_topk_gather_state(n_heads, budget, n_new, evicted, seed=0):
     """A full prior of ``budget`` rows and ``n_new`` new ones. With
     ``evicted`` (one new row), keep="low" evicts exactly row ``evicted`` of
     prior ++ new: the only norm above 1 (``budget`` is the new row); without
     it, norms full of ties."""
     rng = np.random.default_rng(seed)
-    arrays = [
-        fill(rng, (n_heads, budget, 16), "normal", "float16"),
-        fill(rng, (n_heads, budget, 33), "normal", "float32"),
-        None,
-        fill(rng, (n_heads, n_new, 16), "normal", "float16"),
-        fill(rng, (n_heads, n_new, 33), "normal", "float32"),
-        None,
-    ]
+    arrays = protected_topk_gather_arrays(rng, n_heads, budget, n_new, 16, 33)
     if evicted is None:
         norms = rng.integers(0, 4, size=(n_heads, budget + n_new)).astype(np.float32)
     else:
@@ -113,7 +106,7 @@ def gather_state(n_heads, budget, n_new, evicted, seed=0):
     return arrays
 
 
-def gather_dropping(backend, arrays: list, budget, stream=None):
+def protected_topk_gather_dropping(backend, arrays: list, budget, stream=None):
     """One gather whose inputs are referenced by ``arrays`` alone, which is
     emptied before evaluation: the op's inputs are then donated."""
     with mlx_knorm.use_backend(backend):
@@ -129,17 +122,17 @@ def gather_dropping(backend, arrays: list, budget, stream=None):
     [(32, 1, 32), (32, 1, 2), (32, 1, 20), (600, 1, 600), (600, 1, 3), (600, 1, 300), (600, 9, None),
      (600, 200, None)],
 )
-def test_gather_on_a_donated_prior_runs_in_place(backend, budget, n_new, evicted):
+def test_protected_topk_gather_on_a_donated_prior_runs_in_place(backend, budget, n_new, evicted):
     """A decode step from a full state evicting the new row (nothing moves),
     an early row (nearly every row moves) or one in between, within one
     256-row chunk of the Metal kernel and over three; then steps evicting
     several rows among ties, 200 of them in a block whose new rows the Metal
     kernel copies in a second dispatch. Keys, values and norms are the
     prior's buffers."""
-    arrays = gather_state(4 if budget < 256 else 2, budget, n_new, evicted)
-    expected = gather_dropping("fallback", copies(arrays), budget)
+    arrays = protected_topk_gather_state(4 if budget < 256 else 2, budget, n_new, evicted)
+    expected = protected_topk_gather_dropping("fallback", copies(arrays), budget)
     addresses = [data_address(a) for a in arrays[:3]]
-    out = gather_dropping(backend, arrays, budget)
+    out = protected_topk_gather_dropping(backend, arrays, budget)
     assert [data_address(o) for o in out[:3]] == addresses
     if evicted is not None:
         assert not np.any(np.array(out[3]) == evicted)
@@ -149,19 +142,19 @@ def test_gather_on_a_donated_prior_runs_in_place(backend, budget, n_new, evicted
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS)
 @pytest.mark.parametrize("budget, n_new, held_keys", [(32, 1, True), (600, 200, True), (600, 200, False)])
-def test_gather_never_writes_a_held_prior(backend, budget, n_new, held_keys):
+def test_protected_topk_gather_never_writes_a_held_prior(backend, budget, n_new, held_keys):
     """The prior values and (with held_keys) a view of the prior keys are
     held elsewhere: those outputs are fresh buffers and what is held is
     unchanged; the rest, donated, is compacted in place. With 200 new rows
     the Metal kernel copies rows in a second dispatch, from the prior for
     fresh outputs, only the new ones for those in place."""
-    arrays = gather_state(4 if budget < 256 else 2, budget, n_new, 3 if n_new == 1 else None)
-    expected = gather_dropping("fallback", copies(arrays), budget)
+    arrays = protected_topk_gather_state(4 if budget < 256 else 2, budget, n_new, 3 if n_new == 1 else None)
+    expected = protected_topk_gather_dropping("fallback", copies(arrays), budget)
     keys_view = arrays[0][:, 3:9] if held_keys else None
     values = arrays[1]
     held = [np.array(values)] + ([np.array(keys_view)] if held_keys else [])
     addresses = [data_address(a) for a in arrays[:3]]
-    out = gather_dropping(backend, arrays, budget)
+    out = protected_topk_gather_dropping(backend, arrays, budget)
     for name, a, e in zip(("keys", "values", "norms", "indices"), out, expected):
         assert_bitwise_equal(a, e, name)
     got = [data_address(o) for o in out[:3]]
@@ -173,21 +166,21 @@ def test_gather_never_writes_a_held_prior(backend, budget, n_new, held_keys):
 
 
 @pytest.mark.skipif(not mx.metal.is_available(), reason="needs a Metal GPU")
-def test_gather_on_a_donated_prior_on_the_gpu():
+def test_protected_topk_gather_on_a_donated_prior_on_the_gpu():
     """The step whose new rows the Metal kernel copies in a second dispatch,
     on the GPU with the prior donated: both dispatches bind one buffer as
     input and output, and MLX's encoder must order them."""
-    arrays = gather_state(2, 600, 200, None)
-    expected = gather_dropping("fallback", copies(arrays), 600)
+    arrays = protected_topk_gather_state(2, 600, 200, None)
+    expected = protected_topk_gather_dropping("fallback", copies(arrays), 600)
     addresses = [data_address(a) for a in arrays[:3]]
-    out = gather_dropping("kernel", arrays, 600, stream=mx.gpu)
+    out = protected_topk_gather_dropping("kernel", arrays, 600, stream=mx.gpu)
     assert [data_address(o) for o in out[:3]] == addresses
     for name, a, e in zip(("keys", "values", "norms", "indices"), out, expected):
         assert_bitwise_equal(a, e, name)
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS)
-def test_no_donation_when_the_prior_feeds_another_op_in_the_same_graph(backend):
+def test_protected_topk_gather_no_donation_when_the_prior_feeds_another_op(backend):
     """Two steps from one intermediate prior, which nothing outside the graph
     holds: neither may take its buffers while the other still reads them
     (under mx.compile, equal nodes are merged, so both read one buffer)."""
@@ -219,31 +212,20 @@ def test_no_donation_when_the_prior_feeds_another_op_in_the_same_graph(backend):
 # donated and the capacity is unchanged.
 
 
-def step_state(n_heads=4, slots=32, dim=16, layout="slots", seed=0):
+def evict_and_fill_state(n_heads=4, slots=32, dim=16, layout="slots", seed=0):
     """A cache's buffers holding positions 0..slots-1 (shuffled for the slot
     layout) and one new row."""
-    rng = np.random.default_rng(seed)
-    positions = np.stack([rng.permutation(slots) for _ in range(n_heads)])
-    if layout == "temporal":
-        positions.sort(axis=1)
-    arrays = [
-        fill(rng, (n_heads, slots, dim), "normal", "float16"),
-        fill(rng, (n_heads, slots, dim), "normal", "float32"),
-        fill(rng, (n_heads, slots), "normal", "float32"),
-        mx.array(positions.astype(np.int32)),
-        fill(rng, (n_heads, 1, dim), "normal", "float16"),
-        fill(rng, (n_heads, 1, dim), "normal", "float32"),
-    ]
+    arrays = evict_and_fill_arrays(np.random.default_rng(seed), n_heads, slots, 1, dim, layout=layout)
     mx.eval(arrays)
     return arrays
 
 
-def step_config(slots, budget, layout, capacity=None):
+def evict_and_fill_config(slots, budget, layout, capacity=None):
     return dict(filled=slots, offset=slots, capacity=slots if capacity is None else capacity,
                 budget=budget, n_sink=2, recent=3, keep="low", layout=layout)
 
 
-def step_dropping(backend, arrays: list, config):
+def evict_and_fill_dropping(backend, arrays: list, config):
     """One step whose inputs are referenced by ``arrays`` alone, which is
     emptied before evaluation: the op's inputs are then donated."""
     with mlx_knorm.use_backend(backend):
@@ -264,33 +246,33 @@ def assert_step_equal(actual, expected, defined):
     "slots, filled, budget",
     [(32, 32, 31), (32, 32, 27), (33, 32, 32), (700, 700, 699), (700, 700, 300)],
 )
-def test_step_on_donated_buffers_runs_in_place(backend, layout, slots, filled, budget):
+def test_evict_and_fill_on_donated_buffers_runs_in_place(backend, layout, slots, filled, budget):
     """A decode step (one row leaves), a step that evicts several rows and
     one that evicts none, then the same over several 256-slot chunks of the
     Metal kernel: every output is its input's buffer."""
-    arrays = step_state(n_heads=4 if slots < 256 else 2, slots=slots, layout=layout)
-    config = step_config(filled, budget, layout, capacity=slots)
-    expected = step_dropping("fallback", copies(arrays), config)
+    arrays = evict_and_fill_state(n_heads=4 if slots < 256 else 2, slots=slots, layout=layout)
+    config = evict_and_fill_config(filled, budget, layout, capacity=slots)
+    expected = evict_and_fill_dropping("fallback", copies(arrays), config)
     addresses = [data_address(a) for a in arrays[:4]]
-    out = step_dropping(backend, arrays, config)
+    out = evict_and_fill_dropping(backend, arrays, config)
     assert [data_address(o) for o in out] == addresses
     assert_step_equal(out, expected, min(filled, budget) + 1)
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS)
 @pytest.mark.parametrize("layout", ["slots", "temporal"])
-def test_held_buffers_are_never_written(backend, layout):
+def test_evict_and_fill_never_writes_held_buffers(backend, layout):
     """A view of the keys and the values array are held elsewhere: those two
     outputs are fresh buffers and what is held is unchanged; the norms and
     positions, donated, are updated in place."""
-    arrays = step_state(layout=layout)
-    config = step_config(32, 27, layout)
-    expected = step_dropping("fallback", copies(arrays), config)
+    arrays = evict_and_fill_state(layout=layout)
+    config = evict_and_fill_config(32, 27, layout)
+    expected = evict_and_fill_dropping("fallback", copies(arrays), config)
     keys_view = arrays[0][:, 3:9]
     values = arrays[1]
     held = [np.array(keys_view), np.array(values)]
     addresses = [data_address(a) for a in arrays[:4]]
-    out = step_dropping(backend, arrays, config)
+    out = evict_and_fill_dropping(backend, arrays, config)
     assert_step_equal(out, expected, 28)
     got = [data_address(o) for o in out]
     assert got[0] != addresses[0] and got[1] != addresses[1]
@@ -301,24 +283,24 @@ def test_held_buffers_are_never_written(backend, layout):
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS)
 @pytest.mark.parametrize("layout", ["slots", "temporal"])
-def test_decode_loop_in_place_matches_the_fallback(backend, layout):
+def test_evict_and_fill_decode_loop_in_place_matches_the_fallback(backend, layout):
     """The cache's loop: buffers of budget + 1 slots, one eviction and one
     new row per step, the previous buffers dropped before each evaluation."""
     # The emulator runs every GPU thread as a thread: fewer steps.
     budget, steps = 24, 40 if backend == "kernel" else 8
     rng = np.random.default_rng(5)
     tokens = [fill(rng, (3, 1, 8), "ties", "float16") for _ in range(steps)]
-    start = step_state(n_heads=3, slots=budget + 1, dim=8, layout=layout, seed=6)[:4]
+    start = evict_and_fill_state(n_heads=3, slots=budget + 1, dim=8, layout=layout, seed=6)[:4]
     results = {}
     for name in (backend, "fallback"):
         state = copies(start)
         addresses = [data_address(a) for a in state]
         for i, token in enumerate(tokens):
-            config = step_config(budget + 1, budget, layout)
+            config = evict_and_fill_config(budget + 1, budget, layout)
             config["offset"] = budget + 1 + i
             inputs = [*state, token, token.astype(mx.float32)]
             del state
-            state = list(step_dropping(name, inputs, config))
+            state = list(evict_and_fill_dropping(name, inputs, config))
         if name == backend:
             assert [data_address(a) for a in state] == addresses
         results[name] = state
@@ -326,16 +308,16 @@ def test_decode_loop_in_place_matches_the_fallback(backend, layout):
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS)
-def test_no_step_donation_when_the_buffers_feed_another_op(backend):
+def test_evict_and_fill_no_donation_when_the_buffers_feed_another_op(backend):
     """Two steps from one intermediate state that nothing outside the graph
     holds: neither may take its buffers while the other still reads them."""
-    arrays = step_state()
+    arrays = evict_and_fill_state()
     snapshot = [np.array(a) for a in arrays]
 
     def two_steps(keys, values, norms, positions, new_keys, new_values):
         state = (keys + 0, values + 0, norms + 0, positions + 0)
-        first = mlx_knorm.evict_and_fill(*state, new_keys, new_values, **step_config(32, 27, "slots"))
-        second = mlx_knorm.evict_and_fill(*state, new_keys, new_values, **step_config(32, 30, "temporal"))
+        first = mlx_knorm.evict_and_fill(*state, new_keys, new_values, **evict_and_fill_config(32, 27, "slots"))
+        second = mlx_knorm.evict_and_fill(*state, new_keys, new_values, **evict_and_fill_config(32, 30, "temporal"))
         return first + second
 
     with mlx_knorm.use_backend("fallback"):
@@ -355,7 +337,7 @@ def test_no_step_donation_when_the_buffers_feed_another_op(backend):
 # (packed, scales, biases) keys and values in place, each when donated.
 
 
-def quantized_step_state(n_heads=3, slots=32, dim=64, layout="slots", seed=0):
+def quantized_evict_and_fill_state(n_heads=3, slots=32, dim=64, layout="slots", seed=0):
     """A quantized cache's buffers (mx.quantize's triples), positions
     0..slots-1 (shuffled for the slot layout), one new row and its norm."""
     rng = np.random.default_rng(seed)
@@ -392,33 +374,50 @@ def flat_buffers(out) -> list[mx.array]:
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS)
 @pytest.mark.parametrize("layout", ["slots", "temporal"])
 @pytest.mark.parametrize("budget", [31, 27])
-def test_quantized_step_on_donated_buffers_runs_in_place(backend, layout, budget):
+def test_evict_and_fill_quantized_payloads_on_donated_buffers_run_in_place(backend, layout, budget):
     """A decode step and a step evicting several rows on donated (packed,
     scales, biases) triples: all eight outputs are their inputs' buffers."""
-    arrays, new_norms = quantized_step_state(layout=layout)
-    config = {**step_config(32, budget, layout), "new_norms": new_norms}
-    expected = step_dropping("fallback", tuple_copies(arrays), config)
+    arrays, new_norms = quantized_evict_and_fill_state(layout=layout)
+    config = {**evict_and_fill_config(32, budget, layout), "new_norms": new_norms}
+    expected = evict_and_fill_dropping("fallback", tuple_copies(arrays), config)
     addresses = [data_address(a) for a in flat_buffers(arrays)]
-    out = step_dropping(backend, arrays, config)
+    out = evict_and_fill_dropping(backend, arrays, config)
     assert [data_address(o) for o in flat_buffers(out)] == addresses
     for a, e in zip(flat_buffers(out), flat_buffers(expected)):
         assert_bitwise_equal(a[:, : budget + 1], e[:, : budget + 1], "payload")
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS)
-def test_a_held_payload_is_never_written(backend):
+def test_evict_and_fill_never_writes_a_held_payload(backend):
     """The value scales are held elsewhere: that output is a fresh buffer
     and what is held is unchanged; every other payload runs in place."""
-    arrays, new_norms = quantized_step_state()
-    config = {**step_config(32, 27, "slots"), "new_norms": new_norms}
-    expected = step_dropping("fallback", tuple_copies(arrays), config)
+    arrays, new_norms = quantized_evict_and_fill_state()
+    config = {**evict_and_fill_config(32, 27, "slots"), "new_norms": new_norms}
+    expected = evict_and_fill_dropping("fallback", tuple_copies(arrays), config)
     scales = arrays[1][1]
     held = np.array(scales)
     addresses = [data_address(a) for a in flat_buffers(arrays)]
-    out = step_dropping(backend, arrays, config)
+    out = evict_and_fill_dropping(backend, arrays, config)
     got = [data_address(o) for o in flat_buffers(out)]
     assert got[4] != addresses[4]
     assert got[:4] + got[5:] == addresses[:4] + addresses[5:]
     assert np.array_equal(held, np.array(scales))
     for a, e in zip(flat_buffers(out), flat_buffers(expected)):
         assert_bitwise_equal(a[:, :28], e[:, :28], "payload")
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
+@pytest.mark.parametrize("layout", ["slots", "temporal"])
+@pytest.mark.parametrize("budget", [31, 27])
+def test_step_with_valid_ranges_on_donated_buffers_runs_in_place(backend, layout, budget):
+    """A batch's step (docs/spec.md §4, valid ranges with padding on both
+    sides, one head all padding) on donated buffers: every output is its
+    input's buffer, and equals the fallback's."""
+    arrays = step_state(n_heads=4, slots=32, layout=layout)
+    valid = mx.array([[0, 2**31 - 1], [5, 2**31 - 1], [3, 20], [40, 50]], dtype=mx.int32)
+    config = {**step_config(32, budget, layout), "valid": valid}
+    expected = step_dropping("fallback", copies(arrays), config)
+    addresses = [data_address(a) for a in arrays[:4]]
+    out = step_dropping(backend, arrays, config)
+    assert [data_address(o) for o in out] == addresses
+    assert_step_equal(out, expected, budget + 1)

@@ -46,7 +46,7 @@ def pinned_norm(row: np.ndarray) -> np.float32:
     palette=st.sampled_from(PALETTES),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_kernel_matches_fallback(shape, dim, dtype, palette, seed):
+def test_key_norms_kernel_matches_fallback(shape, dim, dtype, palette, seed):
     keys = fill(np.random.default_rng(seed), (*shape, dim), palette, dtype)
     assert_bitwise_equal(norms_on("kernel", keys), norms_on("fallback", keys), "norms")
 
@@ -60,7 +60,7 @@ def test_kernel_matches_fallback(shape, dim, dtype, palette, seed):
     palette=st.sampled_from(PALETTES),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_metal_emulator_matches_fallback(rows, dim, dtype, palette, seed):
+def test_key_norms_metal_emulator_matches_fallback(rows, dim, dtype, palette, seed):
     """Rows past 4 span several threadgroups (one SIMD group per row, 4 per group)."""
     keys = fill(np.random.default_rng(seed), (rows, dim), palette, dtype)
     assert_bitwise_equal(norms_on("metal-emulator", keys), norms_on("fallback", keys), "norms")
@@ -68,7 +68,7 @@ def test_metal_emulator_matches_fallback(rows, dim, dtype, palette, seed):
 
 @pytest.mark.parametrize("backend", ["kernel", "fallback"])
 @pytest.mark.parametrize("dim", [1, 3, 80, 128, 255])
-def test_matches_pinned_order_in_numpy(backend, dim):
+def test_key_norms_matches_pinned_order_in_numpy(backend, dim):
     rows = np.random.default_rng(dim).standard_normal((16, dim)).astype(np.float32) * 3
     expected = np.array([pinned_norm(r) for r in rows], dtype=np.float32)
     actual = np.array(norms_on(backend, mx.array(rows)))
@@ -78,7 +78,7 @@ def test_matches_pinned_order_in_numpy(backend, dim):
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("dim", [3, 8, 64, 100])
-def test_subnormal_squares_flush_to_zero(backend, dtype, dim):
+def test_key_norms_subnormal_squares_flush_to_zero(backend, dtype, dim):
     """Keys of magnitude 2^-65 .. 2^-75 have float32-subnormal squares: each is
     +0 on every backend, whatever the hardware does with subnormals."""
     rng = np.random.default_rng(dim)
@@ -94,7 +94,7 @@ def test_subnormal_squares_flush_to_zero(backend, dtype, dim):
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
-def test_nan_norms_are_one_canonical_nan(backend, dtype):
+def test_key_norms_nan_norms_are_one_canonical_nan(backend, dtype):
     """Keys with NaNs of any payload and sign give the norm 0x7FC00000."""
     payloads = {"float16": [0x7E01, 0xFD55, 0x7C01], "bfloat16": [0x7FC1, 0xFF81, 0x7F81],
                 "float32": [0x7FC00123, 0xFFA00000, 0x7F800001]}[dtype]
@@ -108,7 +108,7 @@ def test_nan_norms_are_one_canonical_nan(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", ["kernel", "fallback"])
-def test_exact_small_cases(backend):
+def test_key_norms_exact_small_cases(backend):
     keys = mx.array([[3.0, 4.0], [0.0, 0.0], [-5.0, 12.0], [float("nan"), 1.0], [float("inf"), 0.0]])
     out = norms_on(backend, keys).tolist()
     assert out[:3] == [5.0, 0.0, 13.0]
@@ -116,14 +116,14 @@ def test_exact_small_cases(backend):
 
 
 @pytest.mark.parametrize("backend", ["kernel", "fallback"])
-def test_shapes_and_empty(backend):
+def test_key_norms_shapes_and_empty(backend):
     assert norms_on(backend, mx.zeros((2, 3, 4, 8))).shape == (2, 3, 4)
     assert norms_on(backend, mx.zeros((0, 8))).shape == (0,)
     assert norms_on(backend, mx.zeros((5,), mx.float16)).shape == ()
     assert_bitwise_equal(norms_on(backend, mx.zeros((3, 0))), mx.zeros((3,)), "D = 0")
 
 
-def test_non_contiguous_input():
+def test_key_norms_non_contiguous_input():
     keys = mx.random.normal((8, 6, 32), key=mx.random.key(1)).astype(mx.float16)
     strided = keys.transpose(1, 0, 2)[:, ::2]
     assert_bitwise_equal(
@@ -131,7 +131,7 @@ def test_non_contiguous_input():
     )
 
 
-def test_inside_compile():
+def test_key_norms_inside_compile():
     keys = mx.random.normal((4, 128), key=mx.random.key(2))
     compiled = mx.compile(lambda k: mlx_knorm.key_norms(k) * 2)
     assert_bitwise_equal(compiled(keys), norms_on("kernel", keys) * 2, "compiled")

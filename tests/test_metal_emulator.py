@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_bitwise_equal, requires_emulator
-from generators import fill, fill_norms
+from generators import evict_and_fill_arrays, fill, fill_norms, protected_topk_gather_arrays
 from mlx_knorm import _native
 
 pytestmark = requires_emulator
@@ -34,17 +34,11 @@ def native_and_emulated(op, *args):
     return getattr(ext, op)(*args, stream=mx.cpu), getattr(ext, op)(*args, emulate_metal=True, stream=mx.cpu)
 
 
-def gather_args(n_prior, n_new, budget, n_sink, recent, palette, keep="low", dim=3, seed=0, n_heads=2):
+def protected_topk_gather_args(n_prior, n_new, budget, n_sink, recent, palette, keep="low", dim=3, seed=0, n_heads=2):
     rng = np.random.default_rng(seed)
-    return (
-        fill(rng, (n_heads, n_prior, dim), "special", "float16"),
-        fill(rng, (n_heads, n_prior, dim), "normal", "float32"),
-        fill_norms(rng, (n_heads, n_prior), palette),
-        fill(rng, (n_heads, n_new, dim), "special", "float16"),
-        fill(rng, (n_heads, n_new, dim), "normal", "float32"),
-        fill_norms(rng, (n_heads, n_new), palette),
-        budget, n_sink, recent, keep,
-    )
+    arrays = protected_topk_gather_arrays(rng, n_heads, n_prior, n_new, dim, key_palette="special",
+                                          norm_palette=palette)
+    return (*arrays, budget, n_sink, recent, keep)
 
 
 @pytest.mark.parametrize(
@@ -65,13 +59,13 @@ def gather_args(n_prior, n_new, budget, n_sink, recent, palette, keep="low", dim
 )
 @pytest.mark.parametrize("palette", ["ties", "special", "zeros"])
 @pytest.mark.parametrize("keep", ["low", "high"])
-def test_gather_edges(n_prior, n_new, budget, n_sink, recent, palette, keep):
-    args = gather_args(n_prior, n_new, budget, n_sink, recent, palette, keep, seed=n_prior * 31 + budget)
+def test_protected_topk_gather_edges(n_prior, n_new, budget, n_sink, recent, palette, keep):
+    args = protected_topk_gather_args(n_prior, n_new, budget, n_sink, recent, palette, keep, seed=n_prior * 31 + budget)
     for name, a, b in zip(("keys", "values", "norms", "indices"), *native_and_emulated("protected_topk_gather", *args)):
         assert_bitwise_equal(b, a, name)
 
 
-def test_all_equal_scores_keep_earliest():
+def test_protected_topk_gather_all_equal_scores_keep_earliest():
     n_prior, budget = 300, 40
     args = (
         mx.zeros((1, n_prior, 4)), mx.zeros((1, n_prior, 4)), mx.ones((1, n_prior)),
@@ -94,23 +88,13 @@ def test_key_norms_rejects_dim_past_kernel_limit():
         _native.ext.key_norms(mx.zeros((1, 513)), emulate_metal=True, stream=mx.cpu)
 
 
-def step_args(slots, filled, budget, n_new, positions, palette, key_dim=8, seed=0):
+def evict_and_fill_args(slots, n_new, positions, palette, key_dim=8, seed=0):
     rng = np.random.default_rng(seed)
-    if positions == "distinct":
-        order = np.stack([rng.permutation(slots) for _ in range(2)])
-    else:  # every position equal: only the slot tells ranks apart
-        order = np.full((2, slots), 3)
-    return [
-        fill(rng, (2, slots, key_dim), "special", "float16"),
-        fill(rng, (2, slots, 5), "normal", "float32"),
-        fill_norms(rng, (2, slots), palette),
-        mx.array(order.astype(np.int32)),
-        fill(rng, (2, n_new, key_dim), "special", "float16"),
-        fill(rng, (2, n_new, 5), "normal", "float32"),
-    ]
+    return evict_and_fill_arrays(rng, 2, slots, n_new, key_dim, 5, positions=positions,
+                                 key_palette="special", norm_palette=palette)
 
 
-def step_native_and_emulated(args, config, donate):
+def evict_and_fill_native_and_emulated(args, config, donate):
     """Both kernels from copies of ``args``; with ``donate`` the copies are
     referenced by the op alone, so outputs take over their buffers."""
     results = []
@@ -141,46 +125,38 @@ def step_native_and_emulated(args, config, donate):
 @pytest.mark.parametrize("positions", ["distinct", "equal"])
 @pytest.mark.parametrize("layout", ["slots", "temporal"])
 @pytest.mark.parametrize("donate", [False, True])
-def test_step_edges(slots, filled, budget, n_new, positions, layout, donate):
-    args = step_args(slots, filled, budget, n_new, positions, "ties", seed=slots + budget)
+def test_evict_and_fill_edges(slots, filled, budget, n_new, positions, layout, donate):
+    args = evict_and_fill_args(slots, n_new, positions, "ties", seed=slots + budget)
     config = dict(filled=filled, offset=slots, capacity=slots, budget=budget,
                   n_sink=3 if budget > 8 else 1, recent=5 if budget > 8 else 0,
                   keep="low" if positions == "distinct" else "high", layout=layout)
-    native, emulated = step_native_and_emulated(args, config, donate)
+    native, emulated = evict_and_fill_native_and_emulated(args, config, donate)
     defined = min(filled, budget) + n_new
     for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
         assert_bitwise_equal(b[:, :defined], a[:, :defined], name)
 
 
 @pytest.mark.parametrize("donate", [False, True])
-def test_second_dispatch_over_three_heads(donate):
+def test_protected_topk_gather_and_evict_and_fill_second_dispatch_over_three_heads(donate):
     """Both ops with rows a second dispatch copies on three heads: its
     head and block arithmetic past the second head."""
-    gather = gather_args(150, 250, 300, 2, 4, "normal", dim=16, seed=3, n_heads=3)
+    gather = protected_topk_gather_args(150, 250, 300, 2, 4, "normal", dim=16, seed=3, n_heads=3)
     for name, a, b in zip(("keys", "values", "norms", "indices"),
                           *native_and_emulated("protected_topk_gather", *gather)):
         assert_bitwise_equal(b, a, name)
-    rng = np.random.default_rng(3)
-    step = [
-        fill(rng, (3, 600, 16), "normal", "float32"),
-        fill(rng, (3, 600, 8), "normal", "float16"),
-        fill_norms(rng, (3, 600), "normal"),
-        mx.array(np.stack([rng.permutation(600) for _ in range(3)]).astype(np.int32)),
-        fill(rng, (3, 200, 16), "normal", "float32"),
-        fill(rng, (3, 200, 8), "normal", "float16"),
-    ]
+    step = evict_and_fill_arrays(np.random.default_rng(3), 3, 600, 200, 16, 8, dtypes=("float32", "float16"))
     config = dict(filled=400, offset=600, capacity=600, budget=300, n_sink=2, recent=4,
                   keep="low", layout="slots")
-    native, emulated = step_native_and_emulated(step, config, donate)
+    native, emulated = evict_and_fill_native_and_emulated(step, config, donate)
     for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
         assert_bitwise_equal(b[:, :500], a[:, :500], name)
 
 
 @pytest.mark.parametrize("key_dim", [0, 1, 33, 512])
-def test_step_new_row_norms_at_every_width(key_dim):
-    args = step_args(40, 40, 30, 9, "distinct", "special", key_dim=key_dim)
+def test_evict_and_fill_new_row_norms_at_every_width(key_dim):
+    args = evict_and_fill_args(40, 9, "distinct", "special", key_dim=key_dim)
     config = dict(filled=40, offset=40, capacity=40, budget=30, n_sink=1, recent=2, keep="low", layout="slots")
-    native, emulated = step_native_and_emulated(args, config, donate=False)
+    native, emulated = evict_and_fill_native_and_emulated(args, config, donate=False)
     for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
         assert_bitwise_equal(b[:, :39], a[:, :39], name)
 
@@ -203,17 +179,12 @@ ROW_WIDTHS = [("float16", 64), ("float16", 12), ("float16", 3), ("bfloat16", 8),
 
 @pytest.mark.parametrize("dtype, dim", ROW_WIDTHS)
 @pytest.mark.parametrize("shift", [0, 2, 4, 8])
-def test_gather_moves_rows_at_any_alignment(dtype, dim, shift):
+def test_protected_topk_gather_moves_rows_at_any_alignment(dtype, dim, shift):
     rng = np.random.default_rng(dim + shift)
-    args = (
-        at_offset(fill(rng, (2, 40, dim), "special", dtype), shift),
-        at_offset(fill(rng, (2, 40, dim + 1), "special", dtype), shift // 2),
-        fill_norms(rng, (2, 40), "ties"),
-        at_offset(fill(rng, (2, 9, dim), "special", dtype), 1),
-        fill(rng, (2, 9, dim + 1), "special", dtype),
-        fill_norms(rng, (2, 9), "ties"),
-        30, 2, 3, "low",
-    )
+    arrays = protected_topk_gather_arrays(rng, 2, 40, 9, dim, dim + 1, key_palette="special",
+                                          value_palette="special", norm_palette="ties", dtypes=(dtype, dtype))
+    shifts = (shift, shift // 2, 0, 1, 0, 0)
+    args = (*(at_offset(a, k) if k else a for a, k in zip(arrays, shifts)), 30, 2, 3, "low")
     for name, a, b in zip(("keys", "values", "norms", "indices"), *native_and_emulated("protected_topk_gather", *args)):
         assert_bitwise_equal(b, a, name)
 
@@ -221,16 +192,12 @@ def test_gather_moves_rows_at_any_alignment(dtype, dim, shift):
 @pytest.mark.parametrize("dtype, dim", ROW_WIDTHS)
 @pytest.mark.parametrize("shift", [0, 2, 4, 8])
 @pytest.mark.parametrize("layout", ["slots", "temporal"])
-def test_step_moves_rows_at_any_alignment(dtype, dim, shift, layout):
+def test_evict_and_fill_moves_rows_at_any_alignment(dtype, dim, shift, layout):
     rng = np.random.default_rng(dim + shift)
-    args = [
-        at_offset(fill(rng, (2, 40, dim), "special", dtype), shift),
-        at_offset(fill(rng, (2, 40, dim + 1), "special", dtype), shift // 2),
-        fill_norms(rng, (2, 40), "ties"),
-        mx.array(np.stack([rng.permutation(40) for _ in range(2)]).astype(np.int32)),
-        at_offset(fill(rng, (2, 3, dim), "special", dtype), 1),
-        fill(rng, (2, 3, dim + 1), "special", dtype),
-    ]
+    arrays = evict_and_fill_arrays(rng, 2, 40, 3, dim, dim + 1, key_palette="special", value_palette="special",
+                                   norm_palette="ties", dtypes=(dtype, dtype))
+    shifts = (shift, shift // 2, 0, 0, 1, 0)
+    args = [at_offset(a, k) if k else a for a, k in zip(arrays, shifts)]
     config = dict(filled=40, offset=40, capacity=40, budget=30, n_sink=2, recent=3,
                   keep="low", layout=layout)
     native = _native.ext.evict_and_fill(*args, **config, stream=mx.cpu)
@@ -239,8 +206,8 @@ def test_step_moves_rows_at_any_alignment(dtype, dim, shift, layout):
         assert_bitwise_equal(b[:, :33], a[:, :33], name)
 
 
-def test_step_rejects_key_widths_past_the_norm_kernel():
-    args = step_args(4, 4, 3, 1, "distinct", "normal", key_dim=513)
+def test_evict_and_fill_rejects_key_widths_past_the_norm_kernel():
+    args = evict_and_fill_args(4, 1, "distinct", "normal", key_dim=513)
     config = dict(filled=4, offset=4, capacity=4, budget=3, n_sink=0, recent=0, keep="low", layout="slots")
     with pytest.raises(ValueError, match="D <= 512"):
         _native.ext.evict_and_fill(*args, **config, emulate_metal=True, stream=mx.cpu)

@@ -11,7 +11,7 @@ from hypothesis import given
 
 import mlx_knorm
 from conftest import EMULATOR_SETTINGS, NATIVE_BACKENDS, assert_bitwise_equal, requires_emulator
-from generators import fill, fill_norms, gather_cases
+from generators import fill, fill_norms, protected_topk_gather_cases
 from spec_oracle import kept_rows
 
 
@@ -27,16 +27,16 @@ def assert_same_outputs(actual, expected):
         assert_bitwise_equal(a, e, name)
 
 
-@given(case=gather_cases())
-def test_kernel_matches_fallback(case):
+@given(case=protected_topk_gather_cases())
+def test_protected_topk_gather_kernel_matches_fallback(case):
     arrays, config = case
     assert_same_outputs(gather_on("kernel", arrays, config), gather_on("fallback", arrays, config))
 
 
 @requires_emulator
 @EMULATOR_SETTINGS
-@given(case=gather_cases(max_rows=2, max_new=34, dims=[1, 3, 8, 33, 80, 128, 256], long_rows=True))
-def test_metal_emulator_matches_fallback(case):
+@given(case=protected_topk_gather_cases(max_rows=2, max_new=34, dims=[1, 3, 8, 33, 80, 128, 256], long_rows=True))
+def test_protected_topk_gather_metal_emulator_matches_fallback(case):
     arrays, config = case
     assert_same_outputs(
         gather_on("metal-emulator", arrays, config), gather_on("fallback", arrays, config)
@@ -53,20 +53,20 @@ def check_against_spec_oracle(backend, case):
     assert_bitwise_equal(kept_norms, mx.take_along_axis(norms, indices, axis=1), "norms")
 
 
-@given(case=gather_cases(max_rows=2, dims=[1, 3]))
-def test_selection_matches_spec_oracle(case):
+@given(case=protected_topk_gather_cases(max_rows=2, dims=[1, 3]))
+def test_protected_topk_gather_selection_matches_spec_oracle(case):
     check_against_spec_oracle("kernel", case)
 
 
 @requires_emulator
 @EMULATOR_SETTINGS
-@given(case=gather_cases(max_rows=2, dims=[1, 3], long_rows=True))
-def test_metal_emulator_selection_matches_spec_oracle(case):
+@given(case=protected_topk_gather_cases(max_rows=2, dims=[1, 3], long_rows=True))
+def test_protected_topk_gather_metal_emulator_selection_matches_spec_oracle(case):
     check_against_spec_oracle("metal-emulator", case)
 
 
-@given(case=gather_cases(max_rows=2, max_prior=20, max_new=20, dims=[4, 80]))
-def test_kept_rows_are_the_indexed_input_rows(case):
+@given(case=protected_topk_gather_cases(max_rows=2, max_prior=20, max_new=20, dims=[4, 80]))
+def test_protected_topk_gather_kept_rows_are_the_indexed_input_rows(case):
     arrays, config = case
     keys, values, _, indices = gather_on("kernel", arrays, config)
     all_keys = mx.concatenate([arrays[0], arrays[3]], axis=1)
@@ -88,7 +88,7 @@ def decode_arrays(n_prior=10, n_new=1, dim=4, n_rows=2, seed=0, dtype="float16")
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
-def test_nan_and_inf_never_evict_protected_rows(backend):
+def test_protected_topk_gather_nan_and_inf_never_evict_protected_rows(backend):
     nan, inf = math.nan, math.inf
     norms = mx.array([[nan, inf, 1.0, nan, 0.5, -inf, 2.0, nan]], dtype=mx.float32)
     arrays = list(decode_arrays(n_prior=8, n_new=0, n_rows=1))
@@ -102,7 +102,7 @@ def test_nan_and_inf_never_evict_protected_rows(backend):
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
-def test_signed_zeros_tie_by_index(backend):
+def test_protected_topk_gather_signed_zeros_tie_by_index(backend):
     arrays = list(decode_arrays(n_prior=6, n_new=0, n_rows=1))
     arrays[2] = mx.array([[-0.0, 0.0, -0.0, 0.0, -0.0, 0.0]])
     assert gather_on(backend, arrays, (3, 0, 0, "low"))[3][0].tolist() == [0, 1, 2]
@@ -110,7 +110,7 @@ def test_signed_zeros_tie_by_index(backend):
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
-def test_empty_blocks_and_no_eviction(backend):
+def test_protected_topk_gather_empty_blocks_and_no_eviction(backend):
     prior = decode_arrays(n_prior=0, n_new=0)
     keys, values, norms, indices = gather_on(backend, prior, (4, 1, 0, "low"))
     assert keys.shape == (2, 0, 4) and norms.shape == (2, 0) and indices.dtype == mx.uint32
@@ -121,7 +121,7 @@ def test_empty_blocks_and_no_eviction(backend):
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
-def test_output_dtypes_follow_inputs(backend):
+def test_protected_topk_gather_output_dtypes_follow_inputs(backend):
     rng = np.random.default_rng(3)
     arrays = (
         fill(rng, (1, 4, 8), "normal", "bfloat16"),
@@ -135,20 +135,20 @@ def test_output_dtypes_follow_inputs(backend):
     assert [o.dtype for o in out] == [mx.bfloat16, mx.float32, mx.float32, mx.uint32]
 
 
-def test_non_contiguous_inputs():
+def test_protected_topk_gather_non_contiguous_inputs():
     arrays = decode_arrays(n_prior=12, n_new=3, dim=8, n_rows=4, seed=5)
     strided = tuple(a[::2] for a in arrays)
     copies = tuple(mx.array(np.array(a)) for a in strided)
     assert_same_outputs(gather_on("kernel", strided, (9, 1, 2, "low")), gather_on("fallback", copies, (9, 1, 2, "low")))
 
 
-def test_inside_compile():
+def test_protected_topk_gather_inside_compile():
     arrays = decode_arrays(n_prior=12, n_new=3, dim=8)
     compiled = mx.compile(lambda *a: mlx_knorm.protected_topk_gather(*a, 9, 1, 2, "high"))
     assert_same_outputs(compiled(*arrays), gather_on("kernel", arrays, (9, 1, 2, "high")))
 
 
-def test_large_rows_use_several_threads_and_agree():
+def test_protected_topk_gather_large_rows_use_several_threads_and_agree():
     arrays = decode_arrays(n_prior=2048, n_new=1, dim=128, n_rows=32, seed=7)
     assert_same_outputs(gather_on("kernel", arrays, (2048, 4, 0, "low")), gather_on("fallback", arrays, (2048, 4, 0, "low")))
     prefill = decode_arrays(n_prior=0, n_new=4096, dim=64, n_rows=8, seed=8)

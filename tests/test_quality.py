@@ -10,10 +10,11 @@ import pytest
 from mlx_lm import load
 
 from mlx_knorm.cache import make_knorm_cache
+from mlx_knorm.defaults import default_recent
 from mlx_knorm.quality import MODEL_DIR, data
 from mlx_knorm.quality.byte_tokenizer import byte_tokenizer
 from mlx_knorm.quality.eval import evaluate, teacher_forced_logits
-from mlx_knorm.quality.policies import POLICIES, kept_mask
+from mlx_knorm.quality.policies import kept_mask
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +76,7 @@ def test_keep_low_masks_reproduce_knorm_cache_decoding(shipped, sequences):
     model, _ = shipped
     budget, n_sink = 32, 4
     tokens = mx.array(sequences[1][:96], dtype=mx.int32)
-    cache = make_knorm_cache(model, budget=budget, n_sink=n_sink)
+    cache = make_knorm_cache(model, budget=budget, n_sink=n_sink, recent=0)
     decoded = mx.concatenate([model(tokens[None, t : t + 1], cache=cache)[0] for t in range(len(tokens))])
     masked = teacher_forced_logits(model, tokens, "keep-low", budget, n_sink)
     full = teacher_forced_logits(model, tokens)
@@ -113,12 +114,22 @@ def test_eval_on_a_tiny_slice_gives_sane_numbers(shipped, sequences):
     assert results.mean_recall("full") == pytest.approx(1.0, abs=1e-5)
     full_ppl = results.perplexity("full")
     assert 1.0 < full_ppl < 256.0
-    for policy in POLICIES:
+    assert len(results.policies()) == 9
+    for policy in results.policies():
         # A budget of the whole sequence evicts nothing.
         assert results.perplexity(policy, everything) == pytest.approx(full_ppl, rel=1e-5)
         assert results.mean_recall(policy, everything) == pytest.approx(1.0, abs=1e-5)
+        low, high = results.perplexity_ci(policy, everything)
+        assert low <= results.perplexity(policy, everything) <= high
+        assert results.perplexity_ratio_ci(policy, everything) == pytest.approx((1.0, 1.0), abs=1e-5)
+        if results.cut(policy, small) is None:
+            # Layers 0 and 1 kept whole take more than a quarter of the memory of 4 layers.
+            assert "skip=0,1" in policy
+            continue
         assert 0.0 < results.mean_recall(policy, small) < 1.0
         assert np.isfinite(results.perplexity(policy, small))
+        low, high = results.perplexity_ratio_ci(policy, small)
+        assert low <= results.perplexity_ratio(policy, small) <= high
     assert all(-1.0 <= r <= 1.0 for r in results.layer_spearman().values())
     assert results.verdict().startswith("keep=low keeps more attention mass than random on this model at 25%")
 
@@ -130,7 +141,10 @@ def test_eval_and_demo_commands_run(tmp_path, capsys):
     assert main(["eval", "--n-seqs", "1", "--seq-len", "128", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     n_layers = json.loads((MODEL_DIR / "config.json").read_text())["num_hidden_layers"]
-    assert report["budgets"] == [32, 64, 96] and len(report["layer_spearman"]) == n_layers
+    assert report["budgets"] == [16, 32, 64] and len(report["layer_spearman"]) == n_layers
     assert report["model"] == "shipped byte-level model"
     assert main(["demo", "--max-tokens", "40", "--budget", "16"]) == 0
-    assert "% saved" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "% saved" in out and f"(budget 16, recent {default_recent(16)}) in {n_layers} of {n_layers} layers" in out
+    assert main(["demo", "--max-tokens", "20", "--budget", "16", "--recent", "2", "--skip-layers", "0"]) == 0
+    assert f"(budget 16, recent 2) in {n_layers - 1} of {n_layers} layers" in capsys.readouterr().out

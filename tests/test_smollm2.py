@@ -22,6 +22,7 @@ from pydoc_data.topics import topics
 
 from mlx_knorm.__main__ import main
 from mlx_knorm.models import PACKAGED_MODELS, convert, fetch, load, resolve
+from mlx_knorm.quality.needle import run_grid
 
 from tiny_gguf import llama_cpp_inverse
 
@@ -122,3 +123,24 @@ def test_convert_writes_what_mlx_lm_loads_to_the_same_logits(smollm2, tmp_path):
     tokens = mx.array(tokenizer.encode("The assert statement"))[None]
     assert mx.array_equal(converted(tokens), model(tokens)).item()
     assert tokenizer.encode(topics["assert"][:300]) == smollm2[2].encode(topics["assert"][:300])
+
+
+def test_needle_task_end_to_end_on_a_short_haystack(smollm2):
+    """The passkey at the start of a 96-token prompt, answered through the real caches in chunks of 32.
+
+    The full cache finds it. A window of 12 rows (RotatingKVCache) has lost
+    the needle before the question arrives, so it cannot answer. keep-low
+    with a recent window (make_knorm_cache) runs the same prompt; whether it
+    finds the key at this budget is the evaluation's business, not this test's.
+    """
+    model, tokenizer = smollm2[1], smollm2[2]
+    grid = run_grid(model, tokenizer, haystacks=("passkey",), contexts=(96,), depths=(0.0,), fractions=(0.125,),
+                    policies=["window", "keep-low+recent=1/2"], keys=1, prefill_step_size=32)
+    trials = {t.policy: t for t in grid.trials}
+    assert set(trials) == {"full", "window", "keep-low+recent=1/2"}
+    key = trials["full"].key
+    assert all(t.key == key and t.prompt_tokens <= 96 and t.needle_at < 32 for t in trials.values())
+    assert trials["full"].correct, trials["full"].answer
+    assert key not in trials["window"].answer and not trials["window"].correct
+    assert trials["keep-low+recent=1/2"].budget == 12 and trials["keep-low+recent=1/2"].answer
+    assert {(c["policy"], c["trials"]) for c in grid.cells()} == {(p, 1) for p in trials}

@@ -18,6 +18,12 @@ from hypothesis import strategies as st
 
 import mlx_knorm
 from conftest import ALL_BACKENDS, EMULATOR_SETTINGS, assert_bitwise_equal, requires_emulator
+from generators import (
+    evict_and_fill_arrays,
+    evict_and_fill_shapes,
+    protected_topk_gather_arrays,
+    protected_topk_gather_shapes,
+)
 
 CONFIG = (6, 1, 1, "low")  # budget, n_sink, recent, keep
 
@@ -30,29 +36,12 @@ def norms(keys):
     return mlx_knorm.key_norms(keys)
 
 
-def gather_shapes(n_rows, n_prior, n_new, key_dim, value_dim):
-    return [
-        (n_rows, n_prior, key_dim),
-        (n_rows, n_prior, value_dim),
-        (n_rows, n_prior),
-        (n_rows, n_new, key_dim),
-        (n_rows, n_new, value_dim),
-        (n_rows, n_new),
-    ]
-
-
-def gather_arrays(n_rows, n_prior, n_new, key_dim, value_dim, shape_changes, seed):
-    """Arrays of one gather call; ``shape_changes`` maps an argument index to
-    the shape it takes instead (an invalid relation)."""
-    shapes = gather_shapes(n_rows, n_prior, n_new, key_dim, value_dim)
-    shapes = [shape_changes.get(i, shape) for i, shape in enumerate(shapes)]
-    rng = np.random.default_rng(seed)
-    return [
-        mx.array(rng.standard_normal(shape).astype(np.float32)).astype(
-            mx.float32 if i in (2, 5) else mx.float16
-        )
-        for i, shape in enumerate(shapes)
-    ]
+def protected_topk_gather_call_arrays(n_rows, n_prior, n_new, key_dim, value_dim, shape_changes, seed):
+    """Arrays of one protected_topk_gather call, float16 rows;
+    ``shape_changes`` maps an argument index to the shape it takes instead
+    (an invalid relation)."""
+    return protected_topk_gather_arrays(np.random.default_rng(seed), n_rows, n_prior, n_new, key_dim, value_dim,
+                                        dtypes=("float16", "float16"), shape_changes=shape_changes)
 
 
 @st.composite
@@ -122,52 +111,37 @@ def check_all_modes(op, trace_args, args, backend, defined=None):
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @settings(EMULATOR_SETTINGS)
-@given(args=drawn_calls(gather_shapes, gather_arrays))
-def test_gather_agrees_under_compile(backend, args):
-    trace_args = gather_arrays(2, 4, 1, 8, 8, {}, 0)
+@given(args=drawn_calls(protected_topk_gather_shapes, protected_topk_gather_call_arrays))
+def test_protected_topk_gather_agrees_under_compile(backend, args):
+    trace_args = protected_topk_gather_call_arrays(2, 4, 1, 8, 8, {}, 0)
     check_all_modes(gather, trace_args, args, backend)
 
 
 # filled 4, budget 3: three rows kept, then S new ones in 7 slots; the
 # drawn shapes make C < filled or kept + S > capacity now and then.
-STEP_CONFIG = dict(filled=4, offset=9, capacity=7, budget=3, n_sink=1, recent=1, keep="low")
+EVICT_AND_FILL_CONFIG = dict(filled=4, offset=9, capacity=7, budget=3, n_sink=1, recent=1, keep="low")
 
 
-def step_shapes(n_rows, slots, n_new, key_dim, value_dim):
-    return [
-        (n_rows, slots, key_dim),
-        (n_rows, slots, value_dim),
-        (n_rows, slots),
-        (n_rows, slots),
-        (n_rows, n_new, key_dim),
-        (n_rows, n_new, value_dim),
-    ]
-
-
-def step_arrays(n_rows, slots, n_new, key_dim, value_dim, shape_changes, seed):
+def evict_and_fill_call_arrays(n_rows, slots, n_new, key_dim, value_dim, shape_changes, seed):
     """Arrays of one evict_and_fill call, with ``shape_changes`` as in
-    ``gather_arrays``."""
-    shapes = step_shapes(n_rows, slots, n_new, key_dim, value_dim)
-    shapes = [shape_changes.get(i, shape) for i, shape in enumerate(shapes)]
-    rng = np.random.default_rng(seed)
-    arrays = [mx.array(rng.standard_normal(shape).astype(np.float32)) for shape in shapes]
-    arrays[3] = mx.array(rng.integers(0, 9, size=shapes[3]).astype(np.int32))
-    return [a if i in (2, 3) else a.astype(mx.float16) for i, a in enumerate(arrays)]
+    ``protected_topk_gather_call_arrays``."""
+    return evict_and_fill_arrays(np.random.default_rng(seed), n_rows, slots, n_new, key_dim, value_dim,
+                                 positions="random", dtypes=("float16", "float16"), shape_changes=shape_changes)
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @settings(EMULATOR_SETTINGS)
-@given(args=drawn_calls(step_shapes, step_arrays), layout=st.sampled_from(["slots", "temporal"]))
-def test_step_agrees_under_compile(backend, args, layout):
+@given(args=drawn_calls(evict_and_fill_shapes, evict_and_fill_call_arrays), layout=st.sampled_from(["slots", "temporal"]))
+def test_evict_and_fill_agrees_under_compile(backend, args, layout):
     def step(*arrays):
-        return mlx_knorm.evict_and_fill(*arrays, **STEP_CONFIG, layout=layout)
+        return mlx_knorm.evict_and_fill(*arrays, **EVICT_AND_FILL_CONFIG, layout=layout)
 
-    trace_args = step_arrays(2, 6, 1, 8, 8, {}, 0)
-    defined = min(STEP_CONFIG["filled"], STEP_CONFIG["budget"]) + args[4].shape[1]
+    trace_args = evict_and_fill_call_arrays(2, 6, 1, 8, 8, {}, 0)
+    defined = min(EVICT_AND_FILL_CONFIG["filled"], EVICT_AND_FILL_CONFIG["budget"]) + args[4].shape[1]
     check_all_modes(step, trace_args, args, backend, defined=defined)
 
 
-def payload_step_shapes(n_rows, slots, n_new, key_dim, value_dim):
+def evict_and_fill_payload_shapes(n_rows, slots, n_new, key_dim, value_dim):
     """A quantized-style step: keys as (packed, scales), float values, the
     new rows' norms given, valid ranges."""
     return [
@@ -188,8 +162,8 @@ PAYLOAD_DTYPES = [mx.uint32, mx.float16, mx.float16, mx.float32, mx.int32,
                   mx.uint32, mx.float16, mx.float16, mx.float32, mx.int32]
 
 
-def payload_step_arrays(n_rows, slots, n_new, key_dim, value_dim, shape_changes, seed):
-    shapes = payload_step_shapes(n_rows, slots, n_new, key_dim, value_dim)
+def evict_and_fill_payload_call_arrays(n_rows, slots, n_new, key_dim, value_dim, shape_changes, seed):
+    shapes = evict_and_fill_payload_shapes(n_rows, slots, n_new, key_dim, value_dim)
     shapes = [shape_changes.get(i, shape) for i, shape in enumerate(shapes)]
     rng = np.random.default_rng(seed)
     arrays = [mx.array(rng.integers(-1, 12, size=shape).astype(np.float32)).astype(dtype)
@@ -200,16 +174,16 @@ def payload_step_arrays(n_rows, slots, n_new, key_dim, value_dim, shape_changes,
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @settings(EMULATOR_SETTINGS)
-@given(args=drawn_calls(payload_step_shapes, payload_step_arrays), layout=st.sampled_from(["slots", "temporal"]))
-def test_payload_step_with_ranges_agrees_under_compile(backend, args, layout):
+@given(args=drawn_calls(evict_and_fill_payload_shapes, evict_and_fill_payload_call_arrays), layout=st.sampled_from(["slots", "temporal"]))
+def test_evict_and_fill_payloads_with_ranges_agree_under_compile(backend, args, layout):
     def step(*a):
         keys, values, norms, positions = mlx_knorm.evict_and_fill(
-            (a[0], a[1]), a[2], a[3], a[4], (a[5], a[6]), a[7], **STEP_CONFIG, layout=layout,
+            (a[0], a[1]), a[2], a[3], a[4], (a[5], a[6]), a[7], **EVICT_AND_FILL_CONFIG, layout=layout,
             new_norms=a[8], valid=a[9])
         return [*keys, values, norms, positions]
 
-    trace_args = payload_step_arrays(2, 6, 1, 8, 8, {}, 0)
-    defined = min(STEP_CONFIG["filled"], STEP_CONFIG["budget"]) + args[5].shape[1]
+    trace_args = evict_and_fill_payload_call_arrays(2, 6, 1, 8, 8, {}, 0)
+    defined = min(EVICT_AND_FILL_CONFIG["filled"], EVICT_AND_FILL_CONFIG["budget"]) + args[5].shape[1]
     check_all_modes(step, trace_args, args, backend, defined=defined)
 
 
@@ -226,32 +200,32 @@ def test_key_norms_agree_under_compile(backend, shape, dim, seed):
     check_all_modes(norms, [mx.ones((2, 8))], [keys], backend)
 
 
-def test_replay_with_wider_values_writes_inside_its_buffers():
+def test_protected_topk_gather_replay_with_wider_values_writes_inside_its_buffers():
     """Traced with D_v = D_k, replayed with D_v = 8 * D_k: the values output
     takes the values' width (it once took the keys' and overflowed)."""
     op = mx.compile(gather, shapeless=True)
-    mx.eval(op(*gather_arrays(2, 4, 1, 8, 8, {}, 0)))
-    args = gather_arrays(2, 40, 1, 8, 64, {}, 1)
+    mx.eval(op(*protected_topk_gather_call_arrays(2, 4, 1, 8, 8, {}, 0)))
+    args = protected_topk_gather_call_arrays(2, 40, 1, 8, 64, {}, 1)
     got = op(*args)
     want = gather(*args)
     for g, w in zip(got, want):
         assert_bitwise_equal(g, w, "replay")
 
 
-def test_replay_with_short_norms_raises():
+def test_protected_topk_gather_replay_with_short_norms_raises():
     """Norms [2, 4] beside keys [2, 4000, 8] would be read past their end."""
     op = mx.compile(gather, shapeless=True)
-    mx.eval(op(*gather_arrays(2, 4, 1, 8, 8, {}, 0)))
-    args = gather_arrays(2, 4000, 1, 8, 8, {2: (2, 4)}, 1)
+    mx.eval(op(*protected_topk_gather_call_arrays(2, 4, 1, 8, 8, {}, 0)))
+    args = protected_topk_gather_call_arrays(2, 4000, 1, 8, 8, {2: (2, 4)}, 1)
     with pytest.raises(ValueError, match=r"prior_norms must be \[N, n_prior\]"):
         mx.eval(op(*args))
 
 
-def test_step_replay_with_short_positions_raises():
+def test_evict_and_fill_replay_with_short_positions_raises():
     """Positions [2, 4] beside buffers of 4000 slots would be read past their end."""
-    op = mx.compile(lambda *a: mlx_knorm.evict_and_fill(*a, **STEP_CONFIG, layout="slots"), shapeless=True)
-    mx.eval(op(*step_arrays(2, 6, 1, 8, 8, {}, 0)))
-    args = step_arrays(2, 4000, 1, 8, 8, {3: (2, 4)}, 1)
+    op = mx.compile(lambda *a: mlx_knorm.evict_and_fill(*a, **EVICT_AND_FILL_CONFIG, layout="slots"), shapeless=True)
+    mx.eval(op(*evict_and_fill_call_arrays(2, 6, 1, 8, 8, {}, 0)))
+    args = evict_and_fill_call_arrays(2, 4000, 1, 8, 8, {3: (2, 4)}, 1)
     with pytest.raises(ValueError, match=r"positions must be \[N, C\]"):
         mx.eval(op(*args))
 
@@ -275,22 +249,22 @@ def test_emulator_replay_past_its_key_width_raises():
 
 def transform_cases():
     rng = np.random.default_rng(7)
-    gather_in = gather_arrays(2, 5, 2, 8, 8, {}, 1)
-    step_in = step_arrays(2, 6, 1, 8, 8, {}, 2)
-    payload_in = payload_step_arrays(2, 6, 1, 8, 8, {}, 3)
+    gather_in = protected_topk_gather_call_arrays(2, 5, 2, 8, 8, {}, 1)
+    step_in = evict_and_fill_call_arrays(2, 6, 1, 8, 8, {}, 2)
+    payload_in = evict_and_fill_payload_call_arrays(2, 6, 1, 8, 8, {}, 3)
     keys = mx.array(rng.standard_normal((2, 3, 8)).astype(np.float32))
 
     def payload_step(new_norms):
         # Through the given norms of a tuple-form step with valid ranges.
         a = payload_in
         return mlx_knorm.evict_and_fill(
-            (a[0], a[1]), a[2], a[3], a[4], (a[5], a[6]), a[7], **STEP_CONFIG,
+            (a[0], a[1]), a[2], a[3], a[4], (a[5], a[6]), a[7], **EVICT_AND_FILL_CONFIG,
             new_norms=new_norms, valid=a[9])[2]
 
     return {
         "key_norms": (lambda k: norms(k), [keys]),
         "protected_topk_gather": (lambda k: gather(k, *gather_in[1:])[0], [gather_in[0]]),
-        "evict_and_fill": (lambda k: mlx_knorm.evict_and_fill(k, *step_in[1:], **STEP_CONFIG)[0], [step_in[0]]),
+        "evict_and_fill": (lambda k: mlx_knorm.evict_and_fill(k, *step_in[1:], **EVICT_AND_FILL_CONFIG)[0], [step_in[0]]),
         "evict_and_fill payloads": (payload_step, [payload_in[8]]),
     }
 

@@ -30,7 +30,7 @@ def good(n=2, n_prior=5, s=3, d=8, dtype=mx.float16):
     )
 
 
-SHAPE_ERRORS = [
+PROTECTED_TOPK_GATHER_SHAPE_ERRORS = [
     (dict(new_values=mx.ones((2, 4, 8), mx.float16)), "keys/values mismatch in N or rows"),
     (dict(prior_values=mx.ones((2, 4, 8), mx.float16)), "keys/values mismatch in N or rows"),
     (dict(prior_values=mx.ones((2, 5, 7), mx.float16)), "prior vs new mismatch in N or D"),
@@ -50,7 +50,7 @@ SHAPE_ERRORS = [
     ({**good(n=0), "prior_values": mx.zeros((0, 5, 2**29)), "new_values": mx.zeros((0, 3, 2**29))},
      "prior_values has rows of 2147483648 bytes"),
 ]
-TYPE_ERRORS = [
+PROTECTED_TOPK_GATHER_TYPE_ERRORS = [
     (dict(new_keys=mx.ones((2, 3, 8), mx.int32)), "new_keys must be float16, bfloat16 or float32"),
     (dict(prior_values=mx.zeros((2, 5, 8), mx.uint8)), "prior_values must be float16"),
     (dict(prior_norms=mx.zeros((2, 5), mx.float16)), "prior_norms must be float32"),
@@ -65,26 +65,26 @@ TYPE_ERRORS = [
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-@pytest.mark.parametrize("change, fragment", SHAPE_ERRORS)
-def test_value_errors(backend, change, fragment):
+@pytest.mark.parametrize("change, fragment", PROTECTED_TOPK_GATHER_SHAPE_ERRORS)
+def test_protected_topk_gather_value_errors(backend, change, fragment):
     with mlx_knorm.use_backend(backend), pytest.raises(ValueError, match=re.escape(fragment)):
         mlx_knorm.knorm_update_batched(**{**good(), **change})
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-@pytest.mark.parametrize("change, fragment", TYPE_ERRORS)
-def test_type_errors(backend, change, fragment):
+@pytest.mark.parametrize("change, fragment", PROTECTED_TOPK_GATHER_TYPE_ERRORS)
+def test_protected_topk_gather_type_errors(backend, change, fragment):
     with mlx_knorm.use_backend(backend), pytest.raises(TypeError, match=fragment):
         mlx_knorm.knorm_update_batched(**{**good(), **change})
 
 
-def test_messages_name_the_shapes():
+def test_protected_topk_gather_messages_name_the_shapes():
     with pytest.raises(ValueError, match=r"new_keys \[2, 3, 8\] vs new_values \[2, 4, 8\]"):
         mlx_knorm.knorm_update_batched(**{**good(), "new_values": mx.ones((2, 4, 8), mx.float16)})
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-def test_empty_blocks_are_valid(backend):
+def test_protected_topk_gather_empty_blocks_are_valid(backend):
     with mlx_knorm.use_backend(backend):
         keys, values, norms = mlx_knorm.knorm_update_batched(**good(n_prior=0, s=0))
         assert keys.shape == (2, 0, 8) and norms.shape == (2, 0)
@@ -93,7 +93,7 @@ def test_empty_blocks_are_valid(backend):
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-def test_numpy_integers_are_converted_before_any_arithmetic(backend):
+def test_protected_topk_gather_converts_numpy_integers_before_any_arithmetic(backend):
     """np.uint8(200) + np.uint8(100) wraps to 44; the checks must see 300."""
     with mlx_knorm.use_backend(backend), pytest.raises(ValueError, match=r"n_sink \(200\) \+ recent \(100\)"):
         mlx_knorm.knorm_update_batched(
@@ -116,7 +116,7 @@ def test_protected_topk_gather_names_missing_norms(backend):
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-def test_keys_and_values_may_differ_in_width(backend):
+def test_protected_topk_gather_keys_and_values_may_differ_in_width(backend):
     """Multi-head latent attention stores keys of dim 192 beside values of dim 128."""
     a = good()
     a["prior_values"] = mx.zeros((2, 5, 3), mx.float16)
@@ -128,7 +128,7 @@ def test_keys_and_values_may_differ_in_width(backend):
 
 def test_protected_topk_gather_requires_matching_dtypes():
     args = good()
-    with pytest.raises(TypeError, match="new_keys dtype float32 must equal prior dtype float16"):
+    with pytest.raises(TypeError, match="new_keys dtype float32 must equal prior_keys dtype float16"):
         mlx_knorm.protected_topk_gather(
             args["prior_keys"], args["prior_values"], args["prior_norms"],
             args["new_keys"].astype(mx.float32), args["new_values"], mx.zeros((2, 3)),
@@ -213,7 +213,7 @@ def good_step(n=2, slots=6, s=1, d=8, dtype=mx.float16):
     )
 
 
-STEP_VALUE_ERRORS = [
+EVICT_AND_FILL_VALUE_ERRORS = [
     (dict(values=mx.zeros((2, 5, 3))), "keys/values mismatch in N or rows: keys [2, 6, 8] vs values [2, 5, 3]"),
     (dict(new_values=mx.ones((2, 2, 3))), "keys/values mismatch in N or rows"),
     (dict(new_keys=mx.ones((3, 1, 8), mx.float16), new_values=mx.ones((3, 1, 3))),
@@ -268,7 +268,7 @@ STEP_VALUE_ERRORS = [
                      mx.zeros((0, 1, 2**30), mx.int16))},
      "values[2] has rows of 2147483648 bytes"),
 ]
-STEP_DTYPE_ERRORS = [
+EVICT_AND_FILL_DTYPE_ERRORS = [
     (dict(positions=mx.zeros((2, 6))), "positions must be int32, got float32"),
     (dict(norms=mx.zeros((2, 6), mx.float16)), "norms must be float32, got float16"),
     (dict(keys=mx.zeros((2, 6, 8), mx.int32)), "keys must be float16, bfloat16 or float32"),
@@ -285,7 +285,7 @@ STEP_DTYPE_ERRORS = [
     (dict(new_keys=mx.ones((2, 1, 8))), "new_keys dtype float32 must equal keys dtype float16"),
     (dict(new_values=mx.ones((2, 1, 3), mx.bfloat16)), "new_values dtype bfloat16 must equal values dtype float32"),
 ]
-STEP_TYPE_ERRORS = STEP_DTYPE_ERRORS + [
+EVICT_AND_FILL_TYPE_ERRORS = EVICT_AND_FILL_DTYPE_ERRORS + [
     (dict(filled=6.0), "filled must be an int, got float"),
     (dict(offset=None), "offset must be an int, got NoneType"),
     (dict(capacity=np.array(6)), "capacity must be an int, got ndarray"),
@@ -302,15 +302,15 @@ STEP_TYPE_ERRORS = STEP_DTYPE_ERRORS + [
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-@pytest.mark.parametrize("change, fragment", STEP_VALUE_ERRORS)
-def test_step_value_errors(backend, change, fragment):
+@pytest.mark.parametrize("change, fragment", EVICT_AND_FILL_VALUE_ERRORS)
+def test_evict_and_fill_value_errors(backend, change, fragment):
     with mlx_knorm.use_backend(backend), pytest.raises(ValueError, match=re.escape(fragment)):
         mlx_knorm.evict_and_fill(**{**good_step(), **change})
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-@pytest.mark.parametrize("change, fragment", STEP_TYPE_ERRORS)
-def test_step_type_errors(backend, change, fragment):
+@pytest.mark.parametrize("change, fragment", EVICT_AND_FILL_TYPE_ERRORS)
+def test_evict_and_fill_type_errors(backend, change, fragment):
     with mlx_knorm.use_backend(backend), pytest.raises(TypeError, match=re.escape(fragment)):
         mlx_knorm.evict_and_fill(**{**good_step(), **change})
 
@@ -318,9 +318,9 @@ def test_step_type_errors(backend, change, fragment):
 @pytest.mark.skipif(_native.ext is None, reason="the native extension is not loaded")
 @pytest.mark.parametrize(
     "change, fragment, error",
-    [(c, f, ValueError) for c, f in STEP_VALUE_ERRORS] + [(c, f, TypeError) for c, f in STEP_DTYPE_ERRORS],
+    [(c, f, ValueError) for c, f in EVICT_AND_FILL_VALUE_ERRORS] + [(c, f, TypeError) for c, f in EVICT_AND_FILL_DTYPE_ERRORS],
 )
-def test_step_primitive_checks_its_own_inputs(change, fragment, error):
+def test_evict_and_fill_primitive_checks_its_own_inputs(change, fragment, error):
     """The binding is reachable from Python and shapeless compilation skips
     the Python checks: the primitive raises the same errors itself."""
     args = {**good_step(), **change}
@@ -329,7 +329,7 @@ def test_step_primitive_checks_its_own_inputs(change, fragment, error):
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-def test_failed_step_leaves_buffers_untouched(backend):
+def test_evict_and_fill_failure_leaves_buffers_untouched(backend):
     args = good_step()
     args["keys"] = mx.arange(2 * 6 * 8, dtype=mx.float16).reshape(2, 6, 8)
     before = np.array(args["keys"])
@@ -345,15 +345,15 @@ def test_failed_step_leaves_buffers_untouched(backend):
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize(
     "change, fragment, error",
-    [(c, f, ValueError) for c, f in STEP_VALUE_ERRORS] + [(c, f, TypeError) for c, f in STEP_DTYPE_ERRORS],
+    [(c, f, ValueError) for c, f in EVICT_AND_FILL_VALUE_ERRORS] + [(c, f, TypeError) for c, f in EVICT_AND_FILL_DTYPE_ERRORS],
 )
-def test_unchecked_step_refuses_what_the_primitive_refuses(backend, change, fragment, error):
+def test_unchecked_evict_and_fill_refuses_what_the_primitive_refuses(backend, change, fragment, error):
     args = {**good_step(), **change}
     with mlx_knorm.use_backend(backend), pytest.raises(error, match=re.escape(fragment)):
         mx.eval(evict_and_fill_unchecked(**args))
 
 
-UNCHECKED_GATHER_ERRORS = [
+UNCHECKED_PROTECTED_TOPK_GATHER_ERRORS = [
     (dict(new_values=mx.ones((2, 4, 8), mx.float16)), ValueError, "keys/values mismatch in N or rows"),
     (dict(prior_values=mx.ones((2, 5, 7), mx.float16)), ValueError, "prior vs new mismatch in N or D"),
     (dict(prior_norms=mx.zeros((2, 4))), ValueError, "prior_norms must be [N, n_prior]"),
@@ -367,8 +367,8 @@ UNCHECKED_GATHER_ERRORS = [
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-@pytest.mark.parametrize("change, error, fragment", UNCHECKED_GATHER_ERRORS)
-def test_unchecked_gather_refuses_what_the_primitive_refuses(backend, change, error, fragment):
+@pytest.mark.parametrize("change, error, fragment", UNCHECKED_PROTECTED_TOPK_GATHER_ERRORS)
+def test_unchecked_protected_topk_gather_refuses_what_the_primitive_refuses(backend, change, error, fragment):
     args = {**good(), "new_norms": mx.zeros((2, 3)), **change}
     order = ("prior_keys", "prior_values", "prior_norms", "new_keys", "new_values", "new_norms",
              "budget", "n_sink", "recent", "keep")

@@ -48,16 +48,22 @@ struct StagedArray {
 struct Staging {
   std::vector<StagedArray> staged;
 
-  // An output that is its input's buffer (in place) shares the input's copy.
-  StagedArray& stage(const mx::array& a) {
+  // An output that is its input's buffer (in place) shares the input's
+  // copy. Inputs that are views of one buffer from its start but of other
+  // sizes (a block sliced from the cache's rows, norms from a longer array)
+  // get a copy each: they are only read. An output never aliases an array
+  // of another size (the op donates whole buffers only).
+  StagedArray& stage(const mx::array& a, bool output) {
     char* data = const_cast<char*>(a.data<char>());
     const size_t bytes = a.nbytes();
     for (StagedArray& s : staged) {
       if (s.data == data && bytes > 0) {
-        if (s.bytes != bytes) {
-          throw std::logic_error("metal emulator: arrays share data but differ in size");
+        if (s.bytes == bytes) {
+          return s;
         }
-        return s;
+        if (output || s.output) {
+          throw std::logic_error("metal emulator: an output shares data with an array of another size");
+        }
       }
     }
     const size_t pad = static_cast<size_t>(a.offset()) % kBufferAlignment;
@@ -99,11 +105,11 @@ struct EmulatorBinder {
 
   void input(int idx, const mx::array& a, const std::string& element) {
     check_marked(idx, &a, false);
-    buffers[idx] = {staging.stage(a).bound, element, EmulatedBuffer::Access::Read};
+    buffers[idx] = {staging.stage(a, false).bound, element, EmulatedBuffer::Access::Read};
   }
   void output(int idx, mx::array& a, const std::string& element) {
     check_marked(idx, &a, false);
-    StagedArray& s = staging.stage(a);
+    StagedArray& s = staging.stage(a, true);
     s.output = true;
     buffers[idx] = {s.bound, element, EmulatedBuffer::Access::Write};
   }

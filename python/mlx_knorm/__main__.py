@@ -1,4 +1,4 @@
-"""Command line: ``python -m mlx_knorm [bench | info | eval | demo | convert | fetch | generate | chat | cache-prompt | server]``.
+"""Command line: ``python -m mlx_knorm [bench | info | eval | needle | demo | convert | fetch | generate | chat | cache-prompt | server]``.
 
 With no command it runs the quick benchmark suite. ``generate``, ``chat``,
 ``cache-prompt`` and ``server`` are mlx-lm's commands with eviction caches

@@ -44,10 +44,11 @@ share it across layers. Every ``L2NormKVCache`` of a model holds the same
 row count, so they agree; a model that asks for an array mask
 (``return_array=True``, e.g. gemma2, deepseek_v3) would apply it to a
 ``skip_layers`` layer, whose row count differs once eviction starts, so
-``make_knorm_cache`` refuses ``skip_layers`` for such models. There is no
-``merge``, so mlx-lm's ``BatchGenerator`` (and ``mlx_lm.server`` batching)
-does not batch these caches; batches built by the caller (``[B, S]``
-inputs) are supported.
+``make_knorm_cache`` refuses ``skip_layers`` for such models.
+``L2NormKVCache.merge`` gives ``BatchL2NormKVCache`` (mlx_knorm.batch_cache),
+so mlx-lm's ``BatchGenerator``, ``batch_generate`` and server batch these
+caches with eviction per sequence; batches built by the caller (``[B, S]``
+inputs, every sequence the same length) work on the plain cache too.
 
 ``L2NormKVCache.to_quantized`` gives ``QuantizedL2NormKVCache``, the same
 cache with its rows in MLX's affine quantization (mlx-lm's ``kv_bits``):
@@ -68,15 +69,12 @@ from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
 from .cache_state import StateError, check_block, check_state, parse_meta_state
+from .defaults import (DEFAULT_BUDGET, DEFAULT_KEEP, DEFAULT_LAYOUT, DEFAULT_N_SINK, DEFAULT_RECENT,
+                       DEFAULT_SKIP_LAYERS, default_recent)
 from .ops.evict_and_fill import check_layout, evict_and_fill_unchecked
 from .ops.key_norms import key_norms_unchecked
 from .validation import check_config, check_int
 
-DEFAULT_BUDGET = 512
-DEFAULT_N_SINK = 4
-DEFAULT_RECENT = 0
-DEFAULT_KEEP = "low"
-DEFAULT_LAYOUT = "slots"
 # Slots added at a time while the cache fills, as KVCache grows.
 GROWTH_STEP = 256
 # The longest block a linked cache attends to as single steps would
@@ -107,6 +105,17 @@ def segment_mask(lengths: list[int]) -> mx.array:
     starts = ends - mx.array(lengths, mx.int32)
     column = mx.arange(sum(lengths), dtype=mx.int32)
     return (column >= starts[:, None]) & (column < ends[:, None])
+
+
+def step_capacity(needed: int, current: int, budget: int) -> int:
+    """Slots for a step's output buffers (docs/spec.md §8): the current ones
+    when they fit and are not larger than a decode step at the budget needs
+    (then the step can run in place), else ``needed`` rounded up to
+    ``GROWTH_STEP``, capped there."""
+    most = max(needed, budget + 1)
+    if needed <= current <= most:
+        return current
+    return min(-(-needed // GROWTH_STEP) * GROWTH_STEP, most)
 
 
 def _storage_dtype(keys: mx.array, values: mx.array) -> mx.Dtype:
@@ -270,14 +279,7 @@ class L2NormCacheBase(_BaseCache):
         return joined(0), joined(1)
 
     def _capacity(self, needed: int, current: int) -> int:
-        """Slots for the next buffers: the current ones when they fit and are
-        not larger than a decode step at the budget needs (then the step can
-        run in place), else ``needed`` rounded up to ``GROWTH_STEP``, capped
-        there."""
-        most = max(needed, self.budget + 1)
-        if needed <= current <= most:
-            return current
-        return min(-(-needed // GROWTH_STEP) * GROWTH_STEP, most)
+        return step_capacity(needed, current, self.budget)
 
     def _occupied(self, rows):
         """Slots ``[0, filled)`` of ``[B, H, capacity, D]`` buffers (views)."""
@@ -530,9 +532,9 @@ class L2NormKVCache(L2NormCacheBase):
     slots ``[0, filled)`` are occupied, in storage order. ``state`` and
     ``positions`` give the kept rows in temporal order. ``trim`` removes the
     newest tokens exactly or refuses (``trimmable()``); ``to_quantized``
-    gives the quantized cache that mlx-lm's ``kv_bits`` asks for. Not
-    mergeable into mlx-lm's batch caches: it defines no ``merge``, so
-    mlx-lm's server does not batch it.
+    gives the quantized cache that mlx-lm's ``kv_bits`` asks for;
+    ``merge`` gives the batch cache that mlx-lm's ``BatchGenerator`` asks
+    for.
     """
 
     def __init__(
@@ -560,6 +562,15 @@ class L2NormKVCache(L2NormCacheBase):
     def _new_rows(self, keys, values, dtype):
         # The step takes the norms from the stored keys itself (docs/spec.md §4).
         return keys.astype(dtype), values.astype(dtype), None
+
+    @classmethod
+    def merge(cls, caches) -> "BatchL2NormKVCache":
+        """One ``BatchL2NormKVCache`` of single-sequence caches of one
+        configuration (docs/spec.md §8, batches): what mlx-lm's
+        ``BatchGenerator`` and server call to batch a layer."""
+        from .batch_cache import BatchL2NormKVCache
+
+        return BatchL2NormKVCache.merge(caches)
 
     def to_quantized(self, group_size: int = 64, bits: int = 4) -> "QuantizedL2NormKVCache":
         """This cache with its stored rows in MLX's affine quantization, as
@@ -623,6 +634,15 @@ class QuantizedL2NormKVCache(L2NormCacheBase):
     def _extra(self) -> tuple:
         return self.group_size, self.bits
 
+    @classmethod
+    def merge(cls, caches):
+        """Refused: there is no quantized batch cache. Defined so that
+        mlx-lm's ``BatchGenerator`` reports this instead of falling back."""
+        raise ValueError(
+            "mlx_knorm: QuantizedL2NormKVCache cannot be batched (no quantized batch cache); "
+            "batch L2NormKVCache caches (no kv_bits) or generate one sequence at a time"
+        )
+
     def _widths(self) -> tuple[int, int]:
         return (self.keys[1].shape[3] * self.group_size, self.values[1].shape[3] * self.group_size)
 
@@ -676,16 +696,19 @@ def make_knorm_cache(
     model: nn.Module,
     budget: int = DEFAULT_BUDGET,
     n_sink: int = DEFAULT_N_SINK,
-    recent: int = DEFAULT_RECENT,
+    recent: int | None = None,
     keep: str = DEFAULT_KEEP,
-    skip_layers: Iterable[int] = (),
+    skip_layers: Iterable[int] = DEFAULT_SKIP_LAYERS,
     layout: str = DEFAULT_LAYOUT,
 ) -> list:
     """A prompt cache for ``model`` with an ``L2NormKVCache`` per attention layer.
 
     Starts from the cache mlx-lm would build (``model.make_cache()`` where the
     model defines it, else one ``KVCache`` per layer) and replaces each plain
-    ``KVCache`` by an ``L2NormKVCache``. Layers listed in ``skip_layers`` keep
+    ``KVCache`` by an ``L2NormKVCache``. ``recent`` (rows) defaults to
+    ``default_recent(budget, n_sink)``: ``DEFAULT_RECENT_SHARE`` of the budget
+    (docs/quality.md has the evidence); ``recent=0`` is the paper's pure
+    keep-low and the reference's default. Layers listed in ``skip_layers`` keep
     a plain ``KVCache``: the paper leaves layers 0 and 1 uncompressed
     (``skip_layers=(0, 1)``), since their key norms do not predict attention.
     Layers whose model cache is something else (sliding-window
@@ -695,7 +718,9 @@ def make_knorm_cache(
     Without a plain ``KVCache`` left (no ``skip_layers``), the
     ``L2NormKVCache``s are linked by one ``MaskPlan``, so that short blocks
     attend exactly as single steps would (docs/spec.md §8): speculative
-    decoding then gives the tokens of ordinary decoding.
+    decoding then gives the tokens of ordinary decoding. The caches of a
+    model split by ``pipeline()`` are not linked: a rank cannot tell
+    whether another rank holds a ``KVCache`` layer.
 
     ``skip_layers`` needs a model that gives each layer a mask fitting its own
     row count. A model that builds one array mask from one layer's cache and
@@ -717,6 +742,9 @@ def make_knorm_cache(
     ``skip_layers``, and split by ``pipeline()``), gemma2 and deepseek_v3
     (which refuse ``skip_layers``).
     """
+    if recent is None:
+        budget, n_sink, _, keep = check_config(budget, n_sink, 0, keep)
+        recent = default_recent(budget, n_sink)
     budget, n_sink, recent, keep = check_config(budget, n_sink, recent, keep)
     layout = check_layout(layout)
     caches = _model_cache(model)
@@ -747,7 +775,10 @@ def make_knorm_cache(
         else cache
         for replace, cache in zip(compress, caches)
     ]
-    link_prompt_cache(caches)
+    # A pipeline rank sees only its own layers' caches: another rank may hold
+    # a KVCache layer, which would leave the whole model unlinked (§8).
+    if getattr(getattr(model, "model", None), "pipeline_size", 1) == 1:
+        link_prompt_cache(caches)
     return caches
 
 

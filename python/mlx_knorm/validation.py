@@ -67,6 +67,21 @@ def shape_mismatch(what: str, a_name: str, a: mx.array, b_name: str, b: mx.array
     )
 
 
+def check_same_dtype(a: mx.array, a_name: str, b: mx.array, b_name: str) -> None:
+    """``a`` has ``b``'s dtype (the primitives' ``check_same_dtype``)."""
+    if a.dtype != b.dtype:
+        raise TypeError(
+            f"mlx_knorm: {a_name} dtype {dtype_name(a.dtype)} must equal {b_name} dtype {dtype_name(b.dtype)}"
+        )
+
+
+def check_leading_axes(what: str, a_name: str, a: mx.array, b_name: str, b: mx.array, axes: int) -> None:
+    """``a`` and ``b`` agree in their first ``axes`` axes (heads, then rows),
+    else a shape mismatch naming both (the primitives' ``check_leading_axes``)."""
+    if tuple(a.shape[:axes]) != tuple(b.shape[:axes]):
+        raise shape_mismatch(what, a_name, a, b_name, b)
+
+
 def check_int(value, name: str) -> int:
     """``value`` as a Python int, the form every later check and call uses.
 

@@ -125,7 +125,7 @@ BROKEN_KERNELS = (
     # The caller's norms of the new rows dropped for zeros.
     BrokenKernel(
         "given_norms_ignored",
-        (("evict_and_fill.h", "  return given[j];\n", "  return 0.0f * given[j];\n"),),
+        (("evict_and_fill.h", "  return ((device const uint*)given)[j];\n", "  return 0u * ((device const uint*)given)[j];\n"),),
         "run",
         {"thread": ("MISMATCH: evict_and_fill case payloads output norms",)},
     ),

@@ -11,6 +11,6 @@ mlx-lm's caches, the reference's and ours.
 - ``cache_step``, ``cache_report``: the cache-step benchmark and its report;
 - ``cli``: the command line.
 
-The sweeps behind README's plot and tables are ``bench/ops.py`` and
+The sweeps behind docs/benchmarks.md's plot and tables are ``bench/ops.py`` and
 ``bench/cache_step.py`` in a checkout.
 """

@@ -2,8 +2,10 @@
 
 Besides the session's parser and loader, two of ``mlx_lm.generate``'s globals
 are replaced: ``load_prompt_cache`` (a ``--prompt-cache-file`` is checked
-before anything runs: ``prompt_cache.py``) and ``generate`` (the same call,
-then the KV memory line under mlx-lm's statistics when ``--verbose``).
+before anything runs: ``prompt_cache.py``; with ``--draft-model`` the draft's
+fresh cache is appended to it, where mlx-lm looks for it) and ``generate``
+(the same call, then the target's KV memory line under mlx-lm's statistics
+when ``--verbose``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class GenerateSession(Session):
         self.loaded_prompt_cache = None
 
     def load_prompt_cache(self, file_name, return_metadata=False):
-        cache, metadata = load_checked(self.mlx_lm_load_prompt_cache, file_name)
+        cache, metadata = load_checked(self.mlx_lm_load_prompt_cache, file_name, self.kv_quantization)
         self.prompt_cache_file, self.loaded_prompt_cache = file_name, cache
         return (cache, metadata) if return_metadata else cache
 
@@ -44,10 +46,20 @@ class GenerateSession(Session):
             check_fits_model(self.prompt_cache_file, self.loaded_prompt_cache, model,
                              model.make_cache(), self.given)
 
+    def draft_loaded(self, model) -> None:
+        # mlx-lm's speculative decoding takes the draft's layers from the
+        # prompt cache, after the target's; a file holds the target's only
+        # (mlx-lm itself then fails on an empty draft cache). The draft
+        # starts afresh on the new prompt: its guesses lack the cached
+        # context, the output (the target's tokens) does not.
+        if self.loaded_prompt_cache is not None:
+            self.loaded_prompt_cache.extend(model.make_cache())
+
     def generate(self, model, tokenizer, prompt, verbose=False, **kwargs):
         text = self.mlx_lm_generate(model, tokenizer, prompt, verbose=verbose, **kwargs)
         if verbose:
-            print(kv_memory_line(kwargs.get("prompt_cache") or self.last_cache))
+            cache = kwargs.get("prompt_cache") or self.last_cache
+            print(kv_memory_line(cache[: len(model.layers)]))  # the target's layers
         return text
 
 

@@ -2,10 +2,11 @@
 
 ``kept``: the bytes every layer's cache holds now (``nbytes``: for an
 ``L2NormKVCache`` its key, value, norm and position buffers, spare slot
-included; for mlx-lm's caches their buffers). ``full``: what the layers
-would hold had every token seen been kept, each layer's rows at the dtype
-that layer stores them in (a layer whose state does not grow with the
-context, such as a recurrent one, counts its ``nbytes`` in both).
+included, quantized rows as their packed words, scales and biases; for
+mlx-lm's caches their buffers). ``full``: what the layers would hold had
+every token seen been kept, each layer's rows as that layer stores them (a
+layer whose state does not grow with the context, such as a recurrent one,
+counts its ``nbytes`` in both).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import mlx.core as mx
 
 from mlx_lm.models.cache import RotatingKVCache
 
-from ..cache import L2NormKVCache
+from ..cache import L2NormCacheBase
 
 
 @dataclass(frozen=True)
@@ -29,16 +30,18 @@ class KVMemory:
 
 
 def _full_bytes(cache) -> int:
-    keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
-    if isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == 4:
-        batch, heads, _, key_dim = keys.shape
-        row = key_dim * keys.itemsize + values.shape[-1] * values.itemsize
+    arrays = [getattr(cache, "keys", None), getattr(cache, "values", None)]
+    # Quantized caches hold (packed, scales, biases) for each.
+    arrays = [a for x in arrays for a in (x if isinstance(x, (tuple, list)) else [x])]
+    if arrays and all(isinstance(a, mx.array) and a.ndim == 4 for a in arrays):
+        batch, heads = arrays[0].shape[:2]
+        row = sum(a.shape[3] * a.itemsize for a in arrays)
         return cache.offset * batch * heads * row
     return cache.nbytes
 
 
 def kv_memory(prompt_cache: list) -> KVMemory:
-    budgets = {c.budget for c in prompt_cache if isinstance(c, L2NormKVCache)}
+    budgets = {c.budget for c in prompt_cache if isinstance(c, L2NormCacheBase)}
     return KVMemory(
         kept_bytes=sum(c.nbytes for c in prompt_cache),
         full_bytes=sum(_full_bytes(c) for c in prompt_cache),

@@ -6,8 +6,11 @@ tampered layer raises naming the field. What no single layer can tell is
 checked here: the metadata mlx-lm's ``generate`` reads, that all layers saw
 the same tokens, and, once the model is loaded, that the file fits it (layer
 count, each layer's cache kind, heads, key and value widths, dtype) and the
-cache flags given on the command line. Every failure is a ``CommandError``
-saying why, raised before anything is generated.
+cache flags given on the command line, with ``--kv-bits`` and
+``--kv-group-size`` against a quantized file as mlx-lm checks its own. Every
+failure is a ``CommandError`` saying why, raised before anything is
+generated. The loaded eviction layers are linked again
+(``link_prompt_cache``), as ``make_knorm_cache`` links the caches it makes.
 """
 
 from __future__ import annotations
@@ -17,23 +20,26 @@ import json
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from ..cache import L2NormKVCache
+from ..cache import L2NormCacheBase, QuantizedL2NormKVCache, link_prompt_cache
 from ..validation import dtype_name
 from .session import CommandError
 
 # File layer kinds accepted where the model's cache (under our factory) has a
 # KVCache or an L2NormKVCache: the file keeps its own kind (mlx_lm.cache_prompt
-# writes KVCache or, with --kv-bits, QuantizedKVCache layers).
-_ATTENTION_KINDS = (KVCache, L2NormKVCache, QuantizedKVCache)
+# writes KVCache or, with --kv-bits, QuantizedKVCache layers; mlx-knorm
+# cache-prompt L2NormKVCache or QuantizedL2NormKVCache ones).
+_ATTENTION_KINDS = (KVCache, QuantizedKVCache, L2NormCacheBase)
 
 
 def refused(file_name: str, why: str) -> CommandError:
     return CommandError(f"refusing --prompt-cache-file {file_name}: {why}; nothing was generated")
 
 
-def load_checked(load_prompt_cache, file_name: str):
+def load_checked(load_prompt_cache, file_name: str, kv_quantization=(None, None)):
     """mlx-lm's ``load_prompt_cache(file_name, return_metadata=True)``, checked
-    as far as the file alone allows."""
+    as far as the file alone allows; ``kv_quantization``: the command line's
+    ``(--kv-bits, --kv-group-size)``, which a quantized eviction file must
+    match (mlx-lm checks its own ``QuantizedKVCache`` files so)."""
     try:
         cache, metadata = load_prompt_cache(file_name, return_metadata=True)
     except Exception as e:  # any way a file can fail to load is a refusal
@@ -51,6 +57,14 @@ def load_checked(load_prompt_cache, file_name: str):
     offsets = {c.offset for c in cache if hasattr(c, "offset")}
     if len(offsets) > 1:
         raise refused(file_name, f"its layers saw different numbers of tokens ({sorted(offsets)})")
+    bits, group_size = kv_quantization
+    for c in cache:
+        if isinstance(c, QuantizedL2NormKVCache):
+            for flag, asked, held in (("--kv-bits", bits, c.bits), ("--kv-group-size", group_size, c.group_size)):
+                if asked is not None and asked != held:
+                    raise refused(file_name, f"its layers are quantized with {flag} {held}, and the "
+                                             f"command line asks for {asked}")
+    link_prompt_cache(cache)
     return cache, metadata
 
 
@@ -58,7 +72,7 @@ def _kind(c) -> str:
     return type(c).__name__
 
 
-def _settings(c: L2NormKVCache) -> str:
+def _settings(c: L2NormCacheBase) -> str:
     return (f"budget {c.budget}, n_sink {c.n_sink}, recent {c.recent}, keep {c.keep}, "
             f"layout {c.layout}")
 
@@ -85,32 +99,46 @@ def check_fits_model(file_name: str, cache: list, model, expected: list, given: 
             _check_settings(file_name, where, saved, fresh, given)
 
 
+def _rows(c):
+    """``(B, H, D_k, D_v, dtype)`` of a KV layer's stored rows (quantized
+    ones: their widths before quantization, their scales' dtype), or None
+    (empty, or not a KV cache)."""
+    if isinstance(c, L2NormCacheBase):
+        dims = c._dims()
+        return None if dims is None else (*dims, c._storage_dtype())
+    keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+    if isinstance(c, QuantizedKVCache) and isinstance(keys, (tuple, list)):
+        return (*keys[1].shape[:2], keys[1].shape[3] * c.group_size, values[1].shape[3] * c.group_size,
+                keys[1].dtype)
+    if isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == 4:
+        return (*keys.shape[:2], keys.shape[3], values.shape[3], keys.dtype)
+    return None
+
+
 def _check_shapes(file_name: str, where: str, saved, fresh) -> None:
-    arrays = [getattr(c, name, None) for c in (saved, fresh) for name in ("keys", "values")]
-    if not all(isinstance(a, mx.array) and a.ndim == 4 for a in arrays):
-        return  # empty, quantized (tuples of arrays) or not a KV cache
-    saved_keys, saved_values, fresh_keys, fresh_values = arrays
+    saved_rows, fresh_rows = _rows(saved), _rows(fresh)
+    if saved_rows is None or fresh_rows is None:
+        return
 
-    def shape(keys, values):
-        return f"{keys.shape[0]} x {keys.shape[1]} heads, keys of {keys.shape[3]}, values of {values.shape[3]}"
+    def shape(rows):
+        return f"{rows[0]} x {rows[1]} heads, keys of {rows[2]}, values of {rows[3]}"
 
-    if (saved_keys.shape[:2], saved_keys.shape[3], saved_values.shape[3]) != (
-        fresh_keys.shape[:2], fresh_keys.shape[3], fresh_values.shape[3]
-    ):
-        raise refused(file_name, f"{where} holds {shape(saved_keys, saved_values)}; the model gives "
-                                 f"{shape(fresh_keys, fresh_values)}: it was saved for another model")
-    if isinstance(saved, L2NormKVCache) and isinstance(fresh, L2NormKVCache) and saved_keys.dtype != fresh_keys.dtype:
-        raise refused(file_name, f"{where} stores {dtype_name(saved_keys.dtype)} rows; this model's cache "
-                                 f"stores {dtype_name(fresh_keys.dtype)}: it was saved for another model")
+    if saved_rows[:4] != fresh_rows[:4]:
+        raise refused(file_name, f"{where} holds {shape(saved_rows)}; the model gives "
+                                 f"{shape(fresh_rows)}: it was saved for another model")
+    if isinstance(saved, L2NormCacheBase) and isinstance(fresh, L2NormCacheBase) and saved_rows[4] != fresh_rows[4]:
+        raise refused(file_name, f"{where} stores {dtype_name(saved_rows[4])} rows; this model's cache "
+                                 f"stores {dtype_name(fresh_rows[4])}: it was saved for another model")
 
 
 def _check_settings(file_name: str, where: str, saved, fresh, given: dict) -> None:
     flags = "the command line (" + ", ".join(f"--{f.replace('_', '-')}" for f in given) + ")"
-    if type(saved) is not type(fresh):
+    # A quantized eviction layer is the float one after --kv-bits.
+    if not (isinstance(saved, L2NormCacheBase) and isinstance(fresh, L2NormCacheBase)) and type(saved) is not type(fresh):
         raise refused(file_name, f"{where} holds a {_kind(saved)} and {flags} asks for a {_kind(fresh)}; "
                                  "drop the cache flags to use the file as it is, or make it again with "
                                  "mlx-knorm cache-prompt and those flags")
-    if isinstance(saved, L2NormKVCache):
+    if isinstance(saved, L2NormCacheBase):
         have, want = _settings(saved), _settings(fresh)
         if have != want:
             raise refused(file_name, f"{where} was made with {have} and {flags} asks for "

@@ -17,18 +17,32 @@ wrappers for the duration of ``main``:
   layer count fail there, before the response starts, as mlx-lm reports a
   failed model load) and resets the peak memory for the request's report.
 - ``LRUPromptCache``: prefix reuse keyed by model *and* cache settings, so a
-  request never continues a cache made with other settings. Each request's
+  request never continues a cache made with other settings, on
+  ``mlx_knorm.lru.LRUPromptCache`` (which trims a stored cache only by what
+  its ``trimmable()`` allows). Each request's
   cache is inserted once it is done, and then its statistics are logged as
   ``mlx_lm.generate`` prints them (from the last ``GenerationResponse``,
   which a wrapped ``stream_generate`` keeps), with the KV memory line.
 - ``scan_cache_dir``: ``/v1/models`` lists the served model even where no
   Hugging Face cache directory exists (mlx-lm's handler would fail there).
 
-Caches that cannot be trimmed are reused only when a stored sequence is a
-prefix of the new prompt (a follow-up turn: the conversation so far is the
-stored prompt plus its answer). ``L2NormKVCache`` has no ``merge``, so
-mlx-lm's server finds the model not batchable and serves one request at a
-time (``_serve_single``); once the cache can merge, mlx-lm batches it.
+- ``BatchGenerator``: mlx-lm's, timing each request it serves so that a
+  batched request's statistics are logged as a single one's are.
+
+A cached conversation is reused for a prompt that continues it (a
+follow-up turn: the conversation so far is the stored prompt plus its
+answer), or for one that leaves it only within what its caches can trim
+exactly (what no eviction has ranked yet). A draft model's cache evicts
+too, without ``skip_layers``; mlx-lm never batches requests with a draft
+model or ``--kv-bits``.
+
+Concurrent requests are batched by mlx-lm's own loop (``BatchGenerator``,
+``L2NormKVCache.merge``) when their caches can be: every layer an
+``L2NormKVCache`` (no ``skip_layers``: the model shares the first layer's
+mask), and one batch holds requests of equal cache settings only.
+``_is_batchable`` answers per request; a request with other settings waits
+for the batch to finish and then starts the next one, and one that cannot
+be batched is served alone (``_serve_single``).
 """
 
 from __future__ import annotations
@@ -36,11 +50,15 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import time
 import types
+import weakref
 
 import mlx.core as mx
 from huggingface_hub.utils import CacheNotFound
 
+from ..cache import L2NormCacheBase, L2NormKVCache
+from ..lru import LRUPromptCache as TrimAwareLRUPromptCache
 from .memory import kv_memory_line
 from .session import BUDGET_ALIAS, CACHE_FIELDS, Session, cache_config
 
@@ -52,9 +70,10 @@ streaming or not, /v1/models) with an L2-norm eviction cache per request: each
 attention layer keeps at most --budget rows per head, so memory stays fixed
 however long a conversation grows.
 
-Requests are served one at a time: mlx-lm batches only caches that can merge,
-and L2NormKVCache cannot yet, so --decode-concurrency and --prompt-concurrency
-do not apply. Other clients wait in mlx-lm's queue.
+Concurrent requests with the same cache settings are batched, each sequence
+keeping what it would keep alone (--decode-concurrency and --prompt-concurrency
+as in mlx_lm.server); requests with other settings wait for the batch, and
+caches with --skip-layers are served one at a time.
 
 A request may set its own cache with the fields "budget" (or "max_kv_size"),
 "n_sink", "recent", "keep", "skip_layers" and "layout"; the flags below are the
@@ -78,7 +97,31 @@ def request_settings(body: dict) -> dict:
 class ServerSession(Session):
     def __init__(self, cache_factory=None) -> None:
         super().__init__("server", mlx_lm_server, DESCRIPTION, cache_factory=cache_factory)
-        self.last_response = None  # of the request being served (one at a time)
+        self.last_response = None  # of the request being served alone
+        self.batch_config = None  # the cache settings of the batch being served
+        self.batch_statistics: dict[int, str] = {}  # id(finished prompt cache) -> its statistics
+        self._batchable: dict = {}  # config -> whether it batches, for the model below
+        self._batchable_model = lambda: None
+
+    def batchable(self, config, model) -> bool:
+        """Whether requests with ``config`` can be batched: every layer of
+        their cache an ``L2NormKVCache`` (or, for a baseline cache factory,
+        none an eviction cache). A cache that fails to build is served
+        alone, which reports the error."""
+        if self._batchable_model() is not model:
+            # Another model is served: its answers differ.
+            self._batchable, self._batchable_model = {}, weakref.ref(model)
+        key = config
+        if key not in self._batchable:
+            try:
+                with self.request_config(config):
+                    cache = model.make_cache()
+            except (TypeError, ValueError):
+                return False
+            ours = [isinstance(c, L2NormCacheBase) for c in cache]
+            self._batchable[key] = (all(type(c) is L2NormKVCache for c in cache) if any(ours)
+                                    else all(hasattr(c, "merge") for c in cache))
+        return self._batchable[key]
 
     def patches(self) -> dict:
         session = self
@@ -101,8 +144,28 @@ class ServerSession(Session):
         class ResponseGenerator(mlx_lm_server.ResponseGenerator):
             def __init__(self, *args, **kwargs):
                 logging.info(f"mlx-knorm: L2-norm eviction caches ({session.config.describe()}); "
-                             "requests are served one at a time (the cache cannot be batched yet)")
+                             "concurrent requests with the same cache settings are batched")
                 super().__init__(*args, **kwargs)
+
+            def generate(self, request, generation_args, *args, **kwargs):
+                # _is_batchable sees only the arguments: they carry the settings too.
+                generation_args.mlx_knorm_cache = getattr(request, "mlx_knorm_cache", None)
+                return super().generate(request, generation_args, *args, **kwargs)
+
+            def _is_batchable(self, args):
+                config = getattr(args, "mlx_knorm_cache", None) or session.config
+                model = self.model_provider.model
+                if not super()._is_batchable(args) or model is None or not session.batchable(config, model):
+                    return False
+                if session.batch_config is None:
+                    session.batch_config = config
+                if config != session.batch_config:
+                    return False
+                # The caches the batch builds, and the prompt cache's keys, take
+                # the batch's settings (this is the generation thread).
+                session._request.config = config
+                session.last_response = None
+                return True
 
             def _serve_single(self, request, stream):
                 rqueue, completion, _ = request
@@ -116,12 +179,23 @@ class ServerSession(Session):
                     mx.reset_peak_memory()
                     super()._serve_single(request, stream)
 
-        class LRUPromptCache(mlx_lm_server.LRUPromptCache):
+        class ModelProvider(mlx_lm_server.ModelProvider):
+            def _load(self, model_path, adapter_path=None, draft_model_path=None):
+                session.loading_models(draft_model_path)
+                super()._load(model_path, adapter_path, draft_model_path)
+
+        class LRUPromptCache(TrimAwareLRUPromptCache):
             def fetch_nearest_cache(self, model, tokens):
                 return super().fetch_nearest_cache((model, session.current_config()), tokens)
 
             def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
-                logging.info(f"{session.statistics()}; {kv_memory_line(prompt_cache)}")
+                # A finished request's cache (a batch also stores the caches
+                # of its prompts' segments, which are not logged); the
+                # target's layers (a draft model's follow them; drafts are
+                # never batched).
+                if id(prompt_cache) in session.batch_statistics or session.batch_config is None:
+                    target = prompt_cache[: len(session.last_cache or prompt_cache)]
+                    logging.info(f"{session.statistics(prompt_cache)}; {kv_memory_line(target)}")
                 super().insert_cache((model, session.current_config()), tokens, prompt_cache,
                                      cache_type=cache_type)
 
@@ -132,6 +206,50 @@ class ServerSession(Session):
             for response in generate(*args, **kwargs):
                 session.last_response = response
                 yield response
+
+        class BatchGenerator(mlx_lm_server.BatchGenerator):
+            """mlx-lm's, timing each request from its insertion: prompt
+            tokens/s to its first token, generation tokens/s after it."""
+
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                session.batch_config = None
+                self._mlx_knorm_timing = {}  # uid -> [prompt tokens, inserted, first token, tokens]
+
+            def insert_segments(self, segments, *args, **kwargs):
+                uids = super().insert_segments(segments, *args, **kwargs)
+                now = time.perf_counter()
+                for uid, seq in zip(uids, segments):
+                    self._mlx_knorm_timing[uid] = [sum(len(s) for s in seq), now, None, 0]
+                logging.info(f"mlx-knorm: batching {len(self._mlx_knorm_timing)} requests "
+                             f"({session.current_config().describe()})")
+                return uids
+
+            def next(self):
+                prompt_responses, generation_responses = super().next()
+                now = time.perf_counter()
+                for r in generation_responses:
+                    timing = self._mlx_knorm_timing.get(r.uid)
+                    if timing is None:
+                        continue
+                    if timing[2] is None:
+                        timing[2] = now
+                    timing[3] += 1
+                    if r.finish_reason is not None:
+                        prompt_tokens, inserted, first, tokens = self._mlx_knorm_timing.pop(r.uid)
+                        session.batch_statistics[id(r.prompt_cache)] = session.statistics_line(
+                            prompt_tokens, prompt_tokens / max(first - inserted, 1e-9),
+                            tokens, (tokens - 1) / (now - first) if tokens > 1 else 0.0)
+                return prompt_responses, generation_responses
+
+            def remove(self, uids, *args, **kwargs):
+                for uid in uids:
+                    self._mlx_knorm_timing.pop(uid, None)
+                return super().remove(uids, *args, **kwargs)
+
+            def close(self):
+                session.batch_config = None
+                super().close()
 
         scan = mlx_lm_server.scan_cache_dir
 
@@ -144,19 +262,33 @@ class ServerSession(Session):
         return {
             "_run_http_server": functools.partial(mlx_lm_server._run_http_server, handler_class=APIHandler),
             "ResponseGenerator": ResponseGenerator,
+            "ModelProvider": ModelProvider,
             "LRUPromptCache": LRUPromptCache,
             "scan_cache_dir": scan_cache_dir,
             "stream_generate": stream_generate,
+            "BatchGenerator": BatchGenerator,
         }
 
-    def statistics(self) -> str:
-        """The finished request's statistics, as ``mlx_lm.generate`` prints them."""
+    def statistics(self, prompt_cache=None) -> str:
+        """The finished request's statistics, as ``mlx_lm.generate`` prints
+        them: a batched request's (by its prompt cache), else the latest
+        request served alone."""
+        batched = self.batch_statistics.pop(id(prompt_cache), None)
+        if batched is not None:
+            return batched
         r = self.last_response
-        peak = f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB"
         if r is None:
-            return peak
-        return (f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec; "
-                f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec; {peak}")
+            return self.peak_memory()
+        return self.statistics_line(r.prompt_tokens, r.prompt_tps, r.generation_tokens, r.generation_tps)
+
+    def statistics_line(self, prompt_tokens, prompt_tps, generation_tokens, generation_tps) -> str:
+        return (f"Prompt: {prompt_tokens} tokens, {prompt_tps:.3f} tokens-per-sec; "
+                f"Generation: {generation_tokens} tokens, {generation_tps:.3f} tokens-per-sec; "
+                f"{self.peak_memory()}")
+
+    @staticmethod
+    def peak_memory() -> str:
+        return f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB"
 
 
 def main(argv: list[str], cache_factory=None) -> int:

@@ -13,6 +13,13 @@ duration of the call (``patched``):
   ``install_cache`` with this session's factory, so every cache mlx-lm
   builds for the model is ``make_knorm_cache(model, ...)``;
 - whatever the command itself needs to report memory (its module says).
+
+mlx-lm's ``--kv-bits`` converts these caches as it converts ``KVCache``
+(``L2NormKVCache.to_quantized``), and ``--draft-model`` runs speculative
+decoding on them (exact trims, exact verify blocks: docs/spec.md §8). A
+draft model's cache takes the session's settings without ``skip_layers``:
+those are the target's layer indices, and a draft whose trims are refused
+must refuse them in every layer alike.
 """
 
 from __future__ import annotations
@@ -23,17 +30,12 @@ import sys
 import textwrap
 import threading
 import types
+import weakref
 from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
-from ..cache import (
-    DEFAULT_BUDGET,
-    DEFAULT_KEEP,
-    DEFAULT_LAYOUT,
-    DEFAULT_N_SINK,
-    DEFAULT_RECENT,
-    make_knorm_cache,
-)
+from ..cache import make_knorm_cache
+from ..defaults import DEFAULT_BUDGET, DEFAULT_KEEP, DEFAULT_LAYOUT, DEFAULT_N_SINK, DEFAULT_RECENT_SHARE, default_recent
 from ..ops.evict_and_fill import LAYOUTS, check_layout
 from ..validation import KEEP_CHOICES, check_config, check_int
 from .loading import install_cache, load_model
@@ -43,14 +45,13 @@ from .loading import install_cache, load_model
 CACHE_FIELDS = ("budget", "n_sink", "recent", "keep", "skip_layers", "layout")
 # mlx-lm's name for a bounded cache; here the same setting as --budget.
 BUDGET_ALIAS = "max_kv_size"
-# mlx-lm flags (by dest) that cannot work with eviction caches yet, and why;
-# a command given one stops at parse time.
-UNSUPPORTED = {
-    "kv_bits": "L2NormKVCache has no quantized form (no to_quantized), so mlx-lm would leave "
-               "its layers at full precision; drop --kv-bits",
-    "draft_model": "speculative decoding rewinds the cache after rejected drafts, and an "
-                   "evicting cache cannot rewind (evicted rows are gone); drop --draft-model",
-}
+
+
+# Why speculative output is exact only without skip_layers (docs/commands.md).
+SKIP_LAYERS_WITH_DRAFT = (
+    "with --skip-layers the target's layers cannot attend a verify block as single steps "
+    "would (its KVCache layers share the block's mask), so once a prompt passes the budget "
+    "--draft-model's output can differ from the output without a draft")
 
 
 class CommandError(Exception):
@@ -64,13 +65,14 @@ class CacheConfig:
 
     budget: int = DEFAULT_BUDGET
     n_sink: int = DEFAULT_N_SINK
-    recent: int = DEFAULT_RECENT
+    # None: make_knorm_cache's default window for the budget and n_sink.
+    recent: int | None = None
     keep: str = DEFAULT_KEEP
     skip_layers: tuple[int, ...] = ()
     layout: str = DEFAULT_LAYOUT
 
     def __post_init__(self) -> None:
-        check_config(self.budget, self.n_sink, self.recent, self.keep)
+        check_config(self.budget, self.n_sink, self.window, self.keep)
         check_layout(self.layout)
         if not isinstance(self.skip_layers, (tuple, list)):
             raise TypeError(
@@ -78,12 +80,19 @@ class CacheConfig:
         object.__setattr__(self, "skip_layers",
                            tuple(check_int(i, "skip_layers entry") for i in self.skip_layers))
 
+    @property
+    def window(self) -> int:
+        """The recent window the cache protects."""
+        if self.recent is None:
+            return default_recent(check_int(self.budget, "budget"), check_int(self.n_sink, "n_sink"))
+        return self.recent
+
     def make_cache(self, model) -> list:
-        return make_knorm_cache(model, **asdict(self))
+        return make_knorm_cache(model, **{**asdict(self), "recent": self.window})
 
     def describe(self) -> str:
         skip = ",".join(map(str, self.skip_layers)) or "none"
-        return (f"budget {self.budget}, n_sink {self.n_sink}, recent {self.recent}, keep {self.keep}, "
+        return (f"budget {self.budget}, n_sink {self.n_sink}, recent {self.window}, keep {self.keep}, "
                 f"skip_layers {skip}, layout {self.layout}")
 
 
@@ -114,7 +123,8 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--n-sink", type=int, default=None,
                        help=f"first tokens always kept (default: {DEFAULT_N_SINK})")
     group.add_argument("--recent", type=int, default=None,
-                       help=f"latest tokens always kept (default: {DEFAULT_RECENT})")
+                       help=f"latest tokens always kept (default: {DEFAULT_RECENT_SHARE} of the budget, "
+                            "fewer where the budget leaves no row to evict)")
     group.add_argument("--keep", choices=KEEP_CHOICES, default=None,
                        help=f"keep the lowest or the highest key norms (default: {DEFAULT_KEEP})")
     group.add_argument("--skip-layers", type=_layers, default=None, metavar="I,J,...",
@@ -174,6 +184,12 @@ class Session:
         self.cache_factory = cache_factory
         self.config = CacheConfig()
         self.given: dict = {}  # cache settings given on the command line
+        self.kv_quantization: tuple = (None, None)  # mlx-lm's --kv-bits, --kv-group-size
+        self.draft_path: str | None = None  # mlx-lm's --draft-model
+        self._target_loaded = False  # the target of the models being loaded is in
+        # The draft models loaded (their caches take no skip_layers), weakly:
+        # models are dicts, so no WeakSet holds them.
+        self._drafts: list[weakref.ref] = []
         self.last_cache: list | None = None  # the latest cache the factory built
         self._request = threading.local()
 
@@ -193,11 +209,8 @@ class Session:
 
             def parse_known_args(self, args=None, namespace=None):
                 if not self._mlx_knorm_flags:
-                    self.description = f"{session.description}\n\n{session.flags_note(self)}"
+                    self.description = f"{session.description}\n\n{session.flags_note()}"
                     add_cache_arguments(self)
-                    for action in self._actions:
-                        if action.dest in UNSUPPORTED:
-                            action.help = f"{action.help} (not supported with eviction caches yet)"
                     self._mlx_knorm_flags = True
                 namespace, rest = super().parse_known_args(args, namespace)
                 session.resolve(self, namespace)
@@ -205,23 +218,23 @@ class Session:
 
         return types.SimpleNamespace(**{**vars(argparse), "ArgumentParser": ArgumentParser})
 
-    def flags_note(self, parser: argparse.ArgumentParser) -> str:
+    def flags_note(self) -> str:
         """How mlx-lm's flags behave here, for the help's description."""
-        refused = [f"--{a.dest.replace('_', '-')}" for a in parser._actions if a.dest in UNSUPPORTED]
-        refused = f", and {' and '.join(refused)}, which eviction caches cannot serve yet" if refused else ""
         return textwrap.fill(
             f"Every flag of {self.module.__name__} works as there, but for --max-kv-size, which is "
-            f"the same as --budget{refused}. The cache's own flags are at the end.", width=80)
+            "the same as --budget; --kv-bits quantizes the kept rows, and a --draft-model's cache "
+            "evicts too (without --skip-layers). The cache's own flags are at the end.", width=80)
 
     def resolve(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace) -> None:
-        for dest, why in UNSUPPORTED.items():
-            if getattr(namespace, dest, None) is not None:
-                parser.error(f"--{dest.replace('_', '-')} is not supported with eviction caches yet: {why}")
+        self.kv_quantization = (getattr(namespace, "kv_bits", None), getattr(namespace, "kv_group_size", None))
+        self.loading_models(getattr(namespace, "draft_model", None))
         try:
             self.given = given_cache_settings(namespace)
             self.config = cache_config(self.given)
         except ValueError as e:
             parser.error(str(e))
+        if self.draft_path is not None and self.config.skip_layers:
+            print(f"{self.prog}: warning: {SKIP_LAYERS_WITH_DRAFT}", file=sys.stderr)
 
     # -- caches ---------------------------------------------------------------
 
@@ -238,10 +251,27 @@ class Session:
         finally:
             self._request.config = None
 
+    def loading_models(self, draft_path: str | None) -> None:
+        """A target model is loaded next and then, if ``draft_path`` is
+        given, its draft from there (mlx-lm's order, in ``generate`` and in
+        the server's ``ModelProvider._load``; the two may share a path)."""
+        self.draft_path, self._target_loaded = draft_path, False
+
+    def add_draft(self, model) -> None:
+        if not self.is_draft(model):
+            self._drafts = [r for r in self._drafts if r() is not None] + [weakref.ref(model)]
+
+    def is_draft(self, model) -> bool:
+        return any(r() is model for r in self._drafts)
+
     def make_cache(self, model) -> list:
         config = self.current_config()
+        draft = self.is_draft(model)
+        if draft:
+            config = replace(config, skip_layers=())
         cache = self.cache_factory(model, config) if self.cache_factory else config.make_cache(model)
-        self.last_cache = cache
+        if not draft:  # the memory line reports the target's cache
+            self.last_cache = cache
         return cache
 
     def wrap_loader(self, loader: Callable) -> Callable:
@@ -250,14 +280,26 @@ class Session:
 
         def load(*args, **kwargs):
             loaded = loader(*args, **kwargs)
-            install_cache(loaded[0], self.make_cache)
-            self.model_loaded(loaded[0])
+            model = loaded[0]
+            draft = (self._target_loaded and self.draft_path is not None and bool(args)
+                     and str(args[0]) == str(self.draft_path))
+            if draft:
+                self.add_draft(model)
+            install_cache(model, self.make_cache)
+            if draft:
+                self.draft_loaded(model)
+            else:
+                self._target_loaded = True
+                self.model_loaded(model)
             return loaded
 
         return load
 
     def model_loaded(self, model) -> None:
-        """Called after each model load (the generate command checks its prompt cache here)."""
+        """Called after each model load but a draft's (the generate command checks its prompt cache here)."""
+
+    def draft_loaded(self, model) -> None:
+        """Called after a draft model's load (the generate command gives it a cache next to a prompt cache's)."""
 
     # -- running --------------------------------------------------------------
 

@@ -18,23 +18,22 @@ from ..validation import (
     check_float32,
     check_floating,
     check_int,
+    check_leading_axes,
     check_rank,
     check_row_bytes,
+    check_same_dtype,
     dtype_name,
     shape_mismatch,
 )
 from .common import on_stream, run_native, shape_pinned, without_transforms
 from .key_norms import fallback as key_norms_fallback
-from .protected_topk_gather import score_order_key
+from .order_keys import PADDING_SCORE_KEY, position_order_key, score_order_key
 
 LAYOUTS = ("slots", "temporal")
 # Payload arrays (keys' and values' together) a step moves: the Metal
 # kernel binds each at fixed buffer indices (kEvictMaxPayloads,
 # metal/knorm_defines.h).
 MAX_PAYLOADS = 6
-# The order key of a padding row's score (kPaddingScoreKey): after every
-# score key, NaN's included (docs/spec.md §4 step 1).
-_PADDING_KEY = 0xFFFFFFFF
 
 # keys, values, new_keys, new_values: one array or a tuple of them.
 Rows = Union[mx.array, tuple[mx.array, ...]]
@@ -236,11 +235,7 @@ def check_step(
     if positions.dtype != mx.int32:
         raise TypeError(f"mlx_knorm: positions must be int32, got {dtype_name(positions.dtype)}")
     for new, stored, new_name, name in zip(new_rows, rows, new_names, names):
-        if new.dtype != stored.dtype:
-            raise TypeError(
-                f"mlx_knorm: {new_name} dtype {dtype_name(new.dtype)} must equal "
-                f"{name} dtype {dtype_name(stored.dtype)}"
-            )
+        check_same_dtype(new, new_name, stored, name)
     if new_norms is not None:
         check_float32(new_norms, "new_norms")
     if valid is not None and valid.dtype != mx.int32:
@@ -249,10 +244,8 @@ def check_step(
         check_row_bytes(x, name)
     for i in range(1, len(rows)):
         what = f"{names[0]}/{names[i]} mismatch in N or rows"
-        if rows[i].shape[: heads + 1] != first.shape[: heads + 1]:
-            raise shape_mismatch(what, names[0], first, names[i], rows[i])
-        if new_rows[i].shape[: heads + 1] != new_rows[0].shape[: heads + 1]:
-            raise shape_mismatch(what, new_names[0], new_rows[0], new_names[i], new_rows[i])
+        check_leading_axes(what, names[0], first, names[i], rows[i], heads + 1)
+        check_leading_axes(what, new_names[0], new_rows[0], new_names[i], new_rows[i], heads + 1)
     for stored, new, name, new_name in zip(rows, new_rows, names, new_names):
         if stored.shape[:heads] != new.shape[:heads] or stored.shape[-1] != new.shape[-1]:
             raise shape_mismatch("buffers vs new rows mismatch in N or D", name, stored, new_name, new)
@@ -295,9 +288,11 @@ def evict_and_fill_unchecked(
     C++, so only the fallback runs ``check_step``, and every backend refuses
     the same calls (docs/spec.md §6)."""
     one_keys = type(keys) is mx.array
-    backend = resolve(stream, key_dim=keys.shape[-1] if new_norms is None and one_keys else None)
-    if (backend == "kernel" and one_keys and type(values) is mx.array and new_norms is None
-            and valid is None):
+    key_dim = keys.shape[-1] if new_norms is None and one_keys and keys.ndim else None
+    backend = resolve(stream, key_dim=key_dim)
+    if (backend == "kernel" and one_keys and type(values) is mx.array and type(norms) is mx.array
+            and type(positions) is mx.array and type(new_keys) is mx.array
+            and type(new_values) is mx.array and new_norms is None and valid is None):
         # The float cache's decode step, on every layer of every token: the
         # binding itself, positional arguments (it matches keywords by
         # name), the fewest Python operations.
@@ -312,6 +307,13 @@ def evict_and_fill_unchecked(
     arrays = keys, values, norms, positions, new_keys, new_values
     if backend == "fallback":
         return _run(backend, check_step(*arrays, **config, new_norms=new_norms, valid=valid), stream)
+    # The primitive checks every relation; what it cannot name is an
+    # argument that is no array at all.
+    for x, name in ((keys, "keys"), (values, "values"), (new_keys, "new_keys"), (new_values, "new_values")):
+        _payload_group(x, name)
+    for x, name in ((norms, "norms"), (positions, "positions"), (new_norms, "new_norms"), (valid, "valid")):
+        if x is not None or name in ("norms", "positions"):
+            check_array(x, name)
     return _run_native(backend, arrays, config, new_norms, valid, stream)
 
 
@@ -356,11 +358,6 @@ def _run_native(backend: str, arrays, config: dict, new_norms, valid, stream):
     )
 
 
-def position_order_key(positions: mx.array) -> mx.array:
-    """int32 positions as uint32 in the same order (the sign bit flipped)."""
-    return positions.view(mx.uint32) ^ 0x80000000
-
-
 def kept_slots(
     norms: mx.array, positions: mx.array,
     filled: int, offset: int, budget: int, n_sink: int, recent: int, keep: str,
@@ -389,7 +386,7 @@ def kept_slots(
     # every score key is below the padding's.
     score_key = mx.where(protected, mx.array(0, mx.uint32), score_order_key(scores))
     if real is not None:
-        score_key = mx.where(real, score_key, mx.array(_PADDING_KEY, mx.uint32))
+        score_key = mx.where(real, score_key, mx.array(PADDING_SCORE_KEY, mx.uint32))
     rank = (score_key.astype(mx.uint64) << 32) | position_order_key(positions).astype(mx.uint64)
     # The budget-th smallest rank; of the rows equal to it (equal positions)
     # the lowest slots are kept.

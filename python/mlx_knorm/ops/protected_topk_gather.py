@@ -15,17 +15,15 @@ from ..validation import (
     check_config,
     check_float32,
     check_floating,
+    check_leading_axes,
     check_rank,
     check_row_bytes,
-    dtype_name,
+    check_same_dtype,
     shape_mismatch,
 )
 from .common import on_stream, run_native, shape_pinned, without_transforms
+from .order_keys import score_order_key
 
-_SIGN = 0x80000000
-# Every NaN score's order key (kNanScoreKey, metal/knorm_defines.h): after
-# every number's, below evict_and_fill's key of a padding row.
-_NAN_KEY = 0xFFFFFFFE
 
 
 class GatherInputs(NamedTuple):
@@ -72,15 +70,8 @@ def check_gather(inputs: GatherInputs, budget, n_sink, recent, keep) -> tuple[in
     config = check_config(budget, n_sink, recent, keep)
     check_block(*inputs[:5])
     check_new_norms(inputs.new_norms, inputs.new_keys)
-    for name, new, prior in (
-        ("new_keys", inputs.new_keys, inputs.prior_keys),
-        ("new_values", inputs.new_values, inputs.prior_values),
-    ):
-        if new.dtype != prior.dtype:
-            raise TypeError(
-                f"mlx_knorm: {name} dtype {dtype_name(new.dtype)} must equal "
-                f"prior dtype {dtype_name(prior.dtype)}"
-            )
+    check_same_dtype(inputs.new_keys, "new_keys", inputs.prior_keys, "prior_keys")
+    check_same_dtype(inputs.new_values, "new_values", inputs.prior_values, "prior_values")
     return config
 
 
@@ -104,8 +95,7 @@ def check_block(prior_keys, prior_values, prior_norms, new_keys, new_values) -> 
         ("prior_keys", prior_keys, "prior_values", prior_values),
         ("new_keys", new_keys, "new_values", new_values),
     ):
-        if keys.shape[:2] != values.shape[:2]:
-            raise shape_mismatch("keys/values mismatch in N or rows", keys_name, keys, values_name, values)
+        check_leading_axes("keys/values mismatch in N or rows", keys_name, keys, values_name, values, 2)
     if prior_keys.shape[0] != new_keys.shape[0] or prior_keys.shape[2] != new_keys.shape[2]:
         raise shape_mismatch("prior vs new mismatch in N or D", "prior_keys", prior_keys, "new_keys", new_keys)
     if prior_values.shape[2] != new_values.shape[2]:
@@ -175,15 +165,6 @@ def fallback(
         mx.take_along_axis(norms, indices, axis=1),
         indices,
     )
-
-
-def score_order_key(score: mx.array) -> mx.array:
-    """Order-preserving uint32 image of float32 scores: -0 and +0 together,
-    every NaN after +inf."""
-    bits = score.view(mx.uint32)
-    bits = mx.where((bits & 0x7FFFFFFF) == 0, mx.array(0, mx.uint32), bits)
-    key = mx.where(bits >= _SIGN, ~bits, bits | _SIGN)
-    return mx.where(mx.isnan(score), mx.array(_NAN_KEY, mx.uint32), key)
 
 
 def selected_rows(

@@ -1,4 +1,4 @@
-"""``python -m mlx_knorm eval`` (any mlx-lm model or GGUF file, any text) and ``python -m mlx_knorm demo``.
+"""``python -m mlx_knorm eval`` (any mlx-lm model or GGUF file, any text), ``needle`` and ``demo``.
 
 mlx-lm, tqdm and matplotlib are imported here, not at package import, so that
 ``python -m mlx_knorm info`` works with MLX alone.
@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
+import time
 from pathlib import Path
 
+from ..defaults import DEFAULT_N_SINK, DEFAULT_RECENT_SHARE, DEFAULT_SKIP_LAYERS
 from ..models.cli import MODEL_HELP, add_weight_arguments
-from . import BUDGET_FRACTIONS, MODEL_DIR, QUERY_CHUNK
+from . import (BUDGET_FRACTIONS, HAYSTACKS, MODEL_DIR, NEEDLE_BUDGET_FRACTIONS, NEEDLE_CONTEXTS, NEEDLE_DEPTHS,
+               NEEDLE_KEYS, PREFILL_STEP_SIZE, QUERY_CHUNK)
 
 DEFAULT_SEQ_LEN = 1024
 DEMO_PROMPT = '"""Utilities for reading configuration files."""\n\nimport os\nimport sys\n\n\ndef '
@@ -36,6 +41,15 @@ def _layers(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {text!r}") from None
 
 
+def _policies(text: str):
+    from .policies import parse_policies
+
+    try:
+        return parse_policies(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -54,31 +68,94 @@ def load(model: str | None, args=None):
                       requantize=getattr(args, "requantize", None))
 
 
+class Clock:
+    """Wall and CPU time of a run, with the 1-minute load average at its start and end (a shared machine's)."""
+
+    def __init__(self):
+        self.start, self.cpu, self.load = time.perf_counter(), _cpu_seconds(), os.getloadavg()[0]
+
+    def stop(self) -> dict:
+        self.timing = {"seconds": round(time.perf_counter() - self.start, 1),
+                       "cpu_seconds": round(_cpu_seconds() - self.cpu, 1),
+                       "load_average_at_start": round(self.load, 2),
+                       "load_average_at_end": round(os.getloadavg()[0], 2)}
+        return self.timing
+
+    def line(self) -> str:
+        t = self.timing
+        return (f"{t['seconds'] / 60:.1f} min ({t['cpu_seconds'] / 60:.1f} CPU min; 1-minute load average "
+                f"{t['load_average_at_start']:.1f} at the start, {t['load_average_at_end']:.1f} at the end)")
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def eval_command(args) -> int:
     from . import data
     from .eval import evaluate, markdown_table, plot
 
     model, tokenizer, config = load(args.model, args)
     seq_len = args.seq_len or min(DEFAULT_SEQ_LEN, config.get("max_position_embeddings") or DEFAULT_SEQ_LEN)
-    if args.text:
+    if args.text == data.PYDOC_TOPICS:
+        sequences = data.text_sequences(tokenizer, data.pydoc_topics(), seq_len, args.n_seqs)
+        source = "pydoc_data.topics, sorted by topic"
+    elif args.text:
         text = Path(args.text).read_text(encoding="utf-8")
         sequences = data.text_sequences(tokenizer, text, seq_len, args.n_seqs)
         source = args.text
     else:
         sequences = data.document_sequences(tokenizer, data.heldout_texts(), seq_len, args.n_seqs)
         source = "held-out Python standard library files"
+    policies = {} if args.policies is None else {"policies": args.policies}
+    clock = Clock()
     results = evaluate(model, sequences, n_sink=args.n_sink, skip_layers=args.skip_layers,
-                       fractions=args.budgets, seed=args.seed, query_chunk=args.query_chunk, progress=True)
+                       fractions=args.budgets, seed=args.seed, query_chunk=args.query_chunk, progress=True,
+                       **policies)
     name = args.model or "shipped byte-level model"
     print(markdown_table(results))
     print()
+    timing = clock.stop()
+    for note in results.notes:
+        print(note)
     print(results.verdict())
+    print(clock.line())
     if args.plot:
         plot(results, args.plot, title=Path(name).name)
         print(f"plot: {args.plot}")
     if args.json:
-        report = {"model": name, "text": source, "skip_layers": args.skip_layers, "seed": args.seed,
-                  **results.report()}
+        report = {"model": name, "text": source, "seed": args.seed, **results.report(), "timing": timing}
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _numbers(kind):
+    def parse(text: str) -> list:
+        try:
+            return [kind(v) for v in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    return parse
+
+
+def needle_command(args) -> int:
+    from .needle import markdown_tables, plot, run_grid
+    from .policies import DEFAULT_POLICIES
+
+    model, tokenizer, _ = load(args.model, args)
+    clock = Clock()
+    grid = run_grid(model, tokenizer, haystacks=args.haystacks, contexts=args.contexts, depths=args.depths,
+                    fractions=args.budgets, policies=args.policies or DEFAULT_POLICIES, keys=args.keys, n_sink=args.n_sink,
+                    prefill_step_size=args.prefill_step_size, seed=args.seed, progress=True)
+    timing = clock.stop()
+    print(markdown_tables(grid))
+    print(f"{len(grid.trials)} trials, {grid.prefill_tokens:,} prompt tokens through the model in {clock.line()}")
+    if args.plot:
+        plot(grid, args.plot, title=Path(args.model).name)
+        print(f"plot: {args.plot}")
+    if args.json:
+        report = {"model": args.model, **grid.report(), "timing": timing}
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
@@ -88,42 +165,54 @@ def demo_command(args) -> int:
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from ..cache import make_knorm_cache
+    from ..cache import L2NormKVCache, make_knorm_cache
 
     model, tokenizer, _ = load(args.model, args)
-    cache = make_knorm_cache(model, budget=args.budget, n_sink=args.n_sink)
+    cache = make_knorm_cache(model, budget=args.budget, n_sink=args.n_sink, recent=args.recent,
+                             skip_layers=args.skip_layers)
     mx.random.seed(args.seed)
     print(args.prompt, end="")
     for response in stream_generate(model, tokenizer, args.prompt, max_tokens=args.max_tokens,
                                     sampler=make_sampler(temp=args.temp), prompt_cache=cache):
         print(response.text, end="", flush=True)
-    kept = sum(c.knorm_kept_bytes for c in cache)
-    full = sum(c.full_seq_bytes for c in cache)
-    print(f"\n\n--- {cache[0].offset} tokens seen, {cache[0].size()} kept per head (budget {args.budget}); "
+    compressed = [c for c in cache if isinstance(c, L2NormKVCache)]
+    kept = sum(c.knorm_kept_bytes for c in compressed)
+    full = sum(c.full_seq_bytes for c in compressed)
+    first = compressed[0]
+    print(f"\n\n--- {first.offset} tokens seen, {first.size()} kept per head (budget {args.budget}, "
+          f"recent {first.recent}) in {len(compressed)} of {len(cache)} layers; "
           f"K+V at float16: {kept / 1024:.1f} KiB kept vs {full / 1024:.1f} KiB for a full cache, "
           f"{100 * (1 - kept / full):.1f}% saved")
     return 0
 
 
 def register(commands) -> None:
-    """Add the ``eval`` and ``demo`` subcommands to ``python -m mlx_knorm``."""
+    """Add the ``eval``, ``needle`` and ``demo`` subcommands to ``python -m mlx_knorm``."""
     ev = commands.add_parser(
         "eval", help="compare eviction policies on an mlx-lm model (the shipped byte-level one by default)",
-        description="Teacher-forced, exact comparison of keep-low, keep-high, sinks + recent window and "
-                    "random eviction against the full cache: perplexity, attention-mass recall, and the "
-                    "per-layer Spearman correlation of key norm with attention received.")
+        description="Teacher-forced, exact comparison of eviction policies at equal memory against the full "
+                    "cache: perplexity and attention-mass recall with 95% bootstrap intervals over the "
+                    "sequences, and the per-layer Spearman correlation of key norm with attention received.")
     ev.add_argument("--model", help=f"{MODEL_HELP} (default: the shipped byte-level model)")
-    ev.add_argument("--text", help="UTF-8 text file to take the sequences from "
+    ev.add_argument("--text", help="UTF-8 text file to take the sequences from, or pydoc-topics: Python's "
+                                   "reference documentation (pydoc_data.topics, sorted by topic) "
                                    "(default: held-out Python standard library files)")
     ev.add_argument("--seq-len", type=_positive,
-                    help=f"tokens per sequence, BOS included (default: {DEFAULT_SEQ_LEN}, or the model's "
+                    help=f"tokens per sequence, a BOS token included where the tokenizer adds one (default: {DEFAULT_SEQ_LEN}, or the model's "
                          "max_position_embeddings if smaller)")
     ev.add_argument("--n-seqs", type=_positive, default=8, help="number of sequences")
     ev.add_argument("--budgets", type=_fractions, default=list(BUDGET_FRACTIONS),
-                    help="cache budgets as fractions of --seq-len, comma-separated")
-    ev.add_argument("--n-sink", type=int, default=4, help="protected first tokens, for every policy")
+                    help="cache budgets as fractions of --seq-len, comma-separated: KV rows per full-attention "
+                         "layer on average, the same memory for every policy")
+    ev.add_argument("--n-sink", type=int, default=DEFAULT_N_SINK, help="protected first tokens, for every policy")
+    ev.add_argument("--policies", type=_policies,
+                    help="policies separated by spaces or semicolons, each SCORE[+recent=F][+skip=I,J] with "
+                         "SCORE keep-low, keep-high, window or random, F a share of the budget, I,J layers "
+                         "kept whole; must include keep-low and random (default: those two, keep-high, "
+                         "window, and keep-low with recent=1/4 and 1/2, each also with skip=0,1)")
     ev.add_argument("--skip-layers", type=_layers, default=[],
-                    help="layers left uncompressed, comma-separated (as make_knorm_cache's skip_layers)")
+                    help="layers every policy leaves uncompressed, comma-separated (as make_knorm_cache's "
+                         "skip_layers); budgets stay equal memory, so the other layers get fewer rows")
     ev.add_argument("--seed", type=int, default=0, help="seed of the random-eviction policy")
     ev.add_argument("--query-chunk", type=_positive, default=QUERY_CHUNK,
                     help="query rows per attention block (memory: heads x rows x seq-len floats)")
@@ -132,12 +221,46 @@ def register(commands) -> None:
     add_weight_arguments(ev)
     ev.set_defaults(func=eval_command)
 
+    nd = commands.add_parser(
+        "needle", help="needle retrieval through the real caches (SmolLM2 by default)",
+        description="A 5-digit key at a chosen depth of a long prompt, asked for at the end, answered greedily "
+                    "by mlx-lm's generate_step through each policy's real cache (make_knorm_cache, "
+                    "RotatingKVCache, KVCache, random eviction), the prompt fed in chunks as mlx-lm feeds it. "
+                    "Accuracy per context, depth, policy and budget with 95% Wilson intervals.")
+    nd.add_argument("--model", default="smollm2", help=f"{MODEL_HELP} (default: smollm2)")
+    nd.add_argument("--haystacks", type=lambda t: t.split(","), default=list(HAYSTACKS),
+                    help="passkey (the classic filler) and/or prose (pydoc_data.topics), comma-separated")
+    nd.add_argument("--contexts", type=_numbers(int), default=list(NEEDLE_CONTEXTS),
+                    help="prompt lengths in tokens, comma-separated")
+    nd.add_argument("--depths", type=_numbers(float), default=list(NEEDLE_DEPTHS),
+                    help="needle depths in [0, 1] (0: the start of the haystack), comma-separated")
+    nd.add_argument("--budgets", type=_fractions, default=list(NEEDLE_BUDGET_FRACTIONS),
+                    help="cache budgets as fractions of each context, comma-separated: KV rows per "
+                         "full-attention layer on average, the same memory for every policy")
+    nd.add_argument("--policies", type=_policies,
+                    help="as for eval (default: the same nine); the full cache always runs")
+    nd.add_argument("--keys", type=_positive, default=NEEDLE_KEYS,
+                    help="keys per (context, depth): the same keys for every policy")
+    nd.add_argument("--n-sink", type=int, default=DEFAULT_N_SINK, help="protected first tokens, for every policy")
+    nd.add_argument("--prefill-step-size", type=_positive, default=PREFILL_STEP_SIZE,
+                    help="prompt tokens per model call (generate_step's prefill_step_size)")
+    nd.add_argument("--seed", type=int, default=0, help="seed of the keys and of random eviction")
+    nd.add_argument("--plot", help="write the heatmaps (PNG) here")
+    nd.add_argument("--json", help="write every trial and the accuracies as JSON here")
+    add_weight_arguments(nd)
+    nd.set_defaults(func=needle_command)
+
     demo = commands.add_parser("demo", help="generate under make_knorm_cache (the shipped model by default)")
     demo.add_argument("--model", help=f"{MODEL_HELP} (default: the shipped byte-level model)")
     demo.add_argument("--prompt", default=DEMO_PROMPT)
     demo.add_argument("--max-tokens", type=int, default=400)
     demo.add_argument("--budget", type=int, default=128)
-    demo.add_argument("--n-sink", type=int, default=4)
+    demo.add_argument("--n-sink", type=int, default=DEFAULT_N_SINK)
+    demo.add_argument("--recent", type=int,
+                      help="latest tokens always kept (default: make_knorm_cache's, "
+                           f"{DEFAULT_RECENT_SHARE} of the budget)")
+    demo.add_argument("--skip-layers", type=_layers, default=list(DEFAULT_SKIP_LAYERS),
+                      help="layers left uncompressed, comma-separated (default: none)")
     demo.add_argument("--temp", type=float, default=0.8)
     demo.add_argument("--seed", type=int, default=0)
     add_weight_arguments(demo)

@@ -83,10 +83,22 @@ def _encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def text_start(tokenizer) -> list[int]:
+    """The ids ``tokenizer.encode`` puts before any text: its BOS token if it adds one, else nothing."""
+    plain = _encode(tokenizer, "a")
+    encoded = list(tokenizer.encode("a"))
+    extra = len(encoded) - len(plain)
+    return encoded[:extra] if extra > 0 and encoded[extra:] == plain else []
+
+
 def _with_bos(tokenizer, length: int) -> tuple[list[int], int]:
-    """A sequence starts as a prompt does: with the tokenizer's BOS token, if it has one."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    return ([] if bos is None else [bos]), length - (bos is not None)
+    """A sequence starts as the tokenizer starts a text: with a BOS token where ``encode`` adds one.
+
+    (SmolLM2's tokenizer has a BOS token, ``<|im_start|>``, which opens a
+    chat turn; its ``encode`` adds nothing, so its windows start with text.)
+    """
+    prefix = text_start(tokenizer)
+    return prefix, length - len(prefix)
 
 
 def document_sequences(tokenizer, documents: list[str], length: int, count: int) -> np.ndarray:
@@ -113,6 +125,19 @@ def text_sequences(tokenizer, text: str, length: int, count: int) -> np.ndarray:
                          f"need {count * body}")
     starts = np.linspace(0, len(ids) - body, count).round().astype(int)
     return np.array([prefix + ids[s : s + body] for s in starts], dtype=np.int64)
+
+
+PYDOC_TOPICS = "pydoc-topics"
+
+
+def pydoc_topics() -> str:
+    """Python's reference documentation as ``help()`` shows it (``pydoc_data.topics``), topics in sorted order.
+
+    Real English prose with some code, on every machine with Python.
+    """
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[name] for name in sorted(topics))
 
 
 def unigram_cross_entropy(train: np.ndarray, heldout: np.ndarray) -> float:

@@ -1,0 +1,484 @@
+"""A batch of L2-norm eviction caches for mlx-lm 0.32's batch protocol.
+
+``BatchL2NormKVCache`` is to ``L2NormKVCache`` what mlx-lm's
+``BatchKVCache`` is to ``KVCache``: ``BatchGenerator``, ``batch_generate``
+and ``mlx_lm.server`` build it with ``L2NormKVCache.merge``, grow it with
+``extend``, shrink it with ``filter`` and take sequences back out with
+``extract``. Each ``update_and_fetch`` is one ``evict_and_fill`` on the
+``[B, H]`` heads, with each sequence's valid range, so padding is never a
+token: each sequence keeps exactly the rows that a single-sequence cache
+fed its tokens keeps (docs/spec.md §4, the batch rule; §8, batches).
+
+Positions are one timeline ``T`` for the batch; sequence ``b``'s tokens are
+``[lo_b, min(T, hi_b))`` and ``offset`` (the RoPE offset) is ``T - lo_b``.
+Every padding row sits in the front slots of its sequence, at the position
+equal to its slot, in every head and layer, so one mlx-lm causal mask with
+per-sequence left padding fits every head although the kept positions of
+real rows differ from head to head.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import _BaseCache, create_attention_mask
+
+from .cache import L2NormKVCache, _storage_dtype, step_capacity
+from .cache_state import check_block
+from .ops.evict_and_fill import check_layout, evict_and_fill_unchecked
+from .validation import INT32_MAX, check_config, check_int
+
+# hi_b of a sequence whose tokens run on (no right-padded prefill pending).
+OPEN = INT32_MAX
+_CONFIG = ("budget", "n_sink", "recent", "keep", "layout")
+
+
+def _config_of(cache) -> tuple:
+    return tuple(getattr(cache, name) for name in _CONFIG)
+
+
+def _check_same_config(caches, what: str) -> tuple:
+    first = _config_of(caches[0])
+    for index, cache in enumerate(caches[1:], 1):
+        for name, a, b in zip(_CONFIG, first, _config_of(cache)):
+            if a != b:
+                raise ValueError(
+                    f"mlx_knorm: {what}: every cache must have the same {name}; "
+                    f"caches[0] has {name}={a!r}, caches[{index}] has {name}={b!r}"
+                )
+    return first
+
+
+def _padding_front(rows: mx.array, count: int) -> mx.array:
+    """``rows [B, H, n, ...]`` behind ``count`` zero slots."""
+    if count == 0:
+        return rows
+    pad = [(0, 0)] * rows.ndim
+    pad[2] = (count, 0)
+    return mx.pad(rows, pad)
+
+
+def _slot_positions(batch: int, heads: int, slots: int) -> mx.array:
+    """int32 ``[B, H, slots]``: each slot's own index, the padding rows' position."""
+    return mx.broadcast_to(mx.arange(slots, dtype=mx.int32), (batch, heads, slots))
+
+
+class BatchL2NormKVCache(_BaseCache):
+    """``B`` sequences' L2-norm eviction caches for one layer, one
+    configuration (docs/spec.md §8, batches). Made by
+    ``L2NormKVCache.merge(caches)`` (or empty, with the configuration and
+    ``left_padding``, as ``BatchKVCache(left_padding)`` is)."""
+
+    def __init__(self, left_padding, *, budget: int, n_sink: int, recent: int, keep: str,
+                 layout: str = "slots") -> None:
+        self.budget, self.n_sink, self.recent, self.keep = check_config(budget, n_sink, recent, keep)
+        self.layout = check_layout(layout)
+        self.keys = self.values = self.norms = self.slot_positions = None
+        self.filled = 0
+        self.timeline = 0
+        self._lo = [check_int(p, "left_padding entry") for p in left_padding]
+        if any(p < 0 for p in self._lo):
+            raise ValueError(f"mlx_knorm: left_padding entries must be >= 0, got {self._lo}")
+        self._hi = [OPEN] * len(self._lo)
+        self._real = [0] * len(self._lo)
+        self._ranges_changed()
+
+    # -- host bookkeeping ---------------------------------------------------
+
+    def _ranges_changed(self) -> None:
+        """Rebuild the arrays made from the host ranges: ``offset`` [B] and
+        the op's ``valid``."""
+        self.offset = mx.array([self.timeline - lo for lo in self._lo], dtype=mx.int32)
+        pairs = [v for pair in zip(self._lo, self._hi) for v in pair]
+        self._ranges = mx.array(pairs, dtype=mx.int32).reshape(-1, 2)
+
+    def _valid(self, heads: int) -> mx.array:
+        batch = len(self._lo)
+        return mx.broadcast_to(self._ranges[:, None, :], (batch, heads, 2))
+
+    def _buffers(self) -> list:
+        return [self.keys, self.values, self.norms, self.slot_positions]
+
+    def _set_buffers(self, buffers) -> None:
+        self.keys, self.values, self.norms, self.slot_positions = buffers
+
+    def _padded(self) -> bool:
+        """A right-padded prefill is pending (``prepare`` until ``finalize``)."""
+        return any(hi != OPEN for hi in self._hi)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._lo)
+
+    # -- the step -----------------------------------------------------------
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Absorb ``[B, H, S, D]`` keys/values: one §4 step with each
+        sequence's valid range; returns the kept rows and the new rows
+        (views of slots ``[0, kept + S)``)."""
+        dims = None if self.keys is None else (*self.norms.shape[:2], self.keys.shape[3], self.values.shape[3])
+        check_block(keys, values, dims, self.timeline)
+        batch, heads, steps, _ = keys.shape
+        if batch != self.batch_size:
+            raise ValueError(
+                f"mlx_knorm: BatchL2NormKVCache holds {self.batch_size} sequences; "
+                f"got keys {list(keys.shape)}"
+            )
+        kept = self.size()
+        if self.keys is None:
+            dtype = _storage_dtype(keys, values)
+            buffers = [
+                mx.zeros((batch, heads, 0, keys.shape[3]), dtype),
+                mx.zeros((batch, heads, 0, values.shape[3]), dtype),
+                mx.zeros((batch, heads, 0), mx.float32),
+                mx.zeros((batch, heads, 0), mx.int32),
+            ]
+        else:
+            buffers = self._buffers()
+            dtype = self.keys.dtype
+        capacity = step_capacity(kept + steps, buffers[2].shape[2], self.budget)
+        # The op writes in place only if it holds the buffers' last reference.
+        self._set_buffers([None] * 4)
+        try:
+            out = evict_and_fill_unchecked(
+                *buffers, keys.astype(dtype), values.astype(dtype),
+                filled=self.filled, offset=self.timeline, capacity=capacity,
+                budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
+                layout=self.layout, valid=self._valid(heads),
+            )
+        except BaseException:
+            self._set_buffers(buffers)
+            raise
+        self._set_buffers(out)
+        start, stop = self.timeline, self.timeline + steps
+        self._real = [
+            min(real, kept) + max(0, min(stop, hi) - max(start, lo))
+            for real, lo, hi in zip(self._real, self._lo, self._hi)
+        ]
+        self.filled = kept + steps
+        self.timeline = stop
+        self.offset = self.offset + steps
+        occupied = lambda b: b[..., : self.filled, :]
+        return occupied(self.keys), occupied(self.values)
+
+    def size(self) -> int:
+        """Rows each head attends to before the next block: ``min(filled, budget)``."""
+        return min(self.filled, self.budget)
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
+        """mlx-lm's causal mask over the kept rows ++ ``N`` new rows, with
+        each sequence's padding rows (the front ``P_b`` slots in every head,
+        docs/spec.md §8) hidden."""
+        if window_size is not None:
+            raise ValueError(
+                f"mlx_knorm: BatchL2NormKVCache cannot serve a sliding-window layer "
+                f"(window_size={window_size}): kept rows sit at different positions in "
+                "different heads"
+            )
+        kept = self.size()
+        padding = [kept - min(real, kept) for real in self._real]
+        if any(padding):
+            return create_causal_mask(N, offset=kept, left_padding=mx.array(padding, dtype=mx.int32))
+        return create_attention_mask(N, offset=kept, return_array=return_array, window_size=None)
+
+    # -- prefill ------------------------------------------------------------
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
+        """``left_padding`` (an empty cache only): each sequence's first real
+        position. ``lengths`` with ``right_padding``: the next blocks hold
+        ``lengths[b]`` real tokens of sequence ``b`` and then padding, until
+        ``finalize()``."""
+        if left_padding is not None:
+            if self.keys is not None or self.timeline:
+                raise ValueError("mlx_knorm: left_padding can only be added to an empty BatchL2NormKVCache")
+            left_padding = [check_int(p, "left_padding entry") for p in left_padding]
+            if len(left_padding) != self.batch_size or any(p < 0 for p in left_padding):
+                raise ValueError(
+                    f"mlx_knorm: left_padding must be {self.batch_size} entries >= 0, got {left_padding}"
+                )
+            self._lo = [lo + p for lo, p in zip(self._lo, left_padding)]
+        if right_padding is not None and max(right_padding, default=0) > 0:
+            if lengths is None or len(lengths) != self.batch_size:
+                raise ValueError(
+                    f"mlx_knorm: right_padding needs lengths, one per sequence ({self.batch_size})"
+                )
+            lengths = [check_int(n, "lengths entry") for n in lengths]
+            if any(n < 0 for n in lengths):
+                raise ValueError(f"mlx_knorm: lengths entries must be >= 0, got {lengths}")
+            self._hi = [self.timeline + n for n in lengths]
+        self._ranges_changed()
+
+    def finalize(self) -> None:
+        """After a right-padded prefill: move each sequence's padding rows to
+        the front of its slots and its tokens' positions to end at the
+        timeline, as a left-padded prompt's end (docs/spec.md §8)."""
+        if not self._padded():
+            return
+        shift = [0 if hi == OPEN else self.timeline - min(hi, self.timeline) for hi in self._hi]
+        if self.keys is not None:
+            filled = self.filled
+            rows = [b[:, :, :filled] for b in self._buffers()]
+            positions = rows[3]
+            real = (positions >= self._ranges[:, None, 0:1]) & (positions < self._ranges[:, None, 1:2])
+            slot = mx.arange(filled, dtype=mx.int32)
+            # Padding first, then the real rows, each in slot order.
+            order = mx.argsort(mx.where(real, slot + filled, slot), axis=2)
+            rows = [mx.take_along_axis(b, order if b.ndim == 3 else order[..., None], axis=2) for b in rows]
+            real = mx.take_along_axis(real, order, axis=2)
+            moved = rows[3] + mx.array(shift, dtype=mx.int32)[:, None, None]
+            rows[3] = mx.where(real, moved, slot)
+            self._set_buffers(rows)
+        self._lo = [lo + d for lo, d in zip(self._lo, shift)]
+        self._hi = [OPEN] * self.batch_size
+        self._ranges_changed()
+
+    # -- joins and leaves ---------------------------------------------------
+
+    def filter(self, batch_indices) -> None:
+        """Keep the given sequences (in place), dropping the leading slots
+        that are padding in every one kept."""
+        indices = [check_int(i, "batch_indices entry") for i in (
+            batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices)]
+        self._lo = [self._lo[i] for i in indices]
+        self._hi = [self._hi[i] for i in indices]
+        self._real = [self._real[i] for i in indices]
+        if self.keys is not None:
+            index = mx.array(indices, dtype=mx.int32)
+            rows = [b[index] for b in self._buffers()]
+            drop = 0 if self._padded() or not indices else min(self.filled - r for r in self._real)
+            if drop:
+                # The padding rows left keep their position equal to their slot.
+                rows = [b[:, :, drop : self.filled] for b in rows]
+                lo = mx.array(self._lo, dtype=mx.int32)[:, None, None]
+                rows[3] = mx.where(rows[3] < lo, rows[3] - drop, rows[3])
+                self.filled -= drop
+            self._set_buffers(rows)
+        self._ranges_changed()
+
+    def extend(self, other: "BatchL2NormKVCache") -> None:
+        """Append ``other``'s sequences (in place): both sides' slots are
+        aligned at the back, the shorter side behind padding slots, on one
+        timeline (docs/spec.md §8)."""
+        if not isinstance(other, BatchL2NormKVCache):
+            raise TypeError(f"mlx_knorm: BatchL2NormKVCache.extend: other must be a BatchL2NormKVCache, "
+                            f"got {type(other).__name__}")
+        _check_same_config([self, other], "BatchL2NormKVCache.extend")
+        if self._padded() or other._padded():
+            raise ValueError("mlx_knorm: BatchL2NormKVCache.extend: finalize() the right-padded prefill first")
+        sides = [self, other]
+        filled = max(c.filled for c in sides)
+        timeline = max(c.timeline + filled - c.filled for c in sides)
+        template = next((c for c in sides if c.keys is not None), None)
+        if template is not None:
+            heads = template.norms.shape[1]
+            parts = []
+            for c in sides:
+                batch, front = c.batch_size, filled - c.filled
+                if c.keys is None:
+                    rows = [mx.zeros((batch, heads, 0, b.shape[3]), b.dtype) for b in template._buffers()[:2]]
+                    rows += [mx.zeros((batch, heads, 0), mx.float32), mx.zeros((batch, heads, 0), mx.int32)]
+                else:
+                    if c.keys.shape[3] != template.keys.shape[3] or c.values.shape[3] != template.values.shape[3] \
+                            or heads != c.norms.shape[1] or c.keys.dtype != template.keys.dtype:
+                        raise ValueError(
+                            "mlx_knorm: BatchL2NormKVCache.extend: other holds rows of other heads, widths "
+                            f"or dtype: keys {list(other.keys.shape)} {other.keys.dtype}, values "
+                            f"{list(other.values.shape)} vs keys {list(self.keys.shape)} {self.keys.dtype}, "
+                            f"values {list(self.values.shape)}"
+                        )
+                    rows = [b[:, :, : c.filled] for b in c._buffers()]
+                positions = rows[3]
+                lo = mx.array(c._lo, dtype=mx.int32)[:, None, None] if c.batch_size else mx.zeros((0, 1, 1), mx.int32)
+                rows = [_padding_front(b, front) for b in rows]
+                shifted = _padding_front(positions + (timeline - c.timeline), front)
+                is_real = _padding_front(positions >= lo, front)
+                rows[3] = mx.where(is_real, shifted, _slot_positions(batch, heads, filled))
+                parts.append(rows)
+            self._set_buffers([mx.concatenate([p[i] for p in parts], axis=0) for i in range(4)])
+        self._lo = [lo + timeline - c.timeline for c in sides for lo in c._lo]
+        self._hi = [OPEN] * len(self._lo)
+        self._real = self._real + other._real
+        self.filled = filled
+        self.timeline = timeline
+        self._ranges_changed()
+
+    @classmethod
+    def merge(cls, caches) -> "BatchL2NormKVCache":
+        """One batch of single-sequence ``L2NormKVCache``s: each one's
+        logical state behind padding slots, on one timeline."""
+        caches = list(caches)
+        if not caches:
+            raise ValueError("mlx_knorm: L2NormKVCache.merge: caches is empty")
+        for index, cache in enumerate(caches):
+            if type(cache) is not L2NormKVCache:
+                raise ValueError(
+                    f"mlx_knorm: L2NormKVCache.merge: caches[{index}] is a {type(cache).__name__}; "
+                    "only L2NormKVCache layers merge"
+                )
+        budget, n_sink, recent, keep, layout = _check_same_config(caches, "L2NormKVCache.merge")
+        states = [c._kept_rows() for c in caches]
+        template = None
+        for index, (cache, rows) in enumerate(zip(caches, states)):
+            if rows is None:
+                continue
+            if rows[0].shape[0] != 1:
+                raise ValueError(
+                    f"mlx_knorm: L2NormKVCache.merge: caches[{index}] holds a batch of "
+                    f"{rows[0].shape[0]} sequences; merge takes single-sequence caches"
+                )
+            if template is None:
+                template = (index, rows)
+                continue
+            first_index, first = template
+            for name, a, b in (("heads", first[0].shape[1], rows[0].shape[1]),
+                               ("key width", first[0].shape[3], rows[0].shape[3]),
+                               ("value width", first[1].shape[3], rows[1].shape[3]),
+                               ("dtype", first[0].dtype, rows[0].dtype)):
+                if a != b:
+                    raise ValueError(
+                        f"mlx_knorm: L2NormKVCache.merge: every cache must hold rows of the same "
+                        f"{name}; caches[{first_index}] has {a}, caches[{index}] has {b}"
+                    )
+        kept = [0 if rows is None else rows[3].shape[2] for rows in states]
+        offsets = [c.offset for c in caches]
+        filled = max(kept)
+        timeline = max(o + filled - k for o, k in zip(offsets, kept))
+        batch = cls([timeline - o for o in offsets], budget=budget, n_sink=n_sink, recent=recent,
+                    keep=keep, layout=layout)
+        batch.timeline = timeline
+        batch._real = kept
+        if template is not None:
+            heads = template[1][0].shape[1]
+            parts = []
+            for rows, k, o in zip(states, kept, offsets):
+                if rows is None:
+                    rows = [mx.zeros((1, heads, 0, *b.shape[3:]), b.dtype) for b in template[1]]
+                front = filled - k
+                rows = [_padding_front(b, front) for b in rows]
+                rows[3] = mx.concatenate(
+                    [_slot_positions(1, heads, front), rows[3][:, :, front:] + (timeline - o)], axis=2)
+                parts.append(rows)
+            batch._set_buffers([mx.concatenate([p[i] for p in parts], axis=0) for i in range(4)])
+            batch.filled = filled
+        batch._ranges_changed()
+        return batch
+
+    def extract(self, idx: int) -> L2NormKVCache:
+        """Sequence ``idx`` as an ``L2NormKVCache``: its real rows after the
+        pending eviction, its own positions and offset."""
+        idx = check_int(idx, "idx")
+        if not 0 <= idx < self.batch_size:
+            raise ValueError(f"mlx_knorm: BatchL2NormKVCache.extract: idx {idx} is out of range "
+                             f"for {self.batch_size} sequences")
+        cache = L2NormKVCache(budget=self.budget, n_sink=self.n_sink, recent=self.recent,
+                              keep=self.keep, layout=self.layout)
+        lo, end = self._lo[idx], min(self.timeline, self._hi[idx])
+        if self.keys is None or end <= lo:
+            return cache  # no token of this sequence yet: the empty cache
+        kept = self.size()
+        real = min(self._real[idx], kept)
+        rows = [b[idx : idx + 1, :, : self.filled] for b in self._buffers()]
+        if kept < self.filled:
+            no_rows = [mx.zeros((1, b.shape[1], 0, b.shape[3]), b.dtype) for b in rows[:2]]
+            rows = evict_and_fill_unchecked(
+                *rows, *no_rows, filled=self.filled, offset=self.timeline, capacity=kept,
+                budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
+                layout="temporal", new_norms=mx.zeros((1, rows[2].shape[1], 0), mx.float32),
+                valid=self._valid(rows[2].shape[1])[idx : idx + 1],
+            )
+        positions = rows[3]
+        is_real = (positions >= lo) & (positions < self._hi[idx])
+        # The real rows in temporal order, then the padding.
+        order = mx.argsort(mx.where(is_real, positions, INT32_MAX), axis=2)[:, :, :real]
+        rows = [mx.take_along_axis(b, order if b.ndim == 3 else order[..., None], axis=2) for b in rows]
+        cache.state = (rows[0], rows[1], rows[2], rows[3] - lo, end - lo,
+                       self.budget, self.n_sink, self.recent, self.keep, self.layout)
+        return cache
+
+    # -- state and accounting -----------------------------------------------
+
+    @property
+    def state(self):
+        """``(keys, values, norms, positions, ranges, real_rows, timeline,
+        filled, budget, n_sink, recent, keep, layout)``: the buffers as
+        stored, int32 ``[B, 2]`` valid ranges and ``[B]`` real row counts,
+        then the host fields."""
+        return (*self._buffers(), self._ranges, mx.array(self._real, dtype=mx.int32),
+                self.timeline, self.filled, self.budget, self.n_sink, self.recent, self.keep, self.layout)
+
+    @state.setter
+    def state(self, v) -> None:
+        v = tuple(v)
+        if len(v) != 13:
+            raise ValueError(f"mlx_knorm: BatchL2NormKVCache state must have 13 fields, got {len(v)}")
+        keys, values, norms, positions, ranges, real, timeline, filled, *config = v
+        budget, n_sink, recent, keep = check_config(*(int(x) if isinstance(x, str) else x for x in config[:3]),
+                                                    config[3])
+        layout = check_layout(config[4])
+        timeline, filled = check_int(int(timeline), "timeline"), check_int(int(filled), "filled")
+        if not isinstance(ranges, mx.array) or ranges.dtype != mx.int32 or ranges.ndim != 2 or ranges.shape[1] != 2:
+            raise ValueError("mlx_knorm: BatchL2NormKVCache state field 'ranges' must be int32 [B, 2]")
+        batch = ranges.shape[0]
+        if not isinstance(real, mx.array) or real.dtype != mx.int32 or tuple(real.shape) != (batch,):
+            raise ValueError(f"mlx_knorm: BatchL2NormKVCache state field 'real_rows' must be int32 [{batch}]")
+        arrays = (keys, values, norms, positions)
+        if any(a is None for a in arrays):
+            if any(a is not None for a in arrays) or filled:
+                raise ValueError("mlx_knorm: BatchL2NormKVCache state: keys, values, norms and positions "
+                                 "are all arrays or all None (then filled is 0)")
+        else:
+            for name, a, ndim in zip(("keys", "values", "norms", "positions"), arrays, (4, 4, 3, 3)):
+                if not isinstance(a, mx.array) or a.ndim != ndim or a.shape[0] != batch \
+                        or a.shape[1:3] != norms.shape[1:3]:
+                    raise ValueError(
+                        f"mlx_knorm: BatchL2NormKVCache state field '{name}' must be [{batch}, H, C, ...] "
+                        "like the norms"
+                    )
+            if norms.dtype != mx.float32 or positions.dtype != mx.int32 or keys.dtype != values.dtype:
+                raise ValueError("mlx_knorm: BatchL2NormKVCache state: norms float32, positions int32, "
+                                 "keys and values of one dtype")
+            if not 0 <= filled <= norms.shape[2]:
+                raise ValueError(f"mlx_knorm: BatchL2NormKVCache state field 'filled' {filled} "
+                                 f"must be in [0, {norms.shape[2]}]")
+        counts = real.tolist()
+        if any(not 0 <= r <= filled for r in counts) or not 0 <= timeline <= INT32_MAX:
+            raise ValueError("mlx_knorm: BatchL2NormKVCache state fields 'real_rows' must be in "
+                             "[0, filled] and 'timeline' in [0, 2**31)")
+        self.budget, self.n_sink, self.recent, self.keep, self.layout = budget, n_sink, recent, keep, layout
+        self._set_buffers(arrays)
+        self.timeline, self.filled = timeline, filled
+        self._lo, self._hi = (list(x) for x in zip(*ranges.tolist())) if batch else ([], [])
+        self._real = counts
+        self._ranges_changed()
+
+    @property
+    def meta_state(self) -> tuple[str, ...]:
+        return tuple(str(x) for x in (self.timeline, self.filled, self.budget, self.n_sink, self.recent,
+                                      self.keep, self.layout))
+
+    @meta_state.setter
+    def meta_state(self, v) -> None:
+        # The state carries every field (mlx-lm 0.32's from_state sets only
+        # the state); a meta state must agree with it.
+        if tuple(str(x) for x in v) != self.meta_state:
+            raise ValueError(f"mlx_knorm: BatchL2NormKVCache meta_state {tuple(v)} does not match "
+                             f"the state's {self.meta_state}")
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def trim(self, n: int) -> int:
+        return 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers: keys, values, norms and positions, every slot."""
+        if self.keys is None:
+            return 0
+        return sum(b.nbytes for b in self._buffers())
+
+
+__all__ = ["BatchL2NormKVCache"]

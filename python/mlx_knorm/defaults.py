@@ -1,0 +1,31 @@
+"""The cache's default settings: one source for ``mlx_knorm.cache``, the
+command line and the benchmarks. MLX alone imports this module (no mlx-lm),
+so that commands can show the defaults in their help."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+# L2NormKVCache's, as the reference's cache (its config fields knorm_*).
+DEFAULT_BUDGET = 512
+DEFAULT_N_SINK = 4
+DEFAULT_RECENT = 0  # no recent window: the paper's pure keep-low
+DEFAULT_KEEP = "low"
+DEFAULT_LAYOUT = "slots"
+
+# make_knorm_cache's recent window when none is given, as a share of the
+# budget (docs/quality.md has the evidence, measured on SmolLM2-135M).
+DEFAULT_RECENT_SHARE = Fraction(1, 2)
+# make_knorm_cache's uncompressed layers when none are given.
+DEFAULT_SKIP_LAYERS: tuple[int, ...] = ()
+
+
+def share_of(share: Fraction, budget: int) -> int:
+    """``share`` of ``budget`` rows, rounded to the nearest (half to even)."""
+    return int(round(share * budget))
+
+
+def default_recent(budget: int, n_sink: int = DEFAULT_N_SINK) -> int:
+    """``make_knorm_cache``'s recent window at ``budget``: ``DEFAULT_RECENT_SHARE`` of it,
+    less where that would leave no evictable row (``n_sink + recent < budget``)."""
+    return max(0, min(share_of(DEFAULT_RECENT_SHARE, budget), budget - n_sink - 1))

@@ -1,0 +1,444 @@
+"""Needle retrieval through the real caches: a key at a chosen depth of a long context, asked for at the end.
+
+A prompt of ``context`` tokens (less the part of a sentence or line that
+would not fit) is an intro, a haystack with one needle holding a 5-digit key
+at the sentence (passkey) or paragraph (prose) start nearest to ``depth``
+(0: the start of the haystack, 1: its end), and a question whose answer is
+the key. The model answers greedily through
+``mlx_lm.generate.generate_step`` with the policy's cache as its
+``prompt_cache`` (``policies.policy_cache``: ``make_knorm_cache``, mlx-lm's
+``RotatingKVCache`` and ``KVCache``, ``policies.RandomEvictionCache``), so the
+prompt is fed in chunks of ``prefill_step_size`` tokens as mlx-lm feeds it,
+and eviction happens during the prefill as in use. The answer is right when
+its first number is the key.
+
+Two haystacks: ``passkey``, the classic filler of the passkey task
+(Mohtashami & Jaggi, 2023), and ``prose``, Python's reference documentation
+(``pydoc_data.topics``, sorted by topic), with the key in a one-sentence
+paragraph.
+
+Work shared between trials, exactly: every trial of a (context, policy,
+budget) reads the same tokens up to its needle, so one pass of the haystack
+fills the policy's cache chunk by chunk as ``generate_step``'s prefill does
+(model call, then ``mx.eval`` of every cache's state) and keeps a copy of
+the caches at the chunk boundary before each needle. A trial copies that
+snapshot and hands ``generate_step`` the rest of its prompt: its chunks then
+start where the whole prompt's would, so the trial computes what
+``generate_step`` computes on the whole prompt. The same keys are asked of
+every policy, so policies are compared on the same prompts.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generate_step
+
+from . import HAYSTACKS, NEEDLE_BUDGET_FRACTIONS, NEEDLE_CONTEXTS, NEEDLE_DEPTHS, NEEDLE_KEYS, PREFILL_STEP_SIZE
+from .data import pydoc_topics
+from .policies import FULL, Policy, RandomEvictionCache, attention_layers, derived_key, policy_cache
+from .stats import wilson_interval
+
+KEY_DIGITS = 5
+
+PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
+                 "them. I will quiz you about the important information there.")
+PASSKEY_FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+PASSKEY_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+PASSKEY_QUESTION = " What is the pass key? The pass key is"
+
+PROSE_INTRO = "The following is an excerpt from the Python documentation.\n\n"
+PROSE_NEEDLE = "The special magic number is {key}.\n\n"  # a paragraph of its own
+PROSE_QUESTION = "What is the special magic number in the text above? The special magic number is"
+
+
+@dataclass(frozen=True)
+class Haystack:
+    """A haystack in token ids: what comes before it, its filler, the needle sentence and the question."""
+
+    name: str
+    intro: tuple[int, ...]
+    filler: tuple[int, ...]
+    needle: str  # with a {key} field
+    question: tuple[int, ...]
+    starts: tuple[int, ...]  # filler positions where the needle may go: sentence (passkey) or paragraph starts
+    ends: tuple[int, ...]  # filler positions where the filler may end: sentence (passkey) or line starts
+
+    def needle_ids(self, tokenizer, key: str) -> list[int]:
+        return _encode(tokenizer, self.needle.format(key=key))
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def text_starts(tokenizer, ids, kind: str) -> tuple[int, ...]:
+    """Positions ``i`` in ``ids`` where a ``kind`` of text starts: ``sentence`` (token ``i - 1`` ends with
+    ``.``, ``!`` or ``?`` and token ``i`` starts with a space), ``paragraph`` (after a blank line, at a
+    token that does not start with a space: text, not code) or ``line`` (after a newline, at a token
+    that does not start with another)."""
+    pieces = [tokenizer.decode([i]) for i in ids]
+    found = []
+    for i in range(1, len(ids)):
+        before, piece = "".join(pieces[max(0, i - 2) : i]), pieces[i]
+        if kind == "sentence":
+            ok = pieces[i - 1].rstrip().endswith((".", "!", "?")) and piece[:1].isspace()
+        elif kind == "paragraph":
+            ok = before.endswith("\n\n") and not piece[:1].isspace()
+        else:
+            ok = before.endswith("\n") and not piece.startswith("\n")
+        if ok:
+            found.append(i)
+    return tuple(found)
+
+
+def make_haystack(name: str, tokenizer, length: int) -> Haystack:
+    """``name`` in HAYSTACKS with at least ``length`` filler tokens."""
+    if name == "passkey":
+        once = _encode(tokenizer, PASSKEY_FILLER)
+        filler = once * (length // len(once) + 2)
+        intro, needle, question, kinds = PASSKEY_INTRO, PASSKEY_NEEDLE, PASSKEY_QUESTION, ("sentence", "sentence")
+    elif name == "prose":
+        text = pydoc_topics()
+        # About four characters a token: encode a little more than needed.
+        filler = _encode(tokenizer, text[: 6 * length + 1000])
+        if len(filler) < length:
+            filler = _encode(tokenizer, text)
+        intro, needle, question, kinds = PROSE_INTRO, PROSE_NEEDLE, PROSE_QUESTION, ("paragraph", "line")
+    else:
+        raise ValueError(f"haystack must be one of {HAYSTACKS}, got {name!r}")
+    if len(filler) < length:
+        raise ValueError(f"the {name} haystack has {len(filler)} tokens, {length} needed")
+    filler = tuple(filler[: length + 1])
+    return Haystack(name, tuple(_encode(tokenizer, intro)), filler, needle, tuple(_encode(tokenizer, question)),
+                    text_starts(tokenizer, filler, kinds[0]), text_starts(tokenizer, filler, kinds[1]))
+
+
+@dataclass(frozen=True)
+class Prompt:
+    tokens: tuple[int, ...]
+    needle_at: int  # the needle's first token
+    key: str
+
+
+def build_prompt(haystack: Haystack, tokenizer, context: int, depth: float, key: str) -> Prompt:
+    """At most ``context`` tokens: intro, filler with the needle at the start nearest ``depth``, question.
+
+    The filler ends where its last whole sentence (passkey) or line (prose)
+    that fits ends, so the prompt falls short of ``context`` by less than one.
+    """
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must lie in [0, 1], got {depth!r}")
+    needle = haystack.needle_ids(tokenizer, key)
+    room = context - len(haystack.intro) - len(needle) - len(haystack.question)
+    ends = [e for e in haystack.ends if e <= room]
+    if room > len(haystack.filler) or not ends:
+        raise ValueError(f"context {context} leaves {room} filler tokens; the {haystack.name} haystack "
+                         f"has {len(haystack.filler)}, and its first place to end is {haystack.ends[:1]}")
+    end = ends[-1]
+    at = needle_offset(haystack, end, depth)
+    tokens = (*haystack.intro, *haystack.filler[:at], *needle, *haystack.filler[at:end], *haystack.question)
+    return Prompt(tokens, len(haystack.intro) + at, key)
+
+
+def needle_offset(haystack: Haystack, end: int, depth: float) -> int:
+    """The filler position of the needle: 0, ``end``, or the start nearest ``depth * end``."""
+    target = depth * end
+    starts = [0, *(b for b in haystack.starts if b < end), end]
+    return min(starts, key=lambda b: (abs(b - target), b))
+
+
+def first_number(text: str) -> str | None:
+    match = re.search(r"\d+", text)
+    return match.group(0) if match else None
+
+
+def is_correct(answer: str, key: str) -> bool:
+    """The answer's first number is the key."""
+    return first_number(answer) == key
+
+
+def make_keys(rng: np.random.Generator, count: int) -> list[str]:
+    low = 10 ** (KEY_DIGITS - 1)
+    return [str(k) for k in rng.integers(low, 10 * low, size=count)]
+
+
+def copy_caches(caches: list) -> list:
+    """Caches that continue from where ``caches`` are, without touching them.
+
+    Each array attribute gets its own handle: mlx-lm's caches write new rows
+    into their buffers by slice assignment, which rebinds the handle, so
+    shared handles would carry one trial's rows into the next. (MLX writes a
+    buffer in place only when nothing else holds it, so the copies never
+    write into the snapshot's memory.)
+    """
+    def own(value):
+        if isinstance(value, mx.array):
+            return mx.array(value)
+        if isinstance(value, list):
+            return [own(v) for v in value]
+        return value
+
+    copies = []
+    for cache in caches:
+        twin = copy.copy(cache)
+        for name, value in vars(cache).items():
+            setattr(twin, name, own(value))
+        copies.append(twin)
+    return copies
+
+
+def prefill(model, caches: list, tokens, step: int) -> None:
+    """What ``generate_step``'s prefill does with a chunk: the model call, then ``mx.eval`` of the caches' state."""
+    for first in range(0, len(tokens), step):
+        model(mx.array(tokens[first : first + step])[None], cache=caches)
+        mx.eval([c.state for c in caches])
+
+
+def answer(model, tokenizer, prompt_tail, caches: list, step: int, max_tokens: int) -> str:
+    """Greedy tokens of ``generate_step`` on ``prompt_tail`` after ``caches``, up to the end of the first number."""
+    ids = []
+    for token, _ in generate_step(mx.array(prompt_tail), model, max_tokens=max_tokens, prompt_cache=caches,
+                                  prefill_step_size=step):
+        if token in tokenizer.eos_token_ids:
+            break
+        ids.append(token)
+        text = tokenizer.decode(ids)
+        if re.search(r"\d+\D", text):
+            break
+    return tokenizer.decode(ids)
+
+
+@dataclass
+class Trial:
+    haystack: str
+    context: int
+    depth: float
+    needle_at: int
+    prompt_tokens: int
+    policy: str
+    budget_fraction: float | None
+    budget: int | None
+    key: str
+    answer: str
+    correct: bool
+
+
+@dataclass
+class Grid:
+    """The trials of a run and how many prompt tokens it read."""
+
+    config: dict
+    trials: list = field(default_factory=list)
+    prefill_tokens: int = 0
+
+    def cells(self) -> list[dict]:
+        """Accuracy with its 95% Wilson interval per (haystack, context, depth, policy, budget)."""
+        groups = {}
+        for t in self.trials:
+            groups.setdefault((t.haystack, t.context, t.depth, t.policy, t.budget_fraction), []).append(t.correct)
+        return [_summary(dict(zip(("haystack", "context", "depth", "policy", "budget_fraction"), k)), v)
+                for k, v in groups.items()]
+
+    def totals(self) -> list[dict]:
+        """Accuracy per (haystack, policy, budget fraction), over contexts and depths, and per context."""
+        groups = {}
+        for t in self.trials:
+            for context in (t.context, "all"):
+                groups.setdefault((t.haystack, t.policy, t.budget_fraction, context), []).append(t.correct)
+        return [_summary(dict(zip(("haystack", "policy", "budget_fraction", "context"), k)), v)
+                for k, v in groups.items()]
+
+    def report(self) -> dict:
+        return {**self.config, "interval": "95% Wilson score interval",
+                "prefill_tokens": self.prefill_tokens,
+                "cells": self.cells(), "totals": self.totals(),
+                "trials": [vars(t) for t in self.trials]}
+
+
+def _summary(labels: dict, outcomes: list[bool]) -> dict:
+    right = int(sum(outcomes))
+    low, high = wilson_interval(right, len(outcomes))
+    return {**labels, "correct": right, "trials": len(outcomes), "accuracy": right / len(outcomes),
+            "ci": [round(low, 4), round(high, 4)]}
+
+
+def run_grid(model, tokenizer, haystacks=HAYSTACKS, contexts=NEEDLE_CONTEXTS, depths=NEEDLE_DEPTHS,
+             fractions=NEEDLE_BUDGET_FRACTIONS, policies=(), keys: int = NEEDLE_KEYS, n_sink: int = 4,
+             prefill_step_size: int = PREFILL_STEP_SIZE, seed: int = 0, full: bool = True,
+             progress: bool = False) -> Grid:
+    """Every (haystack, context, depth, policy, budget fraction) with ``keys`` keys; the full cache once per depth.
+
+    ``policies``: ``Policy`` objects or names (``policies.Policy.parse``).
+    The keys of a (haystack, context, depth) are the same for every policy.
+    A policy with no room at a budget (its skipped layers take more than the
+    budget's memory) is left out there.
+    """
+    from tqdm import tqdm
+
+    policies = [p if isinstance(p, Policy) else Policy.parse(p) for p in policies]
+    if isinstance(keys, bool) or not isinstance(keys, int) or keys < 1:
+        raise ValueError(f"keys must be a positive int, got {keys!r}")
+    if isinstance(prefill_step_size, bool) or not isinstance(prefill_step_size, int) or prefill_step_size < 1:
+        raise ValueError(f"prefill_step_size must be a positive int, got {prefill_step_size!r}")
+    for fraction in fractions:
+        if not 0.0 < fraction < 1.0:
+            raise ValueError(f"budget fractions must lie in (0, 1), got {fraction!r}")
+    for depth in depths:
+        if not 0.0 <= depth <= 1.0:
+            raise ValueError(f"depths must lie in [0, 1], got {depth!r}")
+    max_tokens = KEY_DIGITS + 3
+    config = {"haystacks": list(haystacks), "contexts": list(contexts), "depths": list(depths),
+              "budget_fractions": list(fractions), "policies": [p.name for p in policies], "keys": keys,
+              "n_sink": n_sink, "prefill_step_size": prefill_step_size, "seed": seed,
+              "max_tokens": max_tokens}
+    grid = Grid(config)
+    rng = np.random.default_rng(seed)
+    plan = []  # (haystack, its token stream, context, prompts by depth, [(policy, fraction, budget)])
+    for name in haystacks:
+        haystack = make_haystack(name, tokenizer, max(contexts))
+        stream = haystack.intro + haystack.filler
+        for context in contexts:
+            prompts = {d: [build_prompt(haystack, tokenizer, context, d, k) for k in make_keys(rng, keys)]
+                       for d in depths}
+            cuts = [(None, None, None)] if full else []
+            for fraction in fractions:
+                budget = int(round(fraction * context))
+                for policy in policies:
+                    if policy.layer_budget(budget, context, attention_layers(model, n_sink), n_sink) is None:
+                        continue
+                    policy_cache(model, policy, budget, context, n_sink)  # refuses what cannot run
+                    cuts.append((policy, fraction, budget))
+            plan.append((name, stream, context, prompts, cuts))
+    # Progress in prompt tokens read: trials at long contexts cost more.
+    total = sum(len(cuts) * _tokens_to_read(prompts, prefill_step_size) for *_, prompts, cuts in plan)
+    bar = tqdm(total=total, desc="needle", unit="token", unit_scale=True, disable=not progress)
+    for name, stream, context, prompts, cuts in plan:
+        for policy, fraction, budget in cuts:
+            grid.trials += _run_cut(model, tokenizer, name, stream, context, prompts, policy, fraction, budget,
+                                    n_sink, prefill_step_size, seed, max_tokens, grid, bar)
+    bar.close()
+    return grid
+
+
+def _snapshot_at(group, step: int) -> int:
+    """The last chunk boundary at or before the earliest needle of ``group``."""
+    return (min(p.needle_at for p in group) // step) * step
+
+
+def _tokens_to_read(prompts: dict, step: int) -> int:
+    """Prompt tokens one cut reads: the shared haystack once, then each trial's tail."""
+    at = {d: _snapshot_at(group, step) for d, group in prompts.items()}
+    return max(at.values()) + sum(len(p.tokens) - at[d] for d, group in prompts.items() for p in group)
+
+
+def _run_cut(model, tokenizer, name, stream, context, prompts, policy, fraction, budget, n_sink, step, seed,
+             max_tokens, grid, bar) -> list:
+    """The trials of one policy at one budget: one pass over the shared haystack, then each trial's own tail.
+
+    Every prompt starts with ``stream`` (intro + filler) up to its needle,
+    whatever its key or depth: the tokens up to the last chunk boundary
+    before each needle are read once.
+    """
+    snapshot_at = {d: _snapshot_at(group, step) for d, group in prompts.items()}
+    caches = policy_cache(model, policy, budget or context, context, n_sink, seed)
+    snapshots, done = {}, 0
+    for d in sorted(snapshot_at, key=snapshot_at.get):
+        stop = snapshot_at[d]
+        prefill(model, caches, stream[done:stop], step)
+        grid.prefill_tokens += stop - done
+        bar.update(stop - done)
+        done = stop
+        snapshots[d] = copy_caches(caches)
+    del caches
+    trials = []
+    for depth, group in prompts.items():
+        for index, prompt in enumerate(group):
+            assert prompt.tokens[: snapshot_at[depth]] == stream[: snapshot_at[depth]]
+            caches = copy_caches(snapshots[depth])
+            for layer, cache in enumerate(caches):
+                if isinstance(cache, RandomEvictionCache):
+                    # Each trial draws its own evictions from the snapshot on.
+                    cache.reseed(derived_key(seed, context, round(depth * 10**6), index, layer))
+            tail = prompt.tokens[snapshot_at[depth]:]
+            grid.prefill_tokens += len(tail)
+            text = answer(model, tokenizer, tail, caches, step, max_tokens)
+            trials.append(Trial(name, context, depth, prompt.needle_at, len(prompt.tokens),
+                                FULL if policy is None else policy.name,
+                                fraction, budget, prompt.key, text, is_correct(text, prompt.key)))
+            bar.update(len(tail))
+    return trials
+
+
+def markdown_tables(grid: Grid) -> str:
+    """Per haystack and budget fraction: accuracy per policy and context (over depths), with the interval."""
+    totals = grid.totals()
+    lines = []
+    for name in grid.config["haystacks"]:
+        contexts = grid.config["contexts"]
+        lines += [f"**{name}** (accuracy over {len(grid.config['depths'])} depths x {grid.config['keys']} keys; "
+                  "all contexts: over every context)", "",
+                  "| policy | budget | " + " | ".join(f"{c}" for c in contexts) + " | all contexts |",
+                  "|---|---|" + "---|" * (len(contexts) + 1)]
+        rows = {}
+        for row in totals:
+            if row["haystack"] == name:
+                rows[(row["policy"], row["budget_fraction"], row["context"])] = row
+        order = [FULL] + grid.config["policies"]
+        for fraction in [None] + grid.config["budget_fractions"]:
+            for policy in order:
+                if (policy == FULL) != (fraction is None) or (policy, fraction, "all") not in rows:
+                    continue
+                cells = [_cell(rows.get((policy, fraction, c))) for c in contexts + ["all"]]
+                budget = "—" if fraction is None else f"1/{round(1 / fraction)}" if (1 / fraction).is_integer() \
+                    else f"{fraction:g}"
+                lines.append(f"| {policy} | {budget} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _cell(row) -> str:
+    if row is None:
+        return "—"
+    return f"{row['accuracy']:.2f} [{row['ci'][0]:.2f}, {row['ci'][1]:.2f}]"
+
+
+def plot(grid: Grid, path: str, title: str) -> None:
+    """Heatmaps of accuracy: one per haystack and budget, policies by (context, depth)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    config = grid.config
+    columns = [(c, d) for c in config["contexts"] for d in config["depths"]]
+    cells = {(r["haystack"], r["policy"], r["budget_fraction"], r["context"], r["depth"]): r["accuracy"]
+             for r in grid.cells()}
+    panels = [(h, f) for h in config["haystacks"] for f in config["budget_fractions"]]
+    rows = [FULL] + config["policies"]
+    # At least 7 inches wide: the panel titles fit a grid of few columns.
+    fig, axes = plt.subplots(len(panels), 1, squeeze=False,
+                             figsize=(max(7.0, 1.0 + 0.55 * len(columns)), 1.2 + 0.42 * len(rows) * len(panels)))
+    for ax, (name, fraction) in zip(axes[:, 0], panels):
+        values = np.full((len(rows), len(columns)), np.nan)
+        for i, policy in enumerate(rows):
+            for j, (context, depth) in enumerate(columns):
+                values[i, j] = cells.get((name, policy, None if policy == FULL else fraction, context, depth), np.nan)
+        image = ax.imshow(values, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        for (i, j), value in np.ndenumerate(values):
+            if not np.isnan(value):
+                ax.text(j, i, f"{value:.2f}".lstrip("0") if value < 1 else "1", ha="center", va="center",
+                        fontsize=6, color="white" if value < 0.5 else "black")
+        ax.set_yticks(range(len(rows)), rows, fontsize=7)
+        ax.set_xticks(range(len(columns)), [f"{c}\n{d:g}" for c, d in columns], fontsize=6)
+        ax.set_title(f"{name}: budget {fraction:g} of the context (full cache: no budget); "
+                     f"x: context / needle depth", fontsize=8)
+        fig.colorbar(image, ax=ax, fraction=0.02)
+    fig.suptitle(f"{title}: needle accuracy, {config['keys']} keys per cell", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

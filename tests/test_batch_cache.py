@@ -1,0 +1,305 @@
+"""BatchL2NormKVCache (docs/spec.md §8, batches): each sequence of a batch
+keeps exactly what a single-sequence L2NormKVCache fed its tokens keeps,
+bit for bit, through merges, right-padded prefills, joins and leaves; the
+mask hides exactly the padding in every head; the protocol's edges."""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mlx_knorm
+from conftest import ALL_BACKENDS, assert_bitwise_equal
+from mlx_knorm.batch_cache import BatchL2NormKVCache
+from mlx_knorm.cache import L2NormKVCache, QuantizedL2NormKVCache
+
+HEADS, KEY_DIM, VALUE_DIM = 2, 4, 3
+
+
+class Sequence:
+    """One sequence's token rows, drawn as they come, and its single cache."""
+
+    def __init__(self, rng: np.random.Generator, config: dict) -> None:
+        self.rng = rng
+        self.single = L2NormKVCache(**config)
+
+    def rows(self, n: int) -> tuple[mx.array, mx.array]:
+        # Per-row scales spread the norms (and make ties rare but possible).
+        scale = np.exp(self.rng.normal(size=(1, HEADS, n, 1)))
+        keys = (self.rng.normal(size=(1, HEADS, n, KEY_DIM)) * scale).astype(np.float32)
+        values = self.rng.normal(size=(1, HEADS, n, VALUE_DIM)).astype(np.float32)
+        return mx.array(keys), mx.array(values)
+
+    def feed_single(self, keys: mx.array, values: mx.array) -> None:
+        if keys.shape[2]:
+            self.single.update_and_fetch(keys, values)
+
+
+def assert_same_state(batch: BatchL2NormKVCache, sequences: list[Sequence]) -> None:
+    offsets = batch.offset.tolist()
+    assert len(offsets) == len(sequences)
+    for index, seq in enumerate(sequences):
+        got, want = batch.extract(index).state, seq.single.state
+        assert offsets[index] == want[4], f"sequence {index}: offset"
+        assert got[4:] == want[4:], f"sequence {index}: offset and configuration"
+        for field, a, b in zip(("keys", "values", "norms", "positions"), got[:4], want[:4]):
+            if b is None:
+                assert a is None, f"sequence {index}: {field}"
+            else:
+                assert_bitwise_equal(a, b, f"sequence {index} {field}")
+
+
+def step(batch: BatchL2NormKVCache, keys: mx.array, values: mx.array) -> None:
+    """One update, checking that the mask the model would get hides exactly
+    the padding rows among the kept ones, in every head."""
+    kept = batch.size()
+    mask = batch.make_mask(keys.shape[2])
+    batch.update_and_fetch(keys, values)
+    mx.eval(batch.keys, batch.slot_positions)
+    ranges = batch.state[4]
+    positions = batch.slot_positions[:, :, :kept]
+    real = (positions >= ranges[:, None, 0:1]) & (positions < ranges[:, None, 1:2])
+    if isinstance(mask, mx.array):
+        # Query 0 sees every kept slot that is not padding.
+        seen = mx.broadcast_to(mask[:, :, 0, :kept], real.shape)
+    else:
+        seen = mx.ones(real.shape, mx.bool_)
+    assert mx.array_equal(seen, real).item(), f"mask {seen} vs real rows {real}"
+
+
+def merged(rng, config, histories, blocks) -> tuple[BatchL2NormKVCache, list[Sequence]]:
+    """Single caches with their own histories (fed in blocks), merged."""
+    sequences = []
+    for history in histories:
+        seq = Sequence(rng, config)
+        done = 0
+        while done < history:
+            n = min(blocks, history - done)
+            seq.feed_single(*seq.rows(n))
+            done += n
+        sequences.append(seq)
+    return L2NormKVCache.merge([s.single for s in sequences]), sequences
+
+
+def padded_block(batch, sequences, lengths, calls: int) -> None:
+    """A right-padded prefill of ``lengths`` real tokens per sequence, as
+    mlx-lm's BatchGenerator feeds one (prepare, updates, finalize); split
+    over ``calls`` updates."""
+    width = max(lengths)
+    padded = any(n < width for n in lengths)
+    if padded:
+        batch.prepare(lengths=lengths, right_padding=[width - n for n in lengths])
+    rows = []
+    for seq, n in zip(sequences, lengths):
+        keys, values = seq.rows(width)  # the padding's rows are noise too
+        rows.append((keys, values))
+        seq.feed_single(keys[:, :, :n], values[:, :, :n])
+    keys = mx.concatenate([k for k, _ in rows])
+    values = mx.concatenate([v for _, v in rows])
+    cuts = [0, width // 2, width] if calls == 2 and width >= 2 else [0, width]
+    for a, b in zip(cuts, cuts[1:]):
+        step(batch, keys[:, :, a:b], values[:, :, a:b])
+    if padded:
+        batch.finalize()
+
+
+configs = st.builds(
+    lambda budget, n_sink, recent, keep, layout: dict(budget=budget, n_sink=n_sink, recent=recent,
+                                                      keep=keep, layout=layout),
+    st.integers(3, 10), st.integers(0, 2), st.integers(0, 2), st.sampled_from(["low", "high"]),
+    st.sampled_from(["slots", "temporal"]),
+).filter(lambda c: c["n_sink"] + c["recent"] < c["budget"])
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("prefill"), st.lists(st.integers(0, 9), min_size=4, max_size=4), st.integers(1, 2)),
+        st.tuples(st.just("decode"), st.integers(1, 6)),
+        st.tuples(st.just("join"), st.lists(st.integers(0, 14), min_size=1, max_size=2)),
+        st.tuples(st.just("leave"), st.integers(0, 2**16)),
+        st.tuples(st.just("copy")),
+        st.tuples(st.just("reload")),
+    ),
+    min_size=1, max_size=7,
+)
+
+
+def run_schedule(config, histories, blocks, ops, seed):
+    rng = np.random.default_rng(seed)
+    batch, sequences = merged(rng, config, histories, blocks)
+    assert_same_state(batch, sequences)
+    for op in ops:
+        kind = op[0]
+        if kind == "prefill":
+            lengths = (op[1] * 3)[: len(sequences)]
+            if max(lengths) == 0:
+                continue
+            padded_block(batch, sequences, lengths, op[2])
+        elif kind == "decode":
+            for _ in range(op[1]):
+                rows = [seq.rows(1) for seq in sequences]
+                for seq, (k, v) in zip(sequences, rows):
+                    seq.feed_single(k, v)
+                step(batch, mx.concatenate([k for k, _ in rows]), mx.concatenate([v for _, v in rows]))
+        elif kind == "join":
+            other, joined = merged(rng, config, op[1], blocks)
+            batch.extend(other)
+            sequences += joined
+        elif kind == "leave":
+            if len(sequences) == 1:
+                continue
+            mask = op[1] % (2 ** len(sequences))
+            keep = [i for i in range(len(sequences)) if mask >> i & 1] or [0]
+            batch.filter(keep)
+            sequences = [sequences[i] for i in keep]
+        elif kind == "copy":
+            batch = copy.deepcopy(batch)
+        elif kind == "reload":
+            state, meta = batch.state, batch.meta_state
+            batch = BatchL2NormKVCache.from_state(state)
+            batch.meta_state = meta
+        assert_same_state(batch, sequences)
+
+
+@pytest.mark.parametrize("backend", [b for b in ALL_BACKENDS if b != "metal-emulator"])
+@given(config=configs, histories=st.lists(st.integers(0, 14), min_size=1, max_size=3),
+       blocks=st.integers(1, 6), ops=operations, seed=st.integers(0, 2**31))
+@settings(max_examples=max(10, settings.default.max_examples // 3))
+def test_each_sequence_keeps_what_it_keeps_alone(backend, config, histories, blocks, ops, seed):
+    with mlx_knorm.use_backend(backend):
+        run_schedule(config, histories, blocks, ops, seed)
+
+
+@pytest.mark.parametrize("backend", [b for b in ALL_BACKENDS if b == "metal-emulator"])
+@given(config=configs, histories=st.lists(st.integers(0, 14), min_size=1, max_size=3),
+       blocks=st.integers(1, 6), ops=operations, seed=st.integers(0, 2**31))
+# Each schedule is dozens of emulated dispatches (real threads): a few cases.
+@settings(max_examples=max(4, settings.default.max_examples // 40))
+def test_each_sequence_keeps_what_it_keeps_alone_emulator(backend, config, histories, blocks, ops, seed):
+    with mlx_knorm.use_backend(backend):
+        run_schedule(config, histories, blocks, ops, seed)
+
+
+# -- explicit cases ----------------------------------------------------------
+
+
+def test_merge_extract_round_trips_bit_for_bit():
+    rng = np.random.default_rng(0)
+    config = dict(budget=6, n_sink=1, recent=1)
+    batch, sequences = merged(rng, config, [0, 3, 11, 40], 5)
+    for index, seq in enumerate(sequences):
+        assert_same_state(L2NormKVCache.merge([batch.extract(index)]), [seq])
+    assert batch.offset.dtype == mx.int32 and batch.offset.tolist() == [0, 3, 11, 40]
+
+
+def test_left_padding_from_empty_is_never_a_token():
+    """BatchKVCache-style use: an empty batch, left-padded prompts."""
+    rng = np.random.default_rng(1)
+    config = dict(budget=4, n_sink=1, recent=1)
+    lengths = [2, 7, 5]
+    batch = L2NormKVCache.merge([L2NormKVCache(**config) for _ in lengths])
+    batch.prepare(left_padding=[7 - n for n in lengths])
+    sequences = [Sequence(rng, config) for _ in lengths]
+    rows = []
+    for seq, n in zip(sequences, lengths):
+        k, v = seq.rows(7)
+        seq.feed_single(k[:, :, 7 - n :], v[:, :, 7 - n :])
+        rows.append((k, v))
+    step(batch, mx.concatenate([k for k, _ in rows]), mx.concatenate([v for _, v in rows]))
+    assert batch.offset.tolist() == lengths
+    for _ in range(6):
+        rows = [seq.rows(1) for seq in sequences]
+        for seq, (k, v) in zip(sequences, rows):
+            seq.feed_single(k, v)
+        step(batch, mx.concatenate([k for k, _ in rows]), mx.concatenate([v for _, v in rows]))
+        assert_same_state(batch, sequences)
+    with pytest.raises(ValueError, match="left_padding can only be added to an empty"):
+        batch.prepare(left_padding=[0, 0, 0])
+
+
+def test_merge_refuses_mixed_configurations_naming_the_field():
+    with pytest.raises(ValueError, match=r"same budget; caches\[0\] has budget=8, caches\[1\] has budget=9"):
+        L2NormKVCache.merge([L2NormKVCache(budget=8), L2NormKVCache(budget=9)])
+    with pytest.raises(ValueError, match="same layout"):
+        L2NormKVCache.merge([L2NormKVCache(budget=8), L2NormKVCache(budget=8, layout="temporal")])
+    a, b = L2NormKVCache(budget=8), L2NormKVCache(budget=8)
+    a.update_and_fetch(mx.zeros((1, 2, 3, 4)), mx.zeros((1, 2, 3, 4)))
+    b.update_and_fetch(mx.zeros((1, 3, 3, 4)), mx.zeros((1, 3, 3, 4)))
+    with pytest.raises(ValueError, match=r"same heads; caches\[0\] has 2, caches\[1\] has 3"):
+        L2NormKVCache.merge([a, b])
+    with pytest.raises(ValueError, match="same recent"):
+        L2NormKVCache.merge([L2NormKVCache(budget=8)]).extend(L2NormKVCache.merge([L2NormKVCache(budget=8, recent=2)]))
+    with pytest.raises(ValueError, match="QuantizedL2NormKVCache cannot be batched"):
+        QuantizedL2NormKVCache.merge([QuantizedL2NormKVCache(budget=8)])
+    with pytest.raises(ValueError, match=r"caches\[1\] is a KVCache"):
+        from mlx_lm.models.cache import KVCache
+
+        L2NormKVCache.merge([L2NormKVCache(budget=8), KVCache()])
+
+
+def test_state_checks_name_the_field():
+    batch = L2NormKVCache.merge([L2NormKVCache(budget=8)])
+    state = list(batch.state)
+    state[5] = mx.array([3], mx.int32)
+    with pytest.raises(ValueError, match="real_rows"):
+        BatchL2NormKVCache.from_state(state)
+    with pytest.raises(ValueError, match="13 fields"):
+        BatchL2NormKVCache.from_state(state[:5])
+    with pytest.raises(ValueError, match="meta_state"):
+        batch.meta_state = ("1", "0", "9", "0", "0", "low", "slots")
+
+
+def test_nbytes_counts_the_buffers_and_sliding_windows_are_refused():
+    rng = np.random.default_rng(2)
+    batch, _ = merged(rng, dict(budget=5), [4, 9], 3)
+    assert batch.nbytes == sum(b.nbytes for b in (batch.keys, batch.values, batch.norms, batch.slot_positions))
+    assert L2NormKVCache.merge([L2NormKVCache()]).nbytes == 0
+    with pytest.raises(ValueError, match="sliding-window"):
+        batch.make_mask(1, window_size=4)
+    assert not batch.is_trimmable() and batch.trim(1) == 0
+
+
+def test_extend_refuses_other_shapes_and_a_pending_right_padded_prefill():
+    rng = np.random.default_rng(3)
+    batch, _ = merged(rng, dict(budget=5), [4], 2)
+    other = L2NormKVCache(budget=5)
+    other.update_and_fetch(mx.zeros((1, HEADS, 2, KEY_DIM + 1)), mx.zeros((1, HEADS, 2, VALUE_DIM)))
+    with pytest.raises(ValueError, match="other holds rows of other heads, widths or dtype"):
+        batch.extend(L2NormKVCache.merge([other]))
+    batch.prepare(lengths=[1], right_padding=[0])
+    fresh, _ = merged(rng, dict(budget=5), [2], 2)
+    fresh.prepare(lengths=[1], right_padding=[1])
+    with pytest.raises(ValueError, match="finalize"):
+        batch.extend(fresh)
+    with pytest.raises(TypeError, match="must be a BatchL2NormKVCache"):
+        batch.extend(other)
+
+
+@pytest.mark.usefixtures("cpu_default_device")
+@pytest.mark.parametrize("layout", ["slots", "temporal"])
+def test_batch_decode_steps_run_in_place(layout):
+    """As the single cache's: once a step's attention has run, a decode step
+    of the batch writes into its buffers (budget + 1 slots), allocating no
+    second copy, with padding in the batch."""
+    rng = np.random.default_rng(4)
+    budget = 64
+    batch, sequences = merged(rng, dict(budget=budget, n_sink=2, layout=layout), [90, 20, 0], 30)
+    for _ in range(3):
+        rows = [seq.rows(1) for seq in sequences]
+        mx.eval(batch.update_and_fetch(mx.concatenate([k for k, _ in rows]),
+                                       mx.concatenate([v for _, v in rows])))
+    assert batch.keys.shape[2] == budget + 1
+    buffer_bytes = batch.nbytes
+    for _ in range(3):
+        rows = [seq.rows(1) for seq in sequences]
+        keys, values = mx.concatenate([k for k, _ in rows]), mx.concatenate([v for _, v in rows])
+        mx.eval(keys, values)
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(batch.update_and_fetch(keys, values))
+        assert mx.get_peak_memory() - before < buffer_bytes // 4
+        assert batch.nbytes == buffer_bytes

@@ -1,0 +1,50 @@
+"""``mlx-knorm generate`` on a GGUF file, as a user runs it: the tokens of
+``mlx_lm.generate`` on the directory ``mlx-knorm convert`` writes from the
+same file, while the prompt and the generation fit in the budget; past it,
+generation goes on and the KV memory stays at the budget."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("mlx_lm")
+pytest.importorskip("gguf")
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from command_runs import MLX_KNORM, MLX_LM, command_env, kv_lines, mlx_lm_stat, run, succeeded  # noqa: E402
+from tiny_gguf import write_model  # noqa: E402
+
+PROMPT = "the tin man"
+
+
+@pytest.fixture(scope="module")
+def gguf_model(tmp_path_factory):
+    """A tiny llama GGUF file (Q8_0 weights, as llama.cpp writes them) and
+    the mlx-lm directory converted from it."""
+    root = tmp_path_factory.mktemp("gguf-command")
+    path = write_model(root / "tiny-llama-Q8_0.gguf", "llama", Q.Q8_0).path
+    env = command_env(root / "home")
+    succeeded(run([*MLX_KNORM, "convert", path, root / "converted"], env))
+    return path, root / "converted", env
+
+
+def test_generate_on_a_gguf_file_prints_what_mlx_lm_prints_for_its_conversion(gguf_model):
+    path, converted, env = gguf_model
+    flags = ["--prompt", PROMPT, "--max-tokens", "40", "--verbose", "F"]
+    ours = succeeded(run([*MLX_KNORM, "generate", "--model", path, "--budget", "512", *flags], env))
+    theirs = succeeded(run([*MLX_LM, "generate", "--model", converted, *flags], env))
+    assert ours.stdout == theirs.stdout
+    assert len(ours.stdout.strip()) > 0
+
+
+def test_generate_on_a_gguf_file_past_the_budget_keeps_the_budget(gguf_model):
+    path, _, env = gguf_model
+    budget = 24
+    out = succeeded(run([*MLX_KNORM, "generate", "--model", path, "--prompt", PROMPT, "--max-tokens", "50",
+                         "--budget", budget], env)).stdout
+    assert mlx_lm_stat(out, "Generation") == 50
+    [(kept, full, tokens, label)] = kv_lines(out)
+    assert label == f"budget {budget}"
+    assert tokens == mlx_lm_stat(out, "Prompt") + 50 > budget
+    assert 0 < kept < full
