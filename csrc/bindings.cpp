@@ -10,6 +10,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "common/kernel_source.h"
+#include "common/launch_plan.h"
 #include "common/validation.h"
 #include "evict_and_fill/evict_and_fill.h"
 #include "key_norms/key_norms.h"
@@ -230,4 +231,21 @@ NB_MODULE(_ext, m) {
       "name"_a,
       "The source the JIT path compiles for metal_dir/<name>.metal, with "
       "knorm_defines.h inlined (for tests).");
+
+  m.def(
+      "check_metal_pipeline",
+      [](const std::string& kernel, uint32_t group_size, uint64_t max_threads,
+         uint64_t execution_width) {
+        mlx_knorm::LaunchPlan plan;
+        plan.kernel = kernel;
+        plan.group_size = group_size;
+        mlx_knorm::check_pipeline(plan, {max_threads, execution_width});
+      },
+      "kernel"_a,
+      "group_size"_a,
+      "max_threads"_a,
+      "execution_width"_a,
+      "The check eval_gpu runs on each pipeline before it encodes a dispatch: "
+      "raises RuntimeError for a pipeline that the kernel cannot run on (for "
+      "tests).");
 }

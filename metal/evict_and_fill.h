@@ -16,7 +16,10 @@
 // second dispatch, knorm_fill_new_rows, which spreads the new rows of each
 // head over threadgroups of kSplitRows rows (fill_new = 0 here), and drops
 // this one where it would do nothing: no stored rows, or none leaving with
-// every output in place.
+// every output in place. Likewise, with few heads and many kept rows, the
+// slot layout's copy of slots [0, kept) into outputs not updated in place
+// runs before, in knorm_copy_kept_rows over threadgroups of kSplitRows
+// rows (kept_copied = 1 here).
 // Payloads are raw bytes (uchar), up to kEvictMaxPayloads of them at fixed
 // [[buffer(i)]], each moving in the units of knorm_copy_bytes that the
 // launch plan chose for it (KnormEvictParams); slots of payloads past the
@@ -285,6 +288,28 @@ struct KnormEvictBuffers {
   }
 };
 
+// Slots [begin, end) of every input whose output is not updated in place,
+// to the same slots of its output, by the kEvictGroupSize threads of a
+// threadgroup; the bits move as they are.
+inline void knorm_copy_kept_slots(KnormEvictBuffers b, uint begin, uint end, uint tid) {
+  const ulong rows = end - begin;
+  for (uint i = 0; i < kEvictMaxPayloads; ++i) {
+    if (i < b.payloads && !b.payload_in_place(i)) {
+      const ulong bytes = b.row_bytes[i];
+      knorm_copy_bytes(b.rows[i] + begin * bytes, b.out_rows[i] + begin * bytes, rows * bytes,
+                       b.row_unit[i], tid, kEvictGroupSize);
+    }
+  }
+  if (!b.norms_in_place()) {
+    knorm_copy_bits(b.norms + begin, b.out_norms + begin, rows, uint(sizeof(float)), tid,
+                    kEvictGroupSize);
+  }
+  if (!b.positions_in_place()) {
+    knorm_copy_bits(b.positions + begin, b.out_positions + begin, rows, uint(sizeof(int)), tid,
+                    kEvictGroupSize);
+  }
+}
+
 // Row src of every input to row dst of its output, by the lanes of one SIMD
 // group; the bits move as they are.
 inline void knorm_move_row(KnormEvictBuffers b, uint src, uint dst, uint lane) {
@@ -300,6 +325,32 @@ inline void knorm_move_row(KnormEvictBuffers b, uint src, uint dst, uint lane) {
     ((device uint*)b.out_norms)[dst] = ((device const uint*)b.norms)[src];
     b.out_positions[dst] = b.positions[src];
   }
+}
+
+// The buffers of head `head`, from those of the whole batch (`batch`: the
+// bindings, as bound) and the step's constants.
+inline KnormEvictBuffers knorm_evict_buffers_of_head(
+    constant KnormEvictParams& params,
+    uint head,
+    KnormEvictBuffers batch) {
+  const ulong in_row = ulong(head) * params.slots;
+  const ulong out_row = ulong(head) * params.out_slots;
+  KnormEvictBuffers b = batch;
+  b.norms = batch.norms + in_row;
+  b.positions = batch.positions + in_row;
+  b.out_norms = batch.out_norms + out_row;
+  b.out_positions = batch.out_positions + out_row;
+  b.payloads = params.payloads;
+  b.in_place = params.in_place;
+  for (uint i = 0; i < kEvictMaxPayloads; ++i) {
+    b.row_bytes[i] = params.row_bytes[i];
+    b.row_unit[i] = params.row_unit[i];
+    if (i < params.payloads) {
+      b.rows[i] += in_row * params.row_bytes[i];
+      b.out_rows[i] += out_row * params.row_bytes[i];
+    }
+  }
+  return b;
 }
 
 // The temporal layout: kept slots, in slot order, to [0, kept), one chunk
@@ -564,19 +615,11 @@ template <typename K>
   const ulong out_row = ulong(head) * params.out_slots;
   KnormEvictHead stored = knorm_evict_head(
       params, valid, head, norms + in_row, positions + in_row, cached_ranks);
-  KnormEvictBuffers b = {
+  const KnormEvictBuffers batch = {
       {rows_0, rows_1, rows_2, rows_3, rows_4, rows_5},
       {out_rows_0, out_rows_1, out_rows_2, out_rows_3, out_rows_4, out_rows_5},
-      norms + in_row, positions + in_row, out_norms + out_row, out_positions + out_row,
-      params.payloads, {}, {}, params.in_place};
-  for (uint i = 0; i < kEvictMaxPayloads; ++i) {
-    b.row_bytes[i] = params.row_bytes[i];
-    b.row_unit[i] = params.row_unit[i];
-    if (i < params.payloads) {
-      b.rows[i] += in_row * params.row_bytes[i];
-      b.out_rows[i] += out_row * params.row_bytes[i];
-    }
-  }
+      norms, positions, out_norms, out_positions, 0u, {}, {}, 0u};
+  const KnormEvictBuffers b = knorm_evict_buffers_of_head(params, head, batch);
 
   // docs/spec.md section 4 step 1.
   KnormEviction ev = {kKeepAll, 0u, {ulong(0), 0u, 0u}};
@@ -601,22 +644,15 @@ template <typename K>
 
   // Step 2.
   if (params.temporal != 0) {
-    knorm_compact_temporal(stored, ev, b, first_list, simd_totals, tid, lane, simd_group);
+    // With kept_copied nothing leaves, and the copy was the whole compaction.
+    if (params.kept_copied == 0) {
+      knorm_compact_temporal(stored, ev, b, first_list, simd_totals, tid, lane, simd_group);
+    }
   } else {
-    // Outputs not updated in place start as a copy of the rows below kept.
-    for (uint i = 0; i < kEvictMaxPayloads; ++i) {
-      if (i < b.payloads && !b.payload_in_place(i)) {
-        knorm_copy_bytes(b.rows[i], b.out_rows[i], ulong(kept) * b.row_bytes[i], b.row_unit[i],
-                         tid, kEvictGroupSize);
-      }
-    }
-    if (!b.norms_in_place()) {
-      knorm_copy_bits(b.norms, b.out_norms, ulong(kept), uint(sizeof(float)), tid,
-                      kEvictGroupSize);
-    }
-    if (!b.positions_in_place()) {
-      knorm_copy_bits(b.positions, b.out_positions, ulong(kept), uint(sizeof(int)), tid,
-                      kEvictGroupSize);
+    // Outputs not updated in place start as a copy of the rows below kept,
+    // unless knorm_copy_kept_rows made it.
+    if (params.kept_copied == 0) {
+      knorm_copy_kept_slots(b, 0u, kept, tid);
     }
     // The holes among those rows are overwritten below, by other threads.
     threadgroup_barrier(mem_flags::mem_device);
@@ -645,6 +681,47 @@ template <typename K>
                                                      out_row),
                        0u, params.n_new, lane, simd_group);
   }
+}
+
+// Slots [0, kept) of every output not updated in place, from its input, in
+// a dispatch of its own before knorm_evict_and_fill (kept_copied = 1):
+// threadgroup g copies slots [b * kSplitRows, + kSplitRows) of head
+// g / copy_groups_per_head, b = g % copy_groups_per_head. A step whose
+// outputs are fresh buffers (not donated, or of another capacity) then
+// moves its bulk over many threadgroups, not one per head. A template, on
+// the group size, only so that it instantiates like the others.
+template <uint kGroupSize>
+[[kernel]] void knorm_copy_kept_rows(
+    device const uchar* rows_0 KNORM_BUFFER(0),
+    device const uchar* rows_1 KNORM_BUFFER(1),
+    device const uchar* rows_2 KNORM_BUFFER(2),
+    device const uchar* rows_3 KNORM_BUFFER(3),
+    device const uchar* rows_4 KNORM_BUFFER(4),
+    device const uchar* rows_5 KNORM_BUFFER(5),
+    device const float* norms KNORM_BUFFER(6),
+    device const int* positions KNORM_BUFFER(7),
+    device uchar* out_rows_0 KNORM_BUFFER(8),
+    device uchar* out_rows_1 KNORM_BUFFER(9),
+    device uchar* out_rows_2 KNORM_BUFFER(10),
+    device uchar* out_rows_3 KNORM_BUFFER(11),
+    device uchar* out_rows_4 KNORM_BUFFER(12),
+    device uchar* out_rows_5 KNORM_BUFFER(13),
+    device float* out_norms KNORM_BUFFER(14),
+    device int* out_positions KNORM_BUFFER(15),
+    constant KnormEvictParams& params KNORM_BUFFER(16),
+    uint group KNORM_ATTRIBUTE(threadgroup_position_in_grid),
+    uint tid KNORM_ATTRIBUTE(thread_position_in_threadgroup)) {
+  static_assert(kGroupSize == kEvictGroupSize, "knorm_copy_kept_slots copies with kEvictGroupSize threads");
+  const uint kept = params.kept;
+  const uint head = group / params.copy_groups_per_head;
+  const uint begin = (group % params.copy_groups_per_head) * kSplitRows;
+  // begin < kept; begin + kSplitRows may not fit in a uint.
+  const uint end = kept - begin > kSplitRows ? begin + kSplitRows : kept;
+  const KnormEvictBuffers batch = {
+      {rows_0, rows_1, rows_2, rows_3, rows_4, rows_5},
+      {out_rows_0, out_rows_1, out_rows_2, out_rows_3, out_rows_4, out_rows_5},
+      norms, positions, out_norms, out_positions, 0u, {}, {}, 0u};
+  knorm_copy_kept_slots(knorm_evict_buffers_of_head(params, head, batch), begin, end, tid);
 }
 
 // Step 3 of a cache step whose steps 1-2 ran before (knorm_evict_and_fill

@@ -1,6 +1,7 @@
-// The instantiations of EvictAndFill's kernels (evict_and_fill.h), one per
-// source of the new rows' norms: the first payload as float16, bfloat16 or
-// float32 keys, or given norms; under the host names that
+// The instantiations of EvictAndFill's kernels (evict_and_fill.h): the step
+// and its fill, one per source of the new rows' norms (the first payload as
+// float16, bfloat16 or float32 keys, or given norms), and the copy of the
+// kept slots; under the host names that
 // csrc/evict_and_fill/plan.cpp launches. The metallib build and the JIT path
 // compile this file; the emulator includes it
 // (csrc/metal_emulator/kernels.cpp).
@@ -14,3 +15,4 @@ KNORM_EVICT_INSTANCE(float16, half)
 KNORM_EVICT_INSTANCE(bfloat16, bfloat)
 KNORM_EVICT_INSTANCE(float32, float)
 KNORM_EVICT_INSTANCE(given, KnormGivenNorms)
+KNORM_KERNEL_INSTANCE("knorm_copy_kept_rows", knorm_copy_kept_rows<kEvictGroupSize>)

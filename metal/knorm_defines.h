@@ -119,9 +119,42 @@ struct KnormEvictParams {
   // does, over groups_per_head threadgroups per head.
   uint32_t fill_new;
   uint32_t groups_per_head;
+  // 1: knorm_copy_kept_rows copied slots [0, kept) of every output not in
+  // place, over copy_groups_per_head threadgroups per head, before
+  // knorm_evict_and_fill runs; 0: knorm_evict_and_fill copies them.
+  uint32_t kept_copied;
+  uint32_t copy_groups_per_head;
   uint32_t row_bytes[kEvictMaxPayloads];  // bytes of one row of payload i
   // Bytes of the units payload i's rows move in (knorm_copy_bytes).
   uint32_t row_unit[kEvictMaxPayloads];
+};
+
+// The constants of the gather kernels, bound as one block at their last
+// [[buffer(i)]] (csrc/protected_topk_gather/plan.cpp fills it): one
+// setBytes instead of one per constant.
+struct KnormGatherParams {
+  uint32_t n_prior;
+  uint32_t n_new;
+  uint32_t key_dim;
+  uint32_t value_dim;
+  uint32_t kept;
+  // Rows [0, sink_end) and [mid_end, n_prior + n_new) are protected, and
+  // mid_keep rows between them are kept.
+  uint32_t sink_end;
+  uint32_t mid_end;
+  uint32_t mid_keep;
+  uint32_t keep_high;
+  // Bits: output i is prior input i's buffer (keys 1, values 2, norms 4).
+  uint32_t in_place;
+  // Bytes of the units K and V rows move in (knorm_copy_bits).
+  uint32_t key_unit;
+  uint32_t value_unit;
+  // 1: knorm_protected_topk_gather copies the K/V rows; 0: knorm_gather_rows
+  // does, over groups_per_head threadgroups per head, from output row
+  // first_row on (the rows before it are compacted in place).
+  uint32_t copy_rows;
+  uint32_t first_row;
+  uint32_t groups_per_head;
 };
 
 #if !defined(__METAL_VERSION__) && !defined(KNORM_METAL_EMULATOR)

@@ -108,10 +108,14 @@ inline void knorm_histogram_add(
 }
 
 // Radix select over the order keys keys(j) of rows [begin, end), most
-// significant 8 bits first (4 passes for uint keys, 8 for ulong): the cut
-// that keeps the `rank` smallest. histogram has kRadixBins entries, one per
-// thread. Needs rank >= 1. Every thread runs the same number of steps over
-// the rows, so that each SIMD group counts its 32 rows together.
+// significant 8 bits first (up to 4 passes for uint keys, 8 for ulong): the
+// cut that keeps the `rank` smallest. histogram has kRadixBins entries, one
+// per thread. Needs rank >= 1. Every thread runs the same number of steps
+// over the rows, so that each SIMD group counts its 32 rows together.
+// Once the chosen bin holds exactly the rows still to keep, every row of it
+// is kept and the later passes would only split it: the select stops there,
+// with the bin's largest key as the cut and take_equal == equal (every key
+// equal to the cut kept, as after a last pass whose bin is kept whole).
 template <typename Key, uint kGroupSize, typename Keys>
 inline KnormCut<Key> knorm_radix_select(
     Keys keys,
@@ -152,6 +156,12 @@ inline KnormCut<Key> knorm_radix_select(
     mask |= Key(0xFFu) << shift;
     rank -= picked[1];
     equal = picked[2];
+    // The same values in every thread (read after the barrier): the whole
+    // group leaves together.
+    if (equal == rank) {
+      KnormCut<Key> whole_bin = {prefix | ~mask, equal, equal};
+      return whole_bin;
+    }
   }
   KnormCut<Key> out = {prefix, rank, equal};
   return out;
@@ -222,14 +232,44 @@ inline void knorm_copy_bits(
 // (knorm_move_rows).
 constant constexpr uint kWaveBytes = 64;
 
+// A unit of a run of rows `width` units wide: row and unit in the row, for
+// the linear index row * width + unit. knorm_move_rows steps each thread's
+// index by a fixed stride by adding the stride's rows and units
+// (knorm_advance), so no unit costs a division: Apple GPUs have no integer
+// divider, and 64-bit integer arithmetic runs at a fraction of 32-bit's.
+// Every count is 32-bit: rows and row widths are below 2^31 (docs/spec.md
+// section 5), so unit + units < 2 width never wraps.
+struct KnormRowUnit {
+  uint row;
+  uint unit;
+};
+
+// A stride of the linear index, as whole rows and the units left over.
+inline KnormRowUnit knorm_row_unit(uint index, uint width) {
+  KnormRowUnit at = {index / width, index % width};
+  return at;
+}
+
+inline KnormRowUnit knorm_advance(KnormRowUnit at, KnormRowUnit stride, uint width) {
+  at.row += stride.row;
+  at.unit += stride.unit;
+  if (at.unit >= width) {
+    at.unit -= width;
+    at.row += 1;
+  }
+  return at;
+}
+
 // Rows src[p] -> dst_begin + p of one buffer, p < n, rows of `width` units
 // U, by the whole threadgroup of kGroupSize threads; src increases with p
-// and src[p] >= dst_begin + p. Into a separate output, unit by unit. In
-// place (`overlapping`), rows already where they belong are skipped and the
-// others move in waves over their units in order: every thread reads its
-// units of the wave, a barrier, then writes them. A later wave's sources
-// lie at or past its own destinations, hence past every earlier wave's, so
-// no unit is overwritten before it is read.
+// and src[p] >= dst_begin + p. Thread tid takes the units tid,
+// tid + kGroupSize, ... of the rows' linear order. Into a separate output,
+// unit by unit. In place (`overlapping`), rows already where they belong
+// are skipped and the others move in waves over their units in order: every
+// thread reads its units of the wave, a barrier, then writes them. A later
+// wave's sources lie at or past its own destinations, hence past every
+// earlier wave's, so no unit is overwritten before it is read. The
+// divisions below run once a call, not once a unit.
 template <uint kGroupSize, typename U>
 inline void knorm_move_rows(
     device const U* in,
@@ -240,35 +280,37 @@ inline void knorm_move_rows(
     uint n,
     uint width,
     uint tid) {
-  const ulong total = ulong(n) * width;
+  if (width == 0) {
+    return;
+  }
+  const KnormRowUnit step = knorm_row_unit(kGroupSize, width);
+  const KnormRowUnit first = knorm_row_unit(tid, width);
   if (!overlapping) {
-    for (ulong e = tid; e < total; e += kGroupSize) {
-      const uint p = uint(e / width);
-      const uint d = uint(e % width);
-      out[ulong(dst_begin + p) * width + d] = in[ulong(src[p]) * width + d];
+    for (KnormRowUnit at = first; at.row < n; at = knorm_advance(at, step, width)) {
+      out[ulong(dst_begin + at.row) * width + at.unit] = in[ulong(src[at.row]) * width + at.unit];
     }
     return;
   }
   constexpr uint kWaveUnits = kWaveBytes / sizeof(U);
-  for (ulong base = 0; base < total; base += kGroupSize * kWaveUnits) {
+  const KnormRowUnit wave_step = knorm_row_unit(kGroupSize * kWaveUnits, width);
+  // The wave's first unit (thread 0's first), the same in every thread, and
+  // this thread's first.
+  KnormRowUnit wave = {0u, 0u};
+  KnormRowUnit mine = first;
+  for (; wave.row < n; wave = knorm_advance(wave, wave_step, width),
+                       mine = knorm_advance(mine, wave_step, width)) {
     U held[kWaveUnits];
-    for (uint k = 0; k < kWaveUnits; ++k) {
-      const ulong e = base + ulong(k) * kGroupSize + tid;
-      if (e < total) {
-        const uint p = uint(e / width);
-        if (src[p] != dst_begin + p) {
-          held[k] = in[ulong(src[p]) * width + e % width];
-        }
+    KnormRowUnit at = mine;
+    for (uint k = 0; k < kWaveUnits; ++k, at = knorm_advance(at, step, width)) {
+      if (at.row < n && src[at.row] != dst_begin + at.row) {
+        held[k] = in[ulong(src[at.row]) * width + at.unit];
       }
     }
     threadgroup_barrier(mem_flags::mem_device);
-    for (uint k = 0; k < kWaveUnits; ++k) {
-      const ulong e = base + ulong(k) * kGroupSize + tid;
-      if (e < total) {
-        const uint p = uint(e / width);
-        if (src[p] != dst_begin + p) {
-          out[ulong(dst_begin + p) * width + e % width] = held[k];
-        }
+    at = mine;
+    for (uint k = 0; k < kWaveUnits; ++k, at = knorm_advance(at, step, width)) {
+      if (at.row < n && src[at.row] != dst_begin + at.row) {
+        out[ulong(dst_begin + at.row) * width + at.unit] = held[k];
       }
     }
     threadgroup_barrier(mem_flags::mem_device);

@@ -68,11 +68,12 @@ struct KnormGatherKeys {
   }
 };
 
-// Stable compaction in temporal order, kGatherGroupSize rows at a time: two
-// threadgroup prefix sums give each row its rank among the middle rows at
-// the threshold key and its output position. Kept rows write their index,
-// and their norm unless the norms are compacted in place (other threads
-// may still read the norm a write would replace).
+// Stable compaction in temporal order, kGatherGroupSize rows at a time: a
+// threadgroup prefix sum gives each row its output position and, where the
+// cut keeps only some of the middle rows with its key (take_equal < equal),
+// another one its rank among them. Kept rows write their index, and their
+// norm unless the norms are compacted in place (other threads may still
+// read the norm a write would replace).
 inline void knorm_compact(
     KnormHead head,
     KnormCut<uint> cut,
@@ -84,6 +85,8 @@ inline void knorm_compact(
     uint lane,
     uint simd_group) {
   const uint n_total = head.n_prior + head.n_new;
+  // The same in every thread: the scan below runs in all or none.
+  const bool every_equal_kept = cut.take_equal == cut.equal;
   uint equal_before = 0;
   uint kept_before = 0;
   for (uint base = 0; base < n_total; base += kGatherGroupSize) {
@@ -92,12 +95,15 @@ inline void knorm_compact(
     const float norm = valid ? knorm_norm_at(head, j) : 0.0f;
     const bool protect = j < head.sink_end || j >= head.mid_end;
     const uint key = knorm_score_key(norm, head.keep_high);
-    const bool equal = valid && !protect && key == cut.key;
-    const KnormScan eq =
-        knorm_block_scan<kGatherGroupSize>(equal ? 1u : 0u, simd_totals, lane, simd_group);
-    const bool keep = valid &&
-        (protect || key < cut.key ||
-         (equal && equal_before + eq.exclusive < cut.take_equal));
+    bool keep = valid && (protect || key <= cut.key);
+    if (!every_equal_kept) {
+      const bool equal = valid && !protect && key == cut.key;
+      const KnormScan eq =
+          knorm_block_scan<kGatherGroupSize>(equal ? 1u : 0u, simd_totals, lane, simd_group);
+      keep = valid &&
+          (protect || key < cut.key || (equal && equal_before + eq.exclusive < cut.take_equal));
+      equal_before += eq.total;
+    }
     const KnormScan pos =
         knorm_block_scan<kGatherGroupSize>(keep ? 1u : 0u, simd_totals, lane, simd_group);
     if (keep) {
@@ -106,7 +112,6 @@ inline void knorm_compact(
         row_norms[kept_before + pos.exclusive] = norm;
       }
     }
-    equal_before += eq.total;
     kept_before += pos.total;
   }
 }
@@ -224,23 +229,22 @@ template <typename K, typename V>
     device V* out_values KNORM_BUFFER(7),
     device float* out_norms KNORM_BUFFER(8),
     device uint* out_indices KNORM_BUFFER(9),
-    constant uint& n_prior KNORM_BUFFER(10),
-    constant uint& n_new KNORM_BUFFER(11),
-    constant uint& key_dim KNORM_BUFFER(12),
-    constant uint& value_dim KNORM_BUFFER(13),
-    constant uint& kept KNORM_BUFFER(14),
-    constant uint& sink_end KNORM_BUFFER(15),
-    constant uint& mid_end KNORM_BUFFER(16),
-    constant uint& mid_keep KNORM_BUFFER(17),
-    constant uint& keep_high KNORM_BUFFER(18),
-    constant uint& in_place KNORM_BUFFER(19),
-    constant uint& key_unit KNORM_BUFFER(20),
-    constant uint& value_unit KNORM_BUFFER(21),
-    constant uint& copy_rows KNORM_BUFFER(22),
+    constant KnormGatherParams& params KNORM_BUFFER(10),
     uint row KNORM_ATTRIBUTE(threadgroup_position_in_grid),
     uint tid KNORM_ATTRIBUTE(thread_position_in_threadgroup),
     uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
     uint simd_group KNORM_ATTRIBUTE(simdgroup_index_in_threadgroup)) {
+  const uint n_prior = params.n_prior;
+  const uint n_new = params.n_new;
+  const uint key_dim = params.key_dim;
+  const uint value_dim = params.value_dim;
+  const uint kept = params.kept;
+  const uint sink_end = params.sink_end;
+  const uint mid_end = params.mid_end;
+  const uint mid_keep = params.mid_keep;
+  const uint in_place = params.in_place;
+  const uint key_unit = params.key_unit;
+  const uint value_unit = params.value_unit;
   KNORM_THREADGROUP_ARRAY(atomic_uint, histogram, kRadixBins);
   KNORM_THREADGROUP_ARRAY(uint, simd_totals, kGatherSimdGroups);
   KNORM_THREADGROUP_ARRAY(uint, picked, 3);
@@ -250,7 +254,7 @@ template <typename K, typename V>
 
   const uint n_total = n_prior + n_new;
   KnormHead head = {
-      row, n_prior, n_new, kept, sink_end, mid_end, mid_keep, keep_high != 0,
+      row, n_prior, n_new, kept, sink_end, mid_end, mid_keep, params.keep_high != 0,
       prior_norms + ulong(row) * n_prior, new_norms + ulong(row) * n_new,
       false, cached_norms};
   // Radix select of the mid_keep-th smallest middle key.
@@ -287,7 +291,7 @@ template <typename K, typename V>
                                         lane, simd_group);
   }
   // The rows an output in place still lacks are the new ones.
-  if (copy_rows != 0) {
+  if (params.copy_rows != 0) {
     knorm_copy_rows(row, n_prior, n_new, kept, row_indices, prior_keys, new_keys, out_keys,
                     (in_place & 1u) != 0 ? prior_kept : 0u, kept, false, key_dim, key_unit,
                     lane, simd_group);
@@ -317,19 +321,20 @@ template <typename K, typename V>
     device const uint* indices KNORM_BUFFER(4),
     device K* out_keys KNORM_BUFFER(5),
     device V* out_values KNORM_BUFFER(6),
-    constant uint& n_prior KNORM_BUFFER(7),
-    constant uint& n_new KNORM_BUFFER(8),
-    constant uint& key_dim KNORM_BUFFER(9),
-    constant uint& value_dim KNORM_BUFFER(10),
-    constant uint& kept KNORM_BUFFER(11),
-    constant uint& in_place KNORM_BUFFER(12),
-    constant uint& key_unit KNORM_BUFFER(13),
-    constant uint& value_unit KNORM_BUFFER(14),
-    constant uint& first_row KNORM_BUFFER(15),
-    constant uint& groups_per_head KNORM_BUFFER(16),
+    constant KnormGatherParams& params KNORM_BUFFER(7),
     uint group KNORM_ATTRIBUTE(threadgroup_position_in_grid),
     uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
     uint simd_group KNORM_ATTRIBUTE(simdgroup_index_in_threadgroup)) {
+  const uint n_prior = params.n_prior;
+  const uint n_new = params.n_new;
+  const uint key_dim = params.key_dim;
+  const uint value_dim = params.value_dim;
+  const uint kept = params.kept;
+  const uint in_place = params.in_place;
+  const uint key_unit = params.key_unit;
+  const uint value_unit = params.value_unit;
+  const uint first_row = params.first_row;
+  const uint groups_per_head = params.groups_per_head;
   const uint head = group / groups_per_head;
   const uint begin = first_row + (group % groups_per_head) * kSplitRows;
   // begin < kept; begin + kSplitRows may not fit in a uint.

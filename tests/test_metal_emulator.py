@@ -254,3 +254,97 @@ def test_threads_that_cannot_start_raise():
     assert re.fullmatch(r"raised: metal emulator: knorm_key_norms_float32_\d+: started \d+ of a threadgroup's 128 threads .*",
                         lines[0]), lines[0]
     assert lines[1] == "equal after: True"
+
+
+@pytest.mark.parametrize("width", [1, 16, 31, 64])
+def test_pipelines_with_other_simd_widths_are_refused(width):
+    """The scans, ballots and shuffles assume 32 lanes: eval_gpu refuses any
+    other threadExecutionWidth before encoding (the emulator runs the same
+    check with its own, 32)."""
+    with pytest.raises(RuntimeError, match=rf"knorm_evict_and_fill_given needs SIMD groups of 32 lanes; this GPU runs it with {width} "):
+        _native.ext.check_metal_pipeline("knorm_evict_and_fill_given", 256, 1024, width)
+
+
+def test_pipelines_with_too_few_threads_are_refused():
+    with pytest.raises(RuntimeError, match="needs threadgroups of 256 threads; this GPU runs it with at most 224"):
+        _native.ext.check_metal_pipeline("knorm_protected_topk_gather_float16_float16", 256, 224, 32)
+    _native.ext.check_metal_pipeline("knorm_protected_topk_gather_float16_float16", 256, 256, 32)
+
+
+def two_magnitude_norms(n_heads, rows, small, seed):
+    """Norms of two magnitudes far apart (their order keys differ in the top
+    byte), ``small`` of them small, the rest large, shuffled: a select that
+    keeps exactly ``small`` rows keeps the whole first top-byte bin."""
+    rng = np.random.default_rng(seed)
+    norms = np.concatenate([rng.uniform(1.0, 1.5, (n_heads, small)),
+                            rng.uniform(1e30, 2e30, (n_heads, rows - small))], axis=1)
+    return mx.array(rng.permuted(norms, axis=1).astype(np.float32))
+
+
+@pytest.mark.parametrize("extra", [-1, 0, 1])
+@pytest.mark.parametrize("keep", ["low", "high"])
+def test_gather_cut_at_and_near_a_radix_bin_boundary(extra, keep):
+    """The select stops once the chosen bin holds exactly the rows still to
+    keep (extra = 0 for keep="low": after the first pass), and the
+    compaction then keeps every key at or below the bin's largest without
+    the equal-key scan; one row fewer or more runs every pass."""
+    n_prior, small = 400, 150
+    budget = small + extra
+    norms = two_magnitude_norms(2, n_prior, small, seed=small + extra)
+    rng = np.random.default_rng(5)
+    args = (fill(rng, (2, n_prior, 8), "normal", "float16"), fill(rng, (2, n_prior, 8), "normal", "float16"),
+            norms, mx.zeros((2, 0, 8), mx.float16), mx.zeros((2, 0, 8), mx.float16), mx.zeros((2, 0)),
+            budget, 0, 0, keep)
+    native, emulated = native_and_emulated("protected_topk_gather", *args)
+    for name, a, b in zip(("keys", "values", "norms", "indices"), native, emulated):
+        assert_bitwise_equal(b, a, name)
+
+
+@pytest.mark.parametrize("extra", [-1, 0, 1])
+@pytest.mark.parametrize("layout", ["slots", "temporal"])
+def test_step_cut_at_and_near_a_radix_bin_boundary(extra, layout):
+    """The evict-and-fill select over 64-bit ranks stops after the score's
+    passes, or the first, when the bin holds exactly the rows to keep."""
+    slots, small = 600, 200
+    budget = small + extra
+    args = step_args(slots, slots, budget, 2, "distinct", "normal", seed=budget)
+    args[2] = two_magnitude_norms(2, slots, small, seed=budget)
+    config = dict(filled=slots, offset=slots, capacity=slots, budget=budget,
+                  n_sink=0, recent=0, keep="low", layout=layout)
+    native, emulated = step_native_and_emulated(args, config, donate=False)
+    defined = budget + 2
+    for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
+        assert_bitwise_equal(b[:, :defined], a[:, :defined], name)
+
+
+@pytest.mark.parametrize(
+    "slots, filled, budget, n_new, capacity",
+    [
+        (300, 300, 200, 1, 300),   # 100 rows leave; slots [0, 200) copied in two blocks a head
+        (400, 300, 300, 1, 512),   # a decode step into larger buffers: nothing leaves
+        (514, 513, 512, 1, 640),   # a decode step at the budget into larger buffers
+        (260, 129, 129, 0, 129),   # the last block one row
+    ],
+)
+@pytest.mark.parametrize("layout", ["slots", "temporal"])
+def test_step_copies_kept_slots_over_many_threadgroups(slots, filled, budget, n_new, capacity, layout):
+    """Outputs that are fresh buffers (not donated, or of another capacity)
+    start as a copy of slots [0, kept): with few heads a dispatch of its own
+    over blocks of 128 slots per head (knorm_copy_kept_rows), on three heads
+    so that the head and block arithmetic is crossed."""
+    rng = np.random.default_rng(slots + capacity)
+    args = [
+        fill(rng, (3, slots, 8), "special", "float16"),
+        fill(rng, (3, slots, 5), "normal", "float32"),
+        fill_norms(rng, (3, slots), "normal"),
+        mx.array(np.stack([rng.permutation(slots) for _ in range(3)]).astype(np.int32)),
+        fill(rng, (3, n_new, 8), "special", "float16"),
+        fill(rng, (3, n_new, 5), "normal", "float32"),
+    ]
+    config = dict(filled=filled, offset=slots, capacity=capacity, budget=budget,
+                  n_sink=2, recent=3, keep="low", layout=layout)
+    for donate in (False, True):
+        native, emulated = step_native_and_emulated(args, config, donate)
+        defined = min(filled, budget) + n_new
+        for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
+            assert_bitwise_equal(b[:, :defined], a[:, :defined], f"{name} donate={donate}")

@@ -44,6 +44,11 @@ PROTECTED_TOPK_GATHER_SHAPE_ERRORS = [
     (dict(recent=-2), "recent must be >= 0"),
     (dict(n_sink=3, recent=3), "must be < budget"),
     (dict(keep="middle"), "keep must be 'low' or 'high'"),
+    # docs/spec.md §5's limits, on heads without elements (no memory).
+    (good(n=0, n_prior=2**31 - 3, s=3), "n_prior + S (2147483648) must be < 2**31"),
+    (good(n=0, d=2**30, dtype=mx.float16), "prior_keys has rows of 2147483648 bytes; rows must be < 2**31 bytes"),
+    ({**good(n=0), "prior_values": mx.zeros((0, 5, 2**29)), "new_values": mx.zeros((0, 3, 2**29))},
+     "prior_values has rows of 2147483648 bytes"),
 ]
 PROTECTED_TOPK_GATHER_TYPE_ERRORS = [
     (dict(new_keys=mx.ones((2, 3, 8), mx.int32)), "new_keys must be float16, bfloat16 or float32"),
@@ -62,7 +67,7 @@ PROTECTED_TOPK_GATHER_TYPE_ERRORS = [
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("change, fragment", PROTECTED_TOPK_GATHER_SHAPE_ERRORS)
 def test_protected_topk_gather_value_errors(backend, change, fragment):
-    with mlx_knorm.use_backend(backend), pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+    with mlx_knorm.use_backend(backend), pytest.raises(ValueError, match=re.escape(fragment)):
         mlx_knorm.knorm_update_batched(**{**good(), **change})
 
 
@@ -254,6 +259,14 @@ EVICT_AND_FILL_VALUE_ERRORS = [
     (dict(valid=mx.zeros((2, 3), mx.int32)), "valid must be [N, 2]: valid [2, 3] vs keys [2, 6, 8]"),
     (dict(valid=mx.zeros((3, 2), mx.int32)), "valid must be [N, 2]"),
     (dict(valid=mx.zeros((2,), mx.int32)), "valid must have rank 2"),
+    ({**good_step(n=0), "values": mx.zeros((0, 6, 2**28), mx.float64),
+      "new_values": mx.zeros((0, 1, 2**28), mx.float64)},
+     "values has rows of 2147483648 bytes; rows must be < 2**31 bytes, got shape [0, 6, 268435456]"),
+    ({**good_step(n=0), "values": (mx.zeros((0, 6, 3)), mx.zeros((0, 6, 2**31 - 1), mx.uint8),
+                                   mx.zeros((0, 6, 2**30), mx.int16)),
+      "new_values": (mx.zeros((0, 1, 3)), mx.zeros((0, 1, 2**31 - 1), mx.uint8),
+                     mx.zeros((0, 1, 2**30), mx.int16))},
+     "values[2] has rows of 2147483648 bytes"),
 ]
 EVICT_AND_FILL_DTYPE_ERRORS = [
     (dict(positions=mx.zeros((2, 6))), "positions must be int32, got float32"),

@@ -44,6 +44,8 @@ void dispatch_on_cpu(
   auto& encoder = mlx::core::cpu::get_command_encoder(stream);
   std::vector<mlx::core::array> in_refs;
   std::vector<mlx::core::array> out_refs;
+  in_refs.reserve(inputs.size());
+  out_refs.reserve(outputs.size());
   for (const auto& in : inputs) {
     encoder.set_input_array(in);
     in_refs.push_back(mlx::core::array::unsafe_weak_copy(in));

@@ -171,6 +171,37 @@ struct LaunchPlan {
   std::vector<BufferSlot> buffers;  // slot i is [[buffer(i)]]
 };
 
+// What a GPU reports of the pipeline compiled from a plan's kernel
+// (MTL::ComputePipelineState), and what the emulator models.
+struct PipelineLimits {
+  uint64_t max_threads;      // maxTotalThreadsPerThreadgroup()
+  uint64_t execution_width;  // threadExecutionWidth(): lanes of a SIMD group
+};
+
+// The pipeline the emulator models for every kernel: an Apple GPU's.
+inline constexpr PipelineLimits kEmulatedPipeline = {1024, kSimdWidth};
+
+// The kernels index threads by the plan's fixed group size, and their scans,
+// ballots and shuffles assume SIMD groups of kSimdWidth lanes (a ballot's
+// lanes are the bits of one uint; a SIMD group's leader is lane 31): a
+// pipeline that runs fewer threads per threadgroup, or SIMD groups of
+// another width, would give wrong results, so it is refused before anything
+// is encoded.
+inline void check_pipeline(const LaunchPlan& plan, const PipelineLimits& limits) {
+  if (limits.execution_width != kSimdWidth) {
+    throw std::runtime_error(
+        "mlx_knorm: the Metal kernel " + plan.kernel + " needs SIMD groups of " +
+        std::to_string(kSimdWidth) + " lanes; this GPU runs it with " +
+        std::to_string(limits.execution_width) + " (threadExecutionWidth; use the fallback backend)");
+  }
+  if (plan.group_size > limits.max_threads) {
+    throw std::runtime_error(
+        "mlx_knorm: the Metal kernel " + plan.kernel + " needs threadgroups of " +
+        std::to_string(plan.group_size) + " threads; this GPU runs it with at most " +
+        std::to_string(limits.max_threads) + " (use the fallback backend)");
+  }
+}
+
 // The dispatches of one evaluation, in order: each sees what the ones
 // before it wrote (MLX's encoder puts a memory barrier before a dispatch
 // that binds a buffer an earlier one wrote, or writes one it read; the

@@ -44,19 +44,6 @@ MTL::Library* kernel_library(mx::metal::Device& d, const std::string& source) {
   });
 }
 
-// The kernels index threads by the plan's fixed group size, so a pipeline
-// that cannot run that many threads per threadgroup (registers or
-// threadgroup memory beyond what this GPU has) cannot run them at all.
-void check_group_size(const LaunchPlan& plan, MTL::ComputePipelineState* kernel) {
-  const auto max_threads = kernel->maxTotalThreadsPerThreadgroup();
-  if (plan.group_size > max_threads) {
-    throw std::runtime_error(
-        "mlx_knorm: the Metal kernel " + plan.kernel + " needs threadgroups of " +
-        std::to_string(plan.group_size) + " threads; this GPU runs it with at most " +
-        std::to_string(max_threads) + " (use the fallback backend)");
-  }
-}
-
 // Binds plan slots to MLX's Metal command encoder. Metal binds buffers
 // untyped: the element names serve the emulator's check alone.
 struct EncoderBinder {
@@ -106,18 +93,7 @@ void dispatch_on_gpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs,
     const mx::Stream& s) {
-  if (plan.groups == 0) {
-    return;
-  }
-  auto& d = mx::metal::device(s.device);
-  auto* kernel = d.get_kernel(plan.kernel, kernel_library(d, plan.source));
-  check_group_size(plan, kernel);
-  auto& encoder = mx::metal::get_command_encoder(s);
-  encoder.set_compute_pipeline_state(kernel);
-  EncoderBinder binder{encoder};
-  bind_slots(plan, inputs, outputs, binder);
-  encoder.dispatch_threadgroups(
-      MTL::Size(plan.groups, 1, 1), MTL::Size(plan.group_size, 1, 1));
+  dispatch_on_gpu(LaunchPlans{plan}, inputs, outputs, s);
 }
 
 void dispatch_on_gpu(
@@ -125,8 +101,39 @@ void dispatch_on_gpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs,
     const mx::Stream& s) {
-  for (const LaunchPlan& plan : plans) {
-    dispatch_on_gpu(plan, inputs, outputs, s);
+  auto& d = mx::metal::device(s.device);
+  // Every pipeline is built and checked before the first dispatch is
+  // encoded, so a refused one leaves nothing half done.
+  std::vector<MTL::ComputePipelineState*> kernels(plans.size(), nullptr);
+  for (size_t i = 0; i < plans.size(); ++i) {
+    if (plans[i].groups > 0) {
+      kernels[i] = d.get_kernel(plans[i].kernel, kernel_library(d, plans[i].source));
+      check_pipeline(plans[i], {kernels[i]->maxTotalThreadsPerThreadgroup(),
+                                kernels[i]->threadExecutionWidth()});
+    }
+  }
+  auto& encoder = mx::metal::get_command_encoder(s);
+  bool encoded = false;
+  for (size_t i = 0; i < plans.size(); ++i) {
+    const LaunchPlan& plan = plans[i];
+    if (plan.groups == 0) {
+      continue;
+    }
+    // A later dispatch reads or overwrites what an earlier one wrote (the
+    // rows a split step's second dispatch copies, the slots its first
+    // compacted). MLX's encoder would insert this barrier itself, as the
+    // later dispatch binds a buffer that the earlier one bound as an output
+    // (CommandEncoder::set_input_array in MLX 0.32); the plans do not rely
+    // on that bookkeeping.
+    if (encoded) {
+      encoder.barrier();
+    }
+    encoder.set_compute_pipeline_state(kernels[i]);
+    EncoderBinder binder{encoder};
+    bind_slots(plan, inputs, outputs, binder);
+    encoder.dispatch_threadgroups(
+        MTL::Size(plan.groups, 1, 1), MTL::Size(plan.group_size, 1, 1));
+    encoded = true;
   }
 }
 

@@ -34,6 +34,7 @@ inline std::vector<mlx::core::array> make_outputs(
     std::vector<mlx::core::Dtype> dtypes,
     mlx::core::Stream stream) {
   std::vector<mlx::core::array> dense;
+  dense.reserve(inputs.size());
   for (const auto& x : inputs) {
     dense.push_back(row_contiguous(x, stream));
   }

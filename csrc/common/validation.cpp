@@ -55,6 +55,15 @@ void check_rank(const mx::array& a, int ndim, const char* name) {
   }
 }
 
+void check_row_bytes(const mx::array& a, const char* name) {
+  const int64_t bytes = static_cast<int64_t>(a.shape(-1)) * static_cast<int64_t>(a.itemsize());
+  if (bytes > kMaxRowBytes) {
+    throw std::invalid_argument(
+        std::string("mlx_knorm: ") + name + " has rows of " + std::to_string(bytes) +
+        " bytes; rows must be < 2**31 bytes, got shape " + shape_str(a));
+  }
+}
+
 void check_same_dtype(
     const mx::array& a,
     const char* a_name,

@@ -23,6 +23,14 @@ struct dtype_error : std::invalid_argument {
 
 // Rows of one head are indexed by uint32 (docs/spec.md §5).
 inline constexpr int64_t kMaxRows = std::numeric_limits<uint32_t>::max();
+// Rows of one head of a selection (n_prior + S, slots), and bytes of one
+// key, value or payload row: below 2^31 (docs/spec.md §5), so that a Metal
+// kernel's uint32 counters over them, which step past the end by at most a
+// threadgroup's width, never wrap.
+inline constexpr int64_t kMaxHeadRows = std::numeric_limits<int32_t>::max();
+inline constexpr int64_t kMaxRowBytes = std::numeric_limits<int32_t>::max();
+// Rows of `a` ([..., rows, W]) of at most kMaxRowBytes bytes.
+void check_row_bytes(const mlx::core::array& a, const char* name);
 
 // Keys and values: float16, bfloat16 or float32.
 void check_floating(const mlx::core::array& a, const char* name);

@@ -94,7 +94,8 @@ std::vector<mx::array> evict_and_fill(
   }
   auto stream = mx::to_stream(s);
   auto primitive = std::make_shared<EvictAndFill>(stream, config, executor);
-  primitive->check_inputs(inputs);
+  // make_outputs asks the primitive for the output shapes, which checks
+  // the inputs (output_shapes) before any output exists.
   std::vector<mx::Dtype> dtypes;
   dtypes.reserve(inputs.rows.size() + 2);
   for (const mx::array& r : inputs.rows) {
@@ -192,6 +193,11 @@ void EvictAndFill::check_inputs(const EvictAndFillInputs& in) {
   if (in.valid) {
     check_int32(*in.valid, "valid");
   }
+  for (int i = 0; i < m; ++i) {
+    if (in.row_bytes(i) > static_cast<size_t>(kMaxRowBytes)) {
+      check_row_bytes(in.rows[i], name(i).c_str());
+    }
+  }
   for (int i = 1; i < m; ++i) {
     const bool rows_agree = leading_equal(keys, in.rows[i], heads + 1);
     if (!rows_agree || !leading_equal(new_keys, in.new_rows[i], heads + 1)) {
@@ -259,16 +265,6 @@ void EvictAndFill::check_inputs(const EvictAndFillInputs& in) {
     // The Metal kernel takes the new rows' norms with the key-norm kernel's
     // code.
     check_metal_key_norms_shape(in.new_rows[0], groups.name(0, true).c_str());
-  }
-  if (executor_ == Executor::MetalEmulator || stream().device == mx::Device::gpu) {
-    // The Metal kernels count a payload row's bytes in 32 bits.
-    for (int i = 0; i < in.payloads(); ++i) {
-      if (in.row_bytes(i) > static_cast<size_t>(kInt32Max)) {
-        throw std::invalid_argument(
-            "mlx_knorm: " + groups.name(i) + ": the Metal kernels move rows of < 2^31 bytes, got " +
-            std::to_string(in.row_bytes(i)));
-      }
-    }
   }
 }
 

@@ -47,6 +47,14 @@ LaunchPlans evict_and_fill_plan(
   // and every output is its input's buffer (a prompt in chunks).
   const uint32_t all_buffers = (1u << (m + 2)) - 1u;
   const uint32_t in_place = in_place_mask(arrays, outputs, m + 2);
+  // Slots [0, kept) of the outputs not in place start as a copy of the
+  // input's in the slot layout (and in the temporal one when nothing
+  // leaves): with few heads, over many threadgroups in a dispatch of its
+  // own. The temporal compaction of an evicting step writes each kept row
+  // itself.
+  const bool copies_kept = in_place != all_buffers && kept > 0 &&
+      (config.layout == Layout::Slots || kept == config.filled);
+  const uint32_t copy_groups_per_head = copies_kept ? split_blocks(inputs.n_heads(), kept) : 0;
 
   KnormEvictParams params{};
   params.slots = static_cast<uint32_t>(inputs.capacity());
@@ -65,6 +73,8 @@ LaunchPlans evict_and_fill_plan(
   params.has_valid = config.has_valid ? 1 : 0;
   params.fill_new = groups_per_head == 0 ? 1 : 0;
   params.groups_per_head = groups_per_head;
+  params.kept_copied = copy_groups_per_head != 0 ? 1 : 0;
+  params.copy_groups_per_head = copy_groups_per_head;
   for (int i = 0; i < m; ++i) {
     params.row_bytes[i] = static_cast<uint32_t>(inputs.row_bytes(i));
     params.row_unit[i] = row_unit_bytes(
@@ -76,8 +86,29 @@ LaunchPlans evict_and_fill_plan(
       config.norms_given ? std::string("given") : dtype_name(inputs.rows[0].dtype());
   LaunchPlans plans;
 
-  const bool steps_1_2 =
-      config.filled > 0 && (kept < config.filled || in_place != all_buffers);
+  if (copy_groups_per_head != 0) {
+    LaunchPlan copy;
+    copy.source = "evict_and_fill";
+    copy.kernel = "knorm_copy_kept_rows";
+    copy.group_size = kEvictGroupSize;
+    copy.groups = static_cast<uint32_t>(inputs.n_heads()) * copy_groups_per_head;
+    for (int i = 0; i < static_cast<int>(kEvictMaxPayloads); ++i) {
+      copy.buffers.push_back(payload_slot(Kind::Input, arrays, 0, i, m));
+    }
+    copy.buffers.push_back(BufferSlot::of(Kind::Input, arrays, norms_index));
+    copy.buffers.push_back(BufferSlot::of(Kind::Input, arrays, norms_index + 1));
+    for (int i = 0; i < static_cast<int>(kEvictMaxPayloads); ++i) {
+      copy.buffers.push_back(payload_slot(Kind::Output, outputs, 0, i, m));
+    }
+    copy.buffers.push_back(BufferSlot::of(Kind::Output, outputs, m));
+    copy.buffers.push_back(BufferSlot::of(Kind::Output, outputs, m + 1));
+    copy.buffers.push_back(BufferSlot::block(params));
+    plans.push_back(std::move(copy));
+  }
+  // After that copy, a step where nothing leaves has nothing left for
+  // steps 1-2.
+  const bool steps_1_2 = config.filled > 0 &&
+      (kept < config.filled || (in_place != all_buffers && copy_groups_per_head == 0));
   if (steps_1_2 || groups_per_head == 0) {
     LaunchPlan evict;
     evict.source = "evict_and_fill";

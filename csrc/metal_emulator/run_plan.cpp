@@ -162,9 +162,7 @@ void run_emulated_plan(
     const LaunchPlan& plan,
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  Staging staging;
-  run_dispatch(plan, inputs, outputs, staging);
-  staging.copy_back();
+  run_emulated_plan(LaunchPlans{plan}, inputs, outputs);
 }
 
 // The dispatches share one staging, as a GPU's dispatches share its memory.
@@ -174,6 +172,12 @@ void run_emulated_plan(
     const LaunchPlans& plans,
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
+  // As eval_gpu checks each pipeline before it encodes anything.
+  for (const LaunchPlan& plan : plans) {
+    if (plan.groups > 0) {
+      check_pipeline(plan, kEmulatedPipeline);
+    }
+  }
   Staging staging;
   std::vector<bool> written(outputs.size(), false);
   for (const LaunchPlan& plan : plans) {

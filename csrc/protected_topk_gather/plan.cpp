@@ -15,8 +15,8 @@ LaunchPlans protected_topk_gather_plan(
     const GatherInputs& inputs,
     const std::vector<mx::array>& outputs,
     const SelectionConfig& config) {
-  // check_inputs keeps n_prior + S within uint32, as the kernel's row
-  // indices need.
+  // check_inputs keeps n_prior + S below 2^31 (docs/spec.md §5), so every
+  // count below fits the kernels' uint32 constants.
   const RowSelection sel(static_cast<int64_t>(inputs.n_prior()) + inputs.n_new(), config);
   const std::string types =
       dtype_name(inputs.prior_keys.dtype()) + "_" + dtype_name(inputs.prior_values.dtype());
@@ -35,8 +35,6 @@ LaunchPlans protected_topk_gather_plan(
       kv_in_place ? sel.kept - std::min<int64_t>(inputs.n_new(), sel.kept) : 0;
   const uint32_t groups_per_head = split_blocks(inputs.n_heads(), sel.kept - first_row);
   const bool split = groups_per_head != 0;
-  auto u32 = [](int64_t v) { return BufferSlot::constant(static_cast<uint32_t>(v)); };
-
   LaunchPlan select;
   select.source = "protected_topk_gather";
   select.kernel = "knorm_protected_topk_gather_" + types;
@@ -48,21 +46,24 @@ LaunchPlans protected_topk_gather_plan(
   const int64_t sink_end = sel.evicts ? sel.n_sink : sel.n_total;
   const int64_t mid_end = sel.evicts ? sel.mid_end : sel.n_total;
   const int64_t mid_keep = sel.evicts ? sel.mid_keep : 0;
+  KnormGatherParams params{};
+  params.n_prior = static_cast<uint32_t>(inputs.n_prior());
+  params.n_new = static_cast<uint32_t>(inputs.n_new());
+  params.key_dim = static_cast<uint32_t>(inputs.key_dim());
+  params.value_dim = static_cast<uint32_t>(inputs.value_dim());
+  params.kept = static_cast<uint32_t>(sel.kept);
+  params.sink_end = static_cast<uint32_t>(sink_end);
+  params.mid_end = static_cast<uint32_t>(mid_end);
+  params.mid_keep = static_cast<uint32_t>(mid_keep);
+  params.keep_high = config.keep == Keep::High ? 1 : 0;
+  params.in_place = in_place;
+  params.key_unit = key_unit;
+  params.value_unit = value_unit;
+  params.copy_rows = split ? 0 : 1;
+  params.first_row = static_cast<uint32_t>(first_row);
+  params.groups_per_head = groups_per_head;
   select.buffers = array_slots(arrays, outputs);
-  select.buffers.insert(select.buffers.end(), {
-      u32(inputs.n_prior()),
-      u32(inputs.n_new()),
-      u32(inputs.key_dim()),
-      u32(inputs.value_dim()),
-      u32(sel.kept),
-      u32(sink_end),
-      u32(mid_end),
-      u32(mid_keep),
-      u32(config.keep == Keep::High ? 1 : 0),
-      u32(in_place),
-      u32(key_unit),
-      u32(value_unit),
-      u32(split ? 0 : 1)});
+  select.buffers.push_back(BufferSlot::block(params));
   if (!split) {
     return {select};
   }
@@ -81,16 +82,7 @@ LaunchPlans protected_topk_gather_plan(
       BufferSlot::of(Kind::EarlierOutput, outputs, 3),  // indices
       BufferSlot::of(Kind::Output, outputs, 0),
       BufferSlot::of(Kind::Output, outputs, 1),
-      u32(inputs.n_prior()),
-      u32(inputs.n_new()),
-      u32(inputs.key_dim()),
-      u32(inputs.value_dim()),
-      u32(sel.kept),
-      u32(in_place),
-      u32(key_unit),
-      u32(value_unit),
-      u32(first_row),
-      u32(groups_per_head)};
+      BufferSlot::block(params)};
   return {select, copy};
 }
 

@@ -32,7 +32,8 @@ std::vector<mx::array> protected_topk_gather(
   auto stream = mx::to_stream(s);
   auto primitive =
       std::make_shared<ProtectedTopKGather>(stream, config, executor);
-  primitive->check_inputs(inputs);
+  // make_outputs asks the primitive for the output shapes, which checks
+  // the inputs (output_shapes) before any output exists.
   return make_outputs(
       primitive,
       inputs.to_vector(),
@@ -74,10 +75,13 @@ void ProtectedTopKGather::check_inputs(const GatherInputs& in) {
                      in.prior_norms, "prior_keys", in.prior_keys, 2);
   check_leading_axes("new_norms must be [N, S]", "new_norms", in.new_norms,
                      "new_keys", in.new_keys, 2);
-  if (static_cast<int64_t>(in.n_prior()) + in.n_new() > kMaxRows) {
+  if (static_cast<int64_t>(in.n_prior()) + in.n_new() > kMaxHeadRows) {
     throw std::invalid_argument(
-        "mlx_knorm: n_prior + S must fit in uint32 row indices");
+        "mlx_knorm: n_prior + S (" + std::to_string(static_cast<int64_t>(in.n_prior()) + in.n_new()) +
+        ") must be < 2**31");
   }
+  check_row_bytes(in.prior_keys, "prior_keys");
+  check_row_bytes(in.prior_values, "prior_values");
   check_selection_config(config_);
 }
 

@@ -16,8 +16,10 @@ import mlx.core as mx
 # Key and value dtypes by name (docs/spec.md §5).
 FLOAT_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 KEEP_CHOICES = ("low", "high")
-# Rows of one head are indexed by uint32 (docs/spec.md §5).
-MAX_ROWS = 2**32 - 1
+# Rows of one head of a selection, and bytes of one key, value or payload
+# row: below 2**31 (docs/spec.md §5), as csrc/common/validation.h says why.
+MAX_HEAD_ROWS = 2**31 - 1
+MAX_ROW_BYTES = 2**31 - 1
 # Positions are int32, and so are MLX's shapes (docs/spec.md §5).
 INT32_MAX = 2**31 - 1
 
@@ -47,6 +49,16 @@ def check_float32(x: mx.array, name: str) -> None:
 def check_rank(x: mx.array, ndim: int, name: str) -> None:
     if x.ndim != ndim:
         raise ValueError(f"mlx_knorm: {name} must have rank {ndim}, got shape {list(x.shape)}")
+
+
+def check_row_bytes(x: mx.array, name: str) -> None:
+    """Rows of ``x`` (``[..., rows, W]``) of at most MAX_ROW_BYTES bytes."""
+    row_bytes = x.shape[-1] * x.itemsize
+    if row_bytes > MAX_ROW_BYTES:
+        raise ValueError(
+            f"mlx_knorm: {name} has rows of {row_bytes} bytes; rows must be < 2**31 bytes, "
+            f"got shape {list(x.shape)}"
+        )
 
 
 def shape_mismatch(what: str, a_name: str, a: mx.array, b_name: str, b: mx.array) -> ValueError:

@@ -45,10 +45,10 @@ BROKEN_KERNELS = (
     BrokenKernel(
         "missing_device_barrier",
         (("knorm_kernels.h",
-          "          held[k] = in[ulong(src[p]) * width + e % width];\n"
-          "        }\n      }\n    }\n    threadgroup_barrier(mem_flags::mem_device);\n",
-          "          held[k] = in[ulong(src[p]) * width + e % width];\n"
-          "        }\n      }\n    }\n"),),
+          "        held[k] = in[ulong(src[at.row]) * width + at.unit];\n"
+          "      }\n    }\n    threadgroup_barrier(mem_flags::mem_device);\n",
+          "        held[k] = in[ulong(src[at.row]) * width + at.unit];\n"
+          "      }\n    }\n"),),
         "run",
         {"thread": (TSAN_RACE, "knorm_move_rows")},
     ),
@@ -163,10 +163,11 @@ BROKEN_KERNELS = (
         {"thread": ("threadgroup memory declared in knorm_worst_slot(), outside the kernel function "
                     "knorm_evict_and_fill()",)},
     ),
-    # Two parameters at [[buffer(12)]], none at 13.
+    # Two parameters at [[buffer(9)]], none at 10.
     BrokenKernel(
         "duplicate_buffer_index",
-        (("protected_topk_gather.h", "value_dim KNORM_BUFFER(13)", "value_dim KNORM_BUFFER(12)"),),
+        (("protected_topk_gather.h", "KnormGatherParams& params KNORM_BUFFER(10)",
+          "KnormGatherParams& params KNORM_BUFFER(9)"),),
         "compile",
         {"thread": ("two kernel parameters take the same [[buffer(i)]] or thread attribute",)},
     ),

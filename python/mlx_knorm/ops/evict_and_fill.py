@@ -9,6 +9,7 @@ from typing import NamedTuple, Union
 
 import mlx.core as mx
 
+from .. import _native
 from ..backend import resolve
 from ..validation import (
     INT32_MAX,
@@ -19,6 +20,7 @@ from ..validation import (
     check_int,
     check_leading_axes,
     check_rank,
+    check_row_bytes,
     check_same_dtype,
     dtype_name,
     shape_mismatch,
@@ -238,6 +240,8 @@ def check_step(
         check_float32(new_norms, "new_norms")
     if valid is not None and valid.dtype != mx.int32:
         raise TypeError(f"mlx_knorm: valid must be int32, got {dtype_name(valid.dtype)}")
+    for x, name in zip(rows, names):
+        check_row_bytes(x, name)
     for i in range(1, len(rows)):
         what = f"{names[0]}/{names[i]} mismatch in N or rows"
         check_leading_axes(what, names[0], first, names[i], rows[i], heads + 1)
@@ -286,13 +290,14 @@ def evict_and_fill_unchecked(
     one_keys = type(keys) is mx.array
     key_dim = keys.shape[-1] if new_norms is None and one_keys and keys.ndim else None
     backend = resolve(stream, key_dim=key_dim)
-    if (backend != "fallback" and one_keys and type(values) is mx.array and type(norms) is mx.array
+    if (backend == "kernel" and one_keys and type(values) is mx.array and type(norms) is mx.array
             and type(positions) is mx.array and type(new_keys) is mx.array
             and type(new_values) is mx.array and new_norms is None and valid is None):
-        # The float cache's decode step: positional arguments (the binding
-        # matches keywords by name), the fewest Python operations.
-        return tuple(run_native(
-            backend, "evict_and_fill", keys, values, norms, positions, new_keys, new_values,
+        # The float cache's decode step, on every layer of every token: the
+        # binding itself, positional arguments (it matches keywords by
+        # name), the fewest Python operations.
+        return tuple(_native.ext.evict_and_fill(
+            keys, values, norms, positions, new_keys, new_values,
             filled, offset, capacity, budget, n_sink, recent, keep, layout, stream=stream,
         ))
     config = dict(

@@ -10,13 +10,14 @@ import mlx.core as mx
 
 from ..backend import resolve
 from ..validation import (
-    MAX_ROWS,
+    MAX_HEAD_ROWS,
     check_array,
     check_config,
     check_float32,
     check_floating,
     check_leading_axes,
     check_rank,
+    check_row_bytes,
     check_same_dtype,
     shape_mismatch,
 )
@@ -105,8 +106,11 @@ def check_block(prior_keys, prior_values, prior_norms, new_keys, new_values) -> 
         raise shape_mismatch(
             "prior_norms must be [N, n_prior]", "prior_norms", prior_norms, "prior_keys", prior_keys
         )
-    if prior_keys.shape[1] + new_keys.shape[1] > MAX_ROWS:
-        raise ValueError("mlx_knorm: n_prior + S must fit in uint32 row indices")
+    n_total = prior_keys.shape[1] + new_keys.shape[1]
+    if n_total > MAX_HEAD_ROWS:
+        raise ValueError(f"mlx_knorm: n_prior + S ({n_total}) must be < 2**31")
+    check_row_bytes(prior_keys, "prior_keys")
+    check_row_bytes(prior_values, "prior_values")
 
 
 def check_new_norms(new_norms, new_keys: mx.array) -> None:
