@@ -138,6 +138,10 @@ def run_schedule(config, histories, blocks, ops, seed):
             lengths = (op[1] * 3)[: len(sequences)]
             if max(lengths) == 0:
                 continue
+            if batch._extended and min(lengths) < max(lengths):
+                with pytest.raises(ValueError, match="right-padded prefill after extend"):
+                    batch.prepare(lengths=lengths, right_padding=[max(lengths) - n for n in lengths])
+                continue
             padded_block(batch, sequences, lengths, op[2])
         elif kind == "decode":
             for _ in range(op[1]):

@@ -42,12 +42,12 @@ def test_concurrent_requests_are_batched_and_answer_as_alone(server):
 def test_other_settings_and_unbatchable_settings_are_served_with_their_own_answers(server):
     bodies = [
         {"prompt": LONG_PROMPT, "max_tokens": 20},
-        {"prompt": LONG_PROMPT, "max_tokens": 20, "budget": 32},
+        {"prompt": LONG_PROMPT, "max_tokens": 20, "budget": 32, "recent": 0},
         {"prompt": LONG_PROMPT, "max_tokens": 20, "skip_layers": [0]},
         {"prompt": PROMPT, "max_tokens": 20, "budget": 32},
     ]
     alone = [text_of(server.complete("/v1/completions", body)) for body in bodies]
-    assert alone[0] != alone[1], "a smaller budget should change this answer"
+    assert alone[0] != alone[1], "a smaller budget without a recent window should change this answer"
     assert at_once(server, bodies) == alone
     # The server still serves, and logs each request's statistics.
     assert text_of(server.complete("/v1/completions", bodies[0])) == alone[0]

@@ -409,15 +409,15 @@ def test_evict_and_fill_never_writes_a_held_payload(backend):
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS)
 @pytest.mark.parametrize("layout", ["slots", "temporal"])
 @pytest.mark.parametrize("budget", [31, 27])
-def test_step_with_valid_ranges_on_donated_buffers_runs_in_place(backend, layout, budget):
+def test_evict_and_fill_with_valid_ranges_on_donated_buffers_runs_in_place(backend, layout, budget):
     """A batch's step (docs/spec.md §4, valid ranges with padding on both
     sides, one head all padding) on donated buffers: every output is its
     input's buffer, and equals the fallback's."""
-    arrays = step_state(n_heads=4, slots=32, layout=layout)
+    arrays = evict_and_fill_state(n_heads=4, slots=32, layout=layout)
     valid = mx.array([[0, 2**31 - 1], [5, 2**31 - 1], [3, 20], [40, 50]], dtype=mx.int32)
-    config = {**step_config(32, budget, layout), "valid": valid}
-    expected = step_dropping("fallback", copies(arrays), config)
+    config = {**evict_and_fill_config(32, budget, layout), "valid": valid}
+    expected = evict_and_fill_dropping("fallback", copies(arrays), config)
     addresses = [data_address(a) for a in arrays[:4]]
-    out = step_dropping(backend, arrays, config)
+    out = evict_and_fill_dropping(backend, arrays, config)
     assert [data_address(o) for o in out] == addresses
     assert_step_equal(out, expected, budget + 1)

@@ -302,16 +302,16 @@ def test_gather_cut_at_and_near_a_radix_bin_boundary(extra, keep):
 
 @pytest.mark.parametrize("extra", [-1, 0, 1])
 @pytest.mark.parametrize("layout", ["slots", "temporal"])
-def test_step_cut_at_and_near_a_radix_bin_boundary(extra, layout):
+def test_evict_and_fill_cut_at_and_near_a_radix_bin_boundary(extra, layout):
     """The evict-and-fill select over 64-bit ranks stops after the score's
     passes, or the first, when the bin holds exactly the rows to keep."""
     slots, small = 600, 200
     budget = small + extra
-    args = step_args(slots, slots, budget, 2, "distinct", "normal", seed=budget)
+    args = evict_and_fill_args(slots, 2, "distinct", "normal", seed=budget)
     args[2] = two_magnitude_norms(2, slots, small, seed=budget)
     config = dict(filled=slots, offset=slots, capacity=slots, budget=budget,
                   n_sink=0, recent=0, keep="low", layout=layout)
-    native, emulated = step_native_and_emulated(args, config, donate=False)
+    native, emulated = evict_and_fill_native_and_emulated(args, config, donate=False)
     defined = budget + 2
     for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
         assert_bitwise_equal(b[:, :defined], a[:, :defined], name)
@@ -327,24 +327,17 @@ def test_step_cut_at_and_near_a_radix_bin_boundary(extra, layout):
     ],
 )
 @pytest.mark.parametrize("layout", ["slots", "temporal"])
-def test_step_copies_kept_slots_over_many_threadgroups(slots, filled, budget, n_new, capacity, layout):
+def test_evict_and_fill_copies_kept_slots_over_many_threadgroups(slots, filled, budget, n_new, capacity, layout):
     """Outputs that are fresh buffers (not donated, or of another capacity)
     start as a copy of slots [0, kept): with few heads a dispatch of its own
     over blocks of 128 slots per head (knorm_copy_kept_rows), on three heads
     so that the head and block arithmetic is crossed."""
-    rng = np.random.default_rng(slots + capacity)
-    args = [
-        fill(rng, (3, slots, 8), "special", "float16"),
-        fill(rng, (3, slots, 5), "normal", "float32"),
-        fill_norms(rng, (3, slots), "normal"),
-        mx.array(np.stack([rng.permutation(slots) for _ in range(3)]).astype(np.int32)),
-        fill(rng, (3, n_new, 8), "special", "float16"),
-        fill(rng, (3, n_new, 5), "normal", "float32"),
-    ]
+    args = evict_and_fill_arrays(np.random.default_rng(slots + capacity), 3, slots, n_new, 8, 5,
+                                 key_palette="special")
     config = dict(filled=filled, offset=slots, capacity=capacity, budget=budget,
                   n_sink=2, recent=3, keep="low", layout=layout)
     for donate in (False, True):
-        native, emulated = step_native_and_emulated(args, config, donate)
+        native, emulated = evict_and_fill_native_and_emulated(args, config, donate)
         defined = min(filled, budget) + n_new
         for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
             assert_bitwise_equal(b[:, :defined], a[:, :defined], f"{name} donate={donate}")
