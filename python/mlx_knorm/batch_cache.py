@@ -69,10 +69,6 @@ class BatchL2NormKVCache(_BaseCache):
     ``L2NormKVCache.merge(caches)`` (or empty, with the configuration and
     ``left_padding``, as ``BatchKVCache(left_padding)`` is)."""
 
-
-    # A sequence joined (extend): no right-padded prefill after (refused).
-    _extended = False
-
     def __init__(self, left_padding, *, budget: int, n_sink: int, recent: int, keep: str,
                  layout: str = "slots") -> None:
         self.budget, self.n_sink, self.recent, self.keep = check_config(budget, n_sink, recent, keep)
@@ -205,12 +201,6 @@ class BatchL2NormKVCache(_BaseCache):
                 )
             self._lo = [lo + p for lo, p in zip(self._lo, left_padding)]
         if right_padding is not None and max(right_padding, default=0) > 0:
-            if self._extended:
-                # Known wrong (a padding row masked as real): refused until fixed.
-                raise ValueError(
-                    "mlx_knorm: BatchL2NormKVCache.prepare: a right-padded prefill after extend() is "
-                    "not supported; prefill new sequences in their own batch, then extend"
-                )
             if lengths is None or len(lengths) != self.batch_size:
                 raise ValueError(
                     f"mlx_knorm: right_padding needs lengths, one per sequence ({self.batch_size})"
@@ -278,7 +268,6 @@ class BatchL2NormKVCache(_BaseCache):
         _check_same_config([self, other], "BatchL2NormKVCache.extend")
         if self._padded() or other._padded():
             raise ValueError("mlx_knorm: BatchL2NormKVCache.extend: finalize() the right-padded prefill first")
-        self._extended = True
         sides = [self, other]
         filled = max(c.filled for c in sides)
         timeline = max(c.timeline + filled - c.filled for c in sides)
