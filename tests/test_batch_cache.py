@@ -191,6 +191,17 @@ def test_each_sequence_keeps_what_it_keeps_alone_emulator(backend, config, histo
 # -- explicit cases ----------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_a_right_padded_prefill_after_extend(backend):
+    """mlx-lm's PromptBatch extends cached-prefix prompts, then right-pads:
+    a sequence whose real tokens end in the first call holds right-padding
+    rows in kept slots during the second (its queries are all padding)."""
+    config = dict(budget=3, n_sink=0, recent=0, keep="low", layout="slots")
+    ops = [("prefill", [1, 1, 1, 1], 1), ("join", [0, 0]), ("prefill", [1, 1, 4, 1], 2), ("decode", 4)]
+    with mlx_knorm.use_backend(backend):
+        run_schedule(config, [0], 1, ops, 0)
+
+
 def test_merge_extract_round_trips_bit_for_bit():
     rng = np.random.default_rng(0)
     config = dict(budget=6, n_sink=1, recent=1)
