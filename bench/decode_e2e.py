@@ -1,7 +1,12 @@
 """End-to-end decode, for each prompt cache: mlx-lm's KVCache (no eviction,
 for reference), RotatingKVCache(max_size=budget, keep=4), the reference's
 L2NormKVCache and ours (make_knorm_cache, layout "slots" and "temporal"), at
-each budget, all in one run (README's end-to-end tables).
+each budget, all in one run (README's end-to-end tables). With --kv-bits N,
+the quantized caches instead, as mlx-lm's generate_step makes them
+(maybe_quantize_kv_cache after each prefill chunk, quantized_kv_start 0,
+group size 64): QuantizedKVCache (mlx-lm's KVCache.to_quantized; no bounded
+mlx-lm cache quantizes) and ours through L2NormKVCache.to_quantized, both
+layouts; ratios then go to QuantizedKVCache.
 
 The model is a random-weight mlx-lm llama with the attention shapes of
 Llama-3.2-1B (hidden 2048, 32 query heads, 8 KV heads, head_dim 64; float16
@@ -44,7 +49,9 @@ import time
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache
 
 from mlx_knorm import __version__
 from mlx_knorm.backend import backend_info
@@ -58,9 +65,12 @@ from mlx_knorm.cache import make_knorm_cache
 from mlx_knorm.defaults import default_recent
 
 BUDGETS, PREFILL_STEP = (512,), 512
-# Targets for our cache against RotatingKVCache, checked in the report.
+# Targets for our cache against the baseline, checked in the report:
+# RotatingKVCache, or with --kv-bits QuantizedKVCache.
 MIN_TOKENS_PER_S_RATIO = 0.95
+MIN_QUANTIZED_TOKENS_PER_S_RATIO = 0.9
 MAX_PEAK_MEMORY_RATIO = 1.05
+KV_GROUP_SIZE = 64
 
 
 def build_model(layers: int, intermediate: int, vocab: int) -> llama.Model:
@@ -101,12 +111,21 @@ def load_model(args):
     return model, description, mx.array(ids[: args.prompt]), "pydoc_data.topics, sorted by topic"
 
 
-def prompt_caches(model, budgets) -> dict:
+def prompt_caches(model, budgets, kv_bits=None) -> dict:
     """(budget, name) -> make(): a fresh prompt cache (one cache per layer) of each kind
     that the cache-step benchmark times, at each budget; ours as a user builds it.
-    KVCache keeps everything: one, listed under every budget."""
+    KVCache keeps everything: one, listed under every budget. With ``kv_bits``:
+    KVCache (to become QuantizedKVCache) and ours, quantized in the prefill."""
     layers = range(len(model.layers))
     kinds = {}
+    if kv_bits is not None:
+        for budget in budgets:
+            if budget == budgets[0]:
+                kinds[(budget, "QuantizedKVCache")] = lambda: [KVCache() for _ in layers]
+            for layout in ("slots", "temporal"):
+                kinds[(budget, layout)] = lambda layout=layout, budget=budget: make_knorm_cache(
+                    model, budget=budget, n_sink=N_SINK, layout=layout)
+        return kinds
     for budget in budgets:
         for name, make in cache_kinds().items():
             if name == "KVCache" and budget != budgets[0]:
@@ -121,8 +140,8 @@ def prompt_caches(model, budgets) -> dict:
 class Decoder:
     """One prompt cache: its prefill, then greedy decode a round at a time."""
 
-    def __init__(self, model, cache):
-        self.model, self.cache = model, cache
+    def __init__(self, model, cache, kv_bits=None):
+        self.model, self.cache, self.kv_bits = model, cache, kv_bits
         self.samples, self.cpu_samples, self.faults = [], [], 0
         self.prefill_peak = self.decode_peak = 0
 
@@ -138,6 +157,7 @@ class Decoder:
             for start in range(0, prompt.size - 1, PREFILL_STEP):
                 self.model(prompt[None, start : min(start + PREFILL_STEP, prompt.size - 1)],
                            cache=self.cache)
+                maybe_quantize_kv_cache(self.cache, 0, KV_GROUP_SIZE, self.kv_bits)
                 mx.eval([stored_arrays(c) for c in self.cache])
 
         self.prefill_peak = self._rise(run)
@@ -157,7 +177,7 @@ class Decoder:
             if timed:
                 self.faults += minor_faults() - faults
 
-        held = sum(x.nbytes for c in self.cache for x in stored_arrays(c))
+        held = sum(x.nbytes for c in self.cache for _, x in tree_flatten(stored_arrays(c)))
         rise = self._rise(run)
         if timed:
             self.decode_peak = max(self.decode_peak, held + rise)
@@ -170,9 +190,9 @@ def run(args) -> dict:
     model, description, prompt, prompt_source = load_model(args)
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     decoders = {}
-    for key, make in prompt_caches(model, args.budgets).items():
+    for key, make in prompt_caches(model, args.budgets, args.kv_bits).items():
         print(f"prefill {args.prompt} tokens: {key[1]} at budget {key[0]}", file=sys.stderr)
-        decoders[key] = Decoder(model, make())
+        decoders[key] = Decoder(model, make(), args.kv_bits)
         decoders[key].prefill(prompt)
     names = list(decoders)
     for name in names:
@@ -192,16 +212,18 @@ def run(args) -> dict:
             "peak_memory_bytes": weights + max(d.prefill_peak, d.decode_peak),
             "prefill_peak_memory_bytes": weights + d.prefill_peak,
             "decode_peak_memory_bytes": weights + d.decode_peak,
+            "layer_cache_types": sorted({type(c).__name__ for c in d.cache}),
         }
+    baseline, slug, unbounded = baseline_of(args)
     per_budget = {}
     for budget in args.budgets:
-        caches = {name: dict(c) for (b, name), c in measured.items() if b == budget or name == "KVCache"}
-        rotating = caches["RotatingKVCache"]
+        caches = {name: dict(c) for (b, name), c in measured.items() if b == budget or name == unbounded}
+        base = caches[baseline]
         for c in caches.values():
-            c["tokens_per_s_ratio_to_rotating"] = c["tokens_per_s"] / rotating["tokens_per_s"]
-            c["cpu_ms_ratio_to_rotating"] = c["cpu_median_ms"] / rotating["cpu_median_ms"]
-            c["peak_memory_ratio_to_rotating"] = c["peak_memory_bytes"] / rotating["peak_memory_bytes"]
-        per_budget[str(budget)] = {"caches": caches, "targets": targets(caches)}
+            c[f"tokens_per_s_ratio_to_{slug}"] = c["tokens_per_s"] / base["tokens_per_s"]
+            c[f"cpu_ms_ratio_to_{slug}"] = c["cpu_median_ms"] / base["cpu_median_ms"]
+            c[f"peak_memory_ratio_to_{slug}"] = c["peak_memory_bytes"] / base["peak_memory_bytes"]
+        per_budget[str(budget)] = {"caches": caches, "targets": targets(caches, args.kv_bits)}
     return {
         "benchmark": "decode_e2e",
         "mlx_knorm_version": __version__,
@@ -218,21 +240,33 @@ def run(args) -> dict:
         "model": {**description, "weights_bytes": weights},
         "prompt_tokens": args.prompt, "prompt_source": prompt_source, "prefill_step_size": PREFILL_STEP,
         "n_sink": N_SINK, "warmup_tokens": args.warmup, "round_tokens": args.round_tokens,
+        "kv_bits": args.kv_bits, "kv_group_size": KV_GROUP_SIZE if args.kv_bits else None,
+        "baseline": baseline,
         "our_recent": {str(b): default_recent(b, N_SINK) for b in args.budgets},
         "budgets": per_budget,
     }
 
 
-def targets(caches: dict) -> dict:
-    """Ours against RotatingKVCache: tokens/s within 5%, peak memory within 5%."""
+def baseline_of(args) -> tuple[str, str, str]:
+    """(the baseline cache, its slug in ratio keys, the cache listed under every budget)."""
+    if args.kv_bits is None:
+        return "RotatingKVCache", "rotating", "KVCache"
+    return "QuantizedKVCache", "quantized", "QuantizedKVCache"
+
+
+def targets(caches: dict, kv_bits=None) -> dict:
+    """Ours against RotatingKVCache: tokens/s within 5%, peak memory within 5%;
+    quantized, against QuantizedKVCache: tokens/s within 10%."""
+    slug = "rotating" if kv_bits is None else "quantized"
+    min_speed = MIN_TOKENS_PER_S_RATIO if kv_bits is None else MIN_QUANTIZED_TOKENS_PER_S_RATIO
     out = {}
     for layout in ("slots", "temporal"):
         c = caches[layout]
-        speed, memory = c["tokens_per_s_ratio_to_rotating"], c["peak_memory_ratio_to_rotating"]
-        out[f"{layout}_tokens_per_s_ratio"] = verdict(
-            speed, speed >= MIN_TOKENS_PER_S_RATIO, f">= {MIN_TOKENS_PER_S_RATIO:g}")
-        out[f"{layout}_peak_memory_ratio"] = verdict(
-            memory, memory <= MAX_PEAK_MEMORY_RATIO, f"<= {MAX_PEAK_MEMORY_RATIO:g}")
+        speed, memory = c[f"tokens_per_s_ratio_to_{slug}"], c[f"peak_memory_ratio_to_{slug}"]
+        out[f"{layout}_tokens_per_s_ratio"] = verdict(speed, speed >= min_speed, f">= {min_speed:g}")
+        if kv_bits is None:
+            out[f"{layout}_peak_memory_ratio"] = verdict(
+                memory, memory <= MAX_PEAK_MEMORY_RATIO, f"<= {MAX_PEAK_MEMORY_RATIO:g}")
     return out
 
 
@@ -246,25 +280,29 @@ def print_report(report: dict) -> None:
           f"head_dim {model['head_dim']}, {model['num_hidden_layers']} layers, MLP {model['intermediate_size']}, "
           f"vocab {model['vocab_size']}, {model['dtype']} ({model['weights_bytes'] / 2**20:.0f} MiB of "
           f"weights); prompt {report['prompt_tokens']} tokens ({report['prompt_source']}) in chunks of "
-          f"{report['prefill_step_size']}. Timed in a warm process, the caches of every budget interleaved "
+          f"{report['prefill_step_size']}"
+          + (f", KV at {report['kv_bits']} bits (group {report['kv_group_size']})" if report["kv_bits"] else "")
+          + ". Timed in a warm process, the caches of every budget interleaved "
           "in rounds; medians over the tokens after the warm-up; CPU ms = the process's CPU time per token; "
           "faults/token = minor page faults per token.")
-    header = ["cache", "ms/token [p25, p75]", "tokens/s", "vs RotatingKVCache", "CPU ms/token",
-              "CPU vs RotatingKVCache", "peak MiB",
-              "vs RotatingKVCache", "prefill / decode peak MiB", "faults/token"]
+    base = report["baseline"]
+    header = ["cache", "ms/token [p25, p75]", "tokens/s", f"vs {base}", "CPU ms/token",
+              f"CPU vs {base}", "peak MiB",
+              f"vs {base}", "prefill / decode peak MiB", "faults/token"]
+    slug = "rotating" if base == "RotatingKVCache" else "quantized"
     for budget, result in report["budgets"].items():
         print(f"\nbudget {budget}:")
-        print_table(header, result)
+        print_table(header, result, slug)
 
 
-def print_table(header, result: dict) -> None:
+def print_table(header, result: dict, slug: str) -> None:
     rows = []
     for name, c in result["caches"].items():
         rows.append([
             name, f"{c['median_ms']:.4g} [{c['p25_ms']:.4g}, {c['p75_ms']:.4g}]",
-            f"{c['tokens_per_s']:.3g}", f"{c['tokens_per_s_ratio_to_rotating']:.3f}x",
-            f"{c['cpu_median_ms']:.4g}", f"{c['cpu_ms_ratio_to_rotating']:.3f}x",
-            f"{c['peak_memory_bytes'] / 2**20:.1f}", f"{c['peak_memory_ratio_to_rotating']:.3f}x",
+            f"{c['tokens_per_s']:.3g}", f"{c[f'tokens_per_s_ratio_to_{slug}']:.3f}x",
+            f"{c['cpu_median_ms']:.4g}", f"{c[f'cpu_ms_ratio_to_{slug}']:.3f}x",
+            f"{c['peak_memory_bytes'] / 2**20:.1f}", f"{c[f'peak_memory_ratio_to_{slug}']:.3f}x",
             f"{c['prefill_peak_memory_bytes'] / 2**20:.1f} / {c['decode_peak_memory_bytes'] / 2**20:.1f}",
             f"{c['faults_per_call']:.2f}",
         ])
@@ -293,6 +331,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2, help="random-weight llama: layers")
     parser.add_argument("--intermediate", type=int, default=512, help="random-weight llama: MLP width")
     parser.add_argument("--vocab", type=int, default=1024, help="random-weight llama: vocabulary")
+    parser.add_argument("--kv-bits", type=int, choices=[2, 3, 4, 6, 8],
+                        help="quantized caches instead: QuantizedKVCache and ours at these bits")
     parser.add_argument("--json", metavar="PATH", help="write the raw figures as JSON")
     args = parser.parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)

@@ -179,6 +179,24 @@ def test_decode_e2e_program_on_a_tiny_prompt(tmp_path):
     assert report["our_recent"] == {"8": 3, "16": 8}  # make_knorm_cache's default window at n_sink 4
 
 
+def test_decode_e2e_program_with_kv_bits_times_quantized_caches(tmp_path):
+    """--kv-bits: QuantizedKVCache and ours quantized as generate_step
+    quantizes them, the ratios against QuantizedKVCache."""
+    _, report = run_program("decode_e2e.py", [
+        "--prompt", "40", "--tokens", "2", "--warmup", "1", "--round-tokens", "1", "--layers", "1",
+        "--intermediate", "64", "--vocab", "64", "--budgets", "8,16", "--kv-bits", "4",
+    ], tmp_path)
+    assert report["kv_bits"] == 4 and report["baseline"] == "QuantizedKVCache"
+    for result in report["budgets"].values():
+        caches = result["caches"]
+        assert set(caches) == {"QuantizedKVCache", "slots", "temporal"}
+        assert caches["QuantizedKVCache"]["layer_cache_types"] == ["QuantizedKVCache"]
+        assert caches["slots"]["layer_cache_types"] == caches["temporal"]["layer_cache_types"] \
+            == ["QuantizedL2NormKVCache"]
+        assert caches["QuantizedKVCache"]["tokens_per_s_ratio_to_quantized"] == 1.0
+        assert set(result["targets"]) == {"slots_tokens_per_s_ratio", "temporal_tokens_per_s_ratio"}
+
+
 def test_decode_e2e_program_on_a_real_model_decodes_real_text(tmp_path):
     _, report = run_program("decode_e2e.py", [
         "--model", str(MODEL_DIR), "--prompt", "40", "--tokens", "2", "--warmup", "1", "--round-tokens", "1",

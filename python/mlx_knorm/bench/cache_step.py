@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from ..cache import DEFAULT_RECENT, L2NormKVCache
+from ..cache import DEFAULT_RECENT, L2NormCacheBase, L2NormKVCache
 from ..ops.evict_and_fill import evict_and_fill_unchecked
 from ..ops.key_norms import key_norms
 from ..validation import FLOAT_DTYPES
@@ -103,8 +103,9 @@ def cache_kinds() -> dict:
 
 def stored_arrays(cache) -> list[mx.array]:
     """The arrays ``cache`` holds for its next step: what a step evaluates
-    besides the attended keys and values."""
-    if isinstance(cache, L2NormKVCache):
+    besides the attended keys and values (a quantized cache's keys and
+    values are each a tuple of arrays)."""
+    if isinstance(cache, L2NormCacheBase):
         return [cache.keys, cache.values, cache.norms, cache.slot_positions]
     reference = reference_cache_class()
     if reference is not None and isinstance(cache, reference):
