@@ -9,7 +9,7 @@ from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.cache import KVCache
 
 from mlx_knorm.cache import L2NormKVCache
-from mlx_knorm.lru import LRUPromptCache, can_trim_prompt_cache
+from mlx_knorm.lru import LRUPromptCache, can_trim_prompt_cache, tokens_held
 
 from tiny_models import HEAD_DIM, KV_HEADS
 
@@ -95,3 +95,23 @@ def test_can_trim_prompt_cache_asks_each_layer():
     layers = prompt_cache(PROMPT, [39, 1], 16, skip_first=True)
     assert can_trim_prompt_cache(layers, 1) and not can_trim_prompt_cache(layers, 2)
     assert can_trim_prompt_cache([KVCache()], 5)
+
+
+@pytest.mark.parametrize("skip_first", [False, True])
+def test_a_cache_is_stored_under_the_tokens_it_holds(skip_first):
+    # Speculative decoding's last token, the target's own, is in the server's
+    # key but not in the caches: a follow-up must feed it again.
+    store = LRUPromptCache()
+    answered = PROMPT + [7]
+    store.insert_cache(MODEL, answered, prompt_cache(PROMPT, [39, 1], 16, skip_first))
+    follow_up = answered + [8, 9]
+    cache, rest = store.fetch_nearest_cache(MODEL, follow_up)
+    assert check_answer(follow_up, cache, rest) == 40 and rest == [7, 8, 9]
+    # mlx-lm's own class answers from the 40 tokens as if they were 41.
+    theirs = mlx_lm_cache.LRUPromptCache()
+    theirs.insert_cache(MODEL, answered, prompt_cache(PROMPT, [39, 1], 16, skip_first))
+    cache, rest = theirs.fetch_nearest_cache(MODEL, follow_up)
+    assert rest == [8, 9] and cache[0].offset == 40
+    # A key no longer than the cache's offset is kept as given.
+    assert tokens_held(prompt_cache(PROMPT, [40], 16), 40) == 40
+    assert tokens_held([], 3) == 3

@@ -148,3 +148,22 @@ def test_eval_and_demo_commands_run(tmp_path, capsys):
     assert "% saved" in out and f"(budget 16, recent {default_recent(16)}) in {n_layers} of {n_layers} layers" in out
     assert main(["demo", "--max-tokens", "20", "--budget", "16", "--recent", "2", "--skip-layers", "0"]) == 0
     assert f"(budget 16, recent 2) in {n_layers - 1} of {n_layers} layers" in capsys.readouterr().out
+
+
+def test_quantized_masks_reproduce_the_quantized_caches():
+    """The eval's quantized policies attend as mlx-lm's QuantizedKVCache and
+    QuantizedL2NormKVCache do (up to quantized_matmul's float32 rounding),
+    and not as the float caches do."""
+    from mlx_knorm.quality.policies import Policy, policy_cache
+    from tiny_models import tiny_model, tokens
+
+    model = tiny_model("llama", dtype=mx.float32, layers=3, head_dim=64)
+    ids = tokens(1, 64)[0]
+    for name, budget, blocks in [("full+bits=8", None, [64]), ("keep-low+recent=1/4+bits=4", 16, [1] * 64)]:
+        cache = policy_cache(model, Policy.parse(name), budget or 64, 64)
+        starts = np.cumsum([0] + blocks)
+        real = mx.concatenate([model(ids[None, a:b], cache=cache)[0] for a, b in zip(starts, starts[1:])])
+        masked = teacher_forced_logits(model, ids, name, budget)
+        floats = teacher_forced_logits(model, ids, name.rsplit("+bits", 1)[0] if budget else None, budget)
+        error = float(mx.abs(real - masked).max())
+        assert error < 1e-3 < float(mx.abs(masked - floats).max()), name

@@ -135,3 +135,40 @@ def test_bootstrap_intervals_cover_the_estimate_and_collapse_on_constant_data():
     # Per-window rows (per layer) are averaged within a resample.
     rows = np.stack([values, values + 1], axis=1)
     assert bootstrap_interval(rows) == pytest.approx((low + 0.5, high + 0.5))
+
+
+def test_quantized_policies_are_the_quantized_caches_holding_packed_rows():
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from mlx_knorm.cache import QuantizedL2NormKVCache
+    from mlx_knorm.quality.policies import row_bytes
+    from tiny_models import KV_HEADS, tokens
+
+    model = tiny_model("llama", dtype=mx.float32, layers=3, head_dim=64)
+    quantized = policy_cache(model, Policy.parse("keep-low+recent=1/2+bits=4"), 16, 48)
+    floats = policy_cache(model, Policy.parse("keep-low+recent=1/2"), 16, 48)
+    assert all(type(c) is QuantizedL2NormKVCache and (c.bits, c.group_size, c.budget, c.recent) == (4, 64, 16, 8)
+               for c in quantized)
+    ids = tokens(1, 48)
+    for start in range(0, 48, 8):
+        for cache in (quantized, floats):
+            mx.eval(model(ids[:, start : start + 8], cache=cache))
+    # Layer 0's keys do not depend on attention: the same kept rows, scored before quantization.
+    assert mx.array_equal(quantized[0].positions, floats[0].positions)
+    for q, f in zip(quantized, floats):
+        packed, scales, _ = q.keys
+        assert packed.dtype == mx.uint32 and packed.shape[-1] == 64 * 4 // 32 and scales.shape[-1] == 1
+        slots = packed.shape[2]
+        assert q.nbytes == KV_HEADS * slots * row_bytes(64, 4, bits=4) == KV_HEADS * slots * 88
+        assert f.nbytes == KV_HEADS * f.keys.shape[2] * row_bytes(64, 4) == KV_HEADS * f.keys.shape[2] * 520
+    alone = policy_cache(model, Policy.parse("full+bits=8"), 16, 48)
+    assert all(type(c) is QuantizedKVCache and (c.bits, c.group_size) == (8, 64) for c in alone)
+    skipping = policy_cache(model, Policy.parse("keep-low+skip=0+bits=8"), 24, 32)
+    assert [type(c).__name__ for c in skipping] == ["QuantizedKVCache"] + ["QuantizedL2NormKVCache"] * 2
+
+
+@pytest.mark.parametrize("text", ["window+bits=4", "random+bits=8", "full", "full+recent=1/4+bits=4",
+                                  "full+skip=0+bits=4", "keep-low+bits=7", "keep-low+bits=x"])
+def test_bad_quantized_policies_are_refused(text):
+    with pytest.raises(ValueError, match="policy"):
+        Policy.parse(text)

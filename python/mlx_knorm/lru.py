@@ -11,8 +11,16 @@ yet (``trimmable()``, docs/spec.md §8) and refuses the rest, so with mlx-lm's
 class a request could be answered from a cache still holding tokens that
 are not in its prompt.
 
-``LRUPromptCache`` here is mlx-lm's class with two changes, and nothing else:
+``LRUPromptCache`` here is mlx-lm's class with three changes, and nothing else:
 
+- ``insert_cache`` stores a cache under the tokens it holds: a key longer
+  than the cache's ``offset`` (its first layer's) is cut to it. mlx-lm's
+  server keys a finished request's caches by its prompt and every token it
+  answered, but speculative decoding (``speculative_generate_step``) leaves
+  the answer's last token out of the caches when that token is the
+  target's own (not an accepted draft token): a follow-up keyed by the
+  whole answer would continue a cache missing that token. Cut, the
+  follow-up feeds it again, as the first of its prompt's tokens;
 - ``fetch_nearest_cache`` takes the longer cached prompt only when every
   layer can trim it to the prefix (``can_trim_prompt_cache``); otherwise it
   answers as mlx-lm does for a cache that cannot trim: from the longest
@@ -40,6 +48,14 @@ def can_trim_prompt_cache(prompt_cache: list, n: int) -> bool:
         n <= layer.trimmable() if hasattr(layer, "trimmable") else layer.is_trimmable()
         for layer in prompt_cache
     )
+
+
+def tokens_held(prompt_cache: list, default: int) -> int:
+    """The tokens ``prompt_cache`` holds: its first layer's ``offset`` (a
+    target's first, where a draft's layers follow), ``default`` when that
+    layer counts none (a recurrent layer's cache) or holds more."""
+    offset = getattr(prompt_cache[0], "offset", None) if prompt_cache else None
+    return offset if isinstance(offset, int) and 0 <= offset < default else default
 
 
 class _PromptTrie(mlx_lm_cache.PromptTrie):
@@ -84,6 +100,7 @@ class LRUPromptCache(mlx_lm_cache.LRUPromptCache):
 
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list, *,
                      cache_type: str = "assistant"):
+        tokens = tokens[: tokens_held(prompt_cache, len(tokens))]
         # A later fetch of a prefix of length p finds this entry and trims
         # it by len(tokens) - (p - 1) (fetch_nearest_cache keeps the
         # prompt's last token to process).
@@ -94,4 +111,4 @@ class LRUPromptCache(mlx_lm_cache.LRUPromptCache):
             self._trie.replaceable = None
 
 
-__all__ = ["LRUPromptCache", "can_trim_prompt_cache"]
+__all__ = ["LRUPromptCache", "can_trim_prompt_cache", "tokens_held"]

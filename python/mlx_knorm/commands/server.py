@@ -31,7 +31,8 @@ wrappers for the duration of ``main``:
 
 A cached conversation is reused for a prompt that continues it (a
 follow-up turn: the conversation so far is the stored prompt plus its
-answer), or for one that leaves it only within what its caches can trim
+answer, as far as its caches hold it: speculative decoding's last token
+may not be in them), or for one that leaves it only within what its caches can trim
 exactly (what no eviction has ranked yet). A draft model's cache evicts
 too, without ``skip_layers``; mlx-lm never batches requests with a draft
 model or ``--kv-bits``.

@@ -206,9 +206,11 @@ def register(commands) -> None:
                          "layer on average, the same memory for every policy")
     ev.add_argument("--n-sink", type=int, default=DEFAULT_N_SINK, help="protected first tokens, for every policy")
     ev.add_argument("--policies", type=_policies,
-                    help="policies separated by spaces or semicolons, each SCORE[+recent=F][+skip=I,J] with "
-                         "SCORE keep-low, keep-high, window or random, F a share of the budget, I,J layers "
-                         "kept whole; must include keep-low and random (default: those two, keep-high, "
+                    help="policies separated by spaces or semicolons, each SCORE[+recent=F][+skip=I,J][+bits=B] "
+                         "with SCORE keep-low, keep-high, window or random, F a share of the budget, I,J layers "
+                         "kept whole, B the bits of quantized rows (group size 64; full+bits=B: mlx-lm's "
+                         "QuantizedKVCache alone, whatever the budget); must include keep-low and random "
+                         "(default: those two, keep-high, "
                          "window, and keep-low with recent=1/4 and 1/2, each also with skip=0,1)")
     ev.add_argument("--skip-layers", type=_layers, default=[],
                     help="layers every policy leaves uncompressed, comma-separated (as make_knorm_cache's "

@@ -19,6 +19,13 @@ per-layer budget) sees every earlier token, so every position up to
 cache filled by one full-attention pass over that prefix, shared by the
 policies with that prefix, and runs only the rest.
 
+A quantized policy (``+bits=B``) attends, in every full-attention layer,
+to its rows as the quantized cache holds them (``mx.dequantize`` of
+``mx.quantize``, group size 64), its kept set scored on the float keys as
+the cache scores them; its passes share no full-attention prefix. Its
+recall is the float policy's at the same rows (the kept sets are the
+same); ``full+bits=B`` keeps every row (recall 1), once for all budgets.
+
 Metrics, all on the continuation, the last ``T / 2`` positions, one value per
 sequence (``stats`` turns them into bootstrap intervals over sequences):
 
@@ -49,7 +56,8 @@ from tqdm import tqdm
 
 from ..cache import L2NormKVCache, make_knorm_cache
 from . import BUDGET_FRACTIONS, QUERY_CHUNK
-from .policies import DEFAULT_POLICIES, FULL, Policy, attention_layers, derived_key, kept_mask, policy_scores
+from .policies import (DEFAULT_POLICIES, FULL, Policy, attention_layers, derived_key, kept_mask, policy_scores,
+                       quantized_rows, stored_dtype)
 from .stats import bootstrap_interval, perplexity_interval, resample_indices
 
 
@@ -87,7 +95,9 @@ def plan_cuts(model, policies, budgets, length: int, n_sink: int, skip_layers=()
     attention = attention_layers(model, n_sink)
     cuts, notes, names = [], [], []
     for policy in policies:
-        policy = Policy(policy.score, policy.recent, tuple(sorted(set(policy.skip) | set(skip_layers))))
+        if policy.score != "full":
+            policy = Policy(policy.score, policy.recent, tuple(sorted(set(policy.skip) | set(skip_layers))),
+                            policy.bits)
         compressed = tuple(i for i in attention if i not in policy.skip)
         planned = []
         try:
@@ -382,7 +392,7 @@ class _Evaluator:
         rho = []
 
         def attend(layer, queries, keys, values, scale):
-            active = [c for c in cuts if layer in c.compressed]
+            active = [c for c in cuts if layer in c.compressed and c.policy.score != "full"]
             scores = {s: self.scores(sequence, layer, s, keys, values) for s in {c.policy.score for c in active}}
             # Per-row attention mass (a float32 sum over one row's keys), added up
             # in float64 once the layer is done: one float32 sum over every row
@@ -432,12 +442,16 @@ class _Evaluator:
         """
         def attend(layer, queries, keys, values, scale):
             allowed = causal
-            if cut is not None and layer in cut.compressed:
+            if cut is not None and layer in cut.compressed and cut.policy.score != "full":
+                # Scored on the float keys, as the quantized cache scores them.
                 scores, keep = self.scores(sequence, layer, cut.policy.score, keys, values)
 
                 def allowed(first, stop):
                     return kept_mask(scores, cut.rows, self.results.n_sink, keep, first, stop, cut.recent)
 
+            if cut is not None and cut.policy.bits:
+                keys, values = (quantized_rows(a.astype(stored_dtype(keys[0], values[0])), cut.policy.bits)
+                                for a in (keys, values))
             return chunked_attention(queries, keys, values, scale, allowed, chunk=self.query_chunk)
 
         scored = prefix if scored is None else scored
@@ -449,9 +463,17 @@ class _Evaluator:
     def masked_passes(self, sequence: int, tokens: mx.array, cuts) -> None:
         """Every cut's perplexity; cuts whose first ``rows + 1`` positions see everything share that prefix."""
         last = len(tokens) // 2 - 1  # the first position whose logits are scored
-        by_prefix = {}
+        by_prefix, full = {}, {}
         for cut in cuts:
-            by_prefix.setdefault(min(cut.rows + 1, last), []).append(cut)
+            if cut.policy.score == "full":
+                full.setdefault(cut.policy.name, []).append(cut)
+            else:
+                # A quantized policy's rows differ from the first token on.
+                by_prefix.setdefault(0 if cut.policy.bits else min(cut.rows + 1, last), []).append(cut)
+        for group in full.values():
+            logits = self.masked_logits(sequence, tokens, group[0], scored=last)
+            for cut in group:
+                self.record_nll(cut.key, logits, tokens)
         for prefix, group in sorted(by_prefix.items()):
             state = None
             if prefix:
@@ -486,8 +508,10 @@ def teacher_forced_logits(model, tokens, policy=None, budget: int | None = None,
     cut = None
     if policy is not None:
         policy = _as_policy(policy)
-        policy = Policy(policy.score, policy.recent, tuple(sorted(set(policy.skip) | set(skip_layers))))
-        budget = len(tokens) if budget is None else budget
+        if policy.score != "full":
+            policy = Policy(policy.score, policy.recent, tuple(sorted(set(policy.skip) | set(skip_layers))),
+                            policy.bits)
+        budget = len(tokens) if budget is None or policy.score == "full" else budget
         recent = policy.recent_rows(budget)
         make_knorm_cache(model, budget=budget, n_sink=n_sink, recent=recent, skip_layers=policy.skip)
         cut = Cut(policy, budget, budget, recent, tuple(i for i in attention if i not in policy.skip))
@@ -543,7 +567,10 @@ def evaluate(model, sequences: np.ndarray, n_sink: int = 4, skip_layers=(), frac
     results = Results(length, n_seqs, n_sink, budgets, attention, cuts, seed=seed,
                       skip_layers=tuple(sorted(set(skip_layers))), notes=notes, planned=planned)
     last = length // 2 - 1
-    starts = [min(c.rows + 1, last) for c in cuts]
+    # One pass per full policy, whatever the budget.
+    passed = [c for c in cuts if c.policy.score != "full"] + list(
+        {c.policy.name: c for c in cuts if c.policy.score == "full"}.values())
+    starts = [0 if c.policy.bits else min(c.rows + 1, last) for c in passed]
     # Model calls per sequence: the full pass; per cut one or two (before and from the scored positions),
     # and one per distinct prefix.
     passes = 1 + ((sum(1 + (p < last) for p in starts) + len(set(starts) - {0})) if perplexity else 0)

@@ -179,8 +179,9 @@ def copy_caches(caches: list) -> list:
     def own(value):
         if isinstance(value, mx.array):
             return mx.array(value)
-        if isinstance(value, list):
-            return [own(v) for v in value]
+        if isinstance(value, (list, tuple)):
+            # A quantized cache's rows are (packed, scales, biases).
+            return type(value)(own(v) for v in value)
         return value
 
     copies = []

@@ -8,13 +8,21 @@ A policy is a score, a recent window and the layers it leaves uncompressed:
 - ``+recent=F``: the latest ``F`` of the cache's budget are also protected
   (the reference's ``recent``), e.g. ``keep-low+recent=1/4``;
 - ``+skip=I,J``: layers ``I, J`` keep every token (``skip_layers``), e.g.
-  ``keep-low+recent=1/4+skip=0,1``.
+  ``keep-low+recent=1/4+skip=0,1``;
+- ``+bits=B``: every attention layer's rows in MLX's affine quantization at
+  ``B`` bits, group size ``KV_GROUP_SIZE`` (mlx-lm's ``kv_bits``: the
+  eviction cache's ``to_quantized``, ``KVCache``'s for skipped layers), the
+  scores taken before quantization; ``full+bits=B`` evicts nothing
+  (mlx-lm's ``QuantizedKVCache`` alone, whatever the budget).
 
 Every policy protects the first ``n_sink`` tokens. Policies are compared at
 equal memory: a budget is the KV rows held per full-attention layer, on
 average over those layers, once the whole context has been seen, so a
 policy that leaves layers uncompressed gives the others fewer rows
-(``Policy.layer_budget``).
+(``Policy.layer_budget``). Equal memory counts rows, not bytes: a
+quantized policy at a budget holds fewer bytes than a float one
+(``row_bytes``); to compare at equal bytes, give it the larger budget
+those bytes buy.
 
 Masks follow ``mlx_knorm.cache.L2NormKVCache`` decoding one token at a time:
 query ``t`` attends to the rows kept from ``[0, t)`` plus itself, and the
@@ -34,19 +42,23 @@ from fractions import Fraction
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import RotatingKVCache, _BaseCache, create_attention_mask, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, _BaseCache, create_attention_mask, make_prompt_cache
 
 from .. import key_norms, protected_topk_gather
 from ..cache import L2NormKVCache, make_knorm_cache
 from ..defaults import share_of
 
-SCORES = ("keep-low", "keep-high", "window", "random")
+SCORES = ("keep-low", "keep-high", "window", "random", "full")
 SCORE_LABELS = {
     "keep-low": "keep-low (paper)",
     "keep-high": "keep-high (ablation)",
     "window": "sinks + recent window",
     "random": "random",
+    "full": "no eviction",
 }
+# mx.quantize's affine bit widths, and the group size of every quantized policy (mlx-lm's default).
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZE = 64
 FULL = "full"  # the full cache, in tables and the needle grid
 
 
@@ -57,10 +69,19 @@ class Policy:
     score: str
     recent: Fraction = Fraction(0)
     skip: tuple[int, ...] = ()
+    bits: int | None = None
 
     def __post_init__(self):
         if self.score not in SCORES:
             raise ValueError(f"policy score must be one of {SCORES}, got {self.score!r}")
+        if self.bits is not None and self.bits not in KV_BITS:
+            raise ValueError(f"policy bits must be one of {KV_BITS}, got {self.bits!r}")
+        if self.score == "full" and (self.bits is None or self.recent or self.skip):
+            raise ValueError("the full policy is the quantized full cache: it takes +bits and no +recent or +skip "
+                             "(the float full cache always runs)")
+        if self.bits is not None and self.score in ("window", "random"):
+            raise ValueError(f"the {self.score} policy has no quantized cache (mlx-lm's RotatingKVCache "
+                             "cannot be quantized); +bits goes with keep-low, keep-high or full")
         if not 0 <= self.recent < 1:
             raise ValueError(f"policy recent must be a share of the budget in [0, 1), got {self.recent}")
         if self.score == "window" and self.recent:
@@ -70,9 +91,9 @@ class Policy:
 
     @classmethod
     def parse(cls, text: str) -> "Policy":
-        """``SCORE[+recent=F][+skip=I,J,...]``; F a fraction (``1/4``) or a decimal (``0.25``)."""
+        """``SCORE[+recent=F][+skip=I,J,...][+bits=B]``; F a fraction (``1/4``) or a decimal (``0.25``)."""
         score, *options = text.strip().split("+")
-        recent, skip = Fraction(0), ()
+        recent, skip, bits = Fraction(0), (), None
         for option in options:
             key, _, value = option.partition("=")
             try:
@@ -80,12 +101,14 @@ class Policy:
                     recent = Fraction(value)
                 elif key == "skip":
                     skip = tuple(sorted(int(v) for v in value.split(",")))
+                elif key == "bits":
+                    bits = int(value)
                 else:
                     raise ValueError
             except (ValueError, ZeroDivisionError):
-                raise ValueError(f"policy {text!r}: expected SCORE[+recent=F][+skip=I,J], "
+                raise ValueError(f"policy {text!r}: expected SCORE[+recent=F][+skip=I,J][+bits=B], "
                                  f"with SCORE one of {SCORES}") from None
-        return cls(score, recent, skip)
+        return cls(score, recent, skip, bits)
 
     @property
     def name(self) -> str:
@@ -94,6 +117,8 @@ class Policy:
             parts.append(f"recent={self.recent}")
         if self.skip:
             parts.append("skip=" + ",".join(map(str, self.skip)))
+        if self.bits:
+            parts.append(f"bits={self.bits}")
         return "+".join(parts)
 
     @property
@@ -103,6 +128,8 @@ class Policy:
             parts.append(f"recent {self.recent} of budget")
         if self.skip:
             parts.append("layers " + ",".join(map(str, self.skip)) + " full")
+        if self.bits:
+            parts.append(f"{self.bits}-bit rows")
         return ", ".join(parts)
 
     def layer_budget(self, budget: int, context: int, attention_layers, n_sink: int) -> int | None:
@@ -111,7 +138,10 @@ class Policy:
         At ``context`` tokens the skipped attention layers hold ``context``
         rows each; the compressed ones share what is left. None when that
         leaves no room for the sinks, the recent window and one evictable row.
+        The full policy keeps all ``context`` rows whatever the budget.
         """
+        if self.score == "full":
+            return context
         skipped = len(set(self.skip) & set(attention_layers))
         compressed = len(attention_layers) - skipped
         if compressed < 1:
@@ -123,6 +153,15 @@ class Policy:
 
     def recent_rows(self, layer_budget: int) -> int:
         return share_of(self.recent, layer_budget)
+
+
+def row_bytes(head_dim: int, itemsize: int, bits: int | None = None, eviction: bool = True) -> int:
+    """Bytes of one stored token in one KV head of one layer, keys and values of width ``head_dim``:
+    ``itemsize``-byte floats, or with ``bits`` the packed words plus a scale and a bias of
+    ``itemsize`` bytes per ``KV_GROUP_SIZE`` elements (``mx.quantize``); an eviction cache
+    adds its float32 norm and int32 position."""
+    row = head_dim * itemsize if bits is None else head_dim * bits // 8 + 2 * itemsize * head_dim // KV_GROUP_SIZE
+    return 2 * row + (8 if eviction else 0)
 
 
 def parse_policies(text: str) -> list[Policy]:
@@ -175,6 +214,12 @@ def policy_scores(score: str, keys: mx.array, values: mx.array, key: mx.array,
     if score == "random":
         return mx.random.uniform(shape=(heads, max(draws or 0, length)), key=key)[:, :length], "low"
     raise ValueError(f"policy score must be one of {SCORES}, got {score!r}")
+
+
+def quantized_rows(rows: mx.array, bits: int) -> mx.array:
+    """``rows`` as a quantized cache holds them, dequantized: ``mx.dequantize(mx.quantize(rows))``."""
+    packed = mx.quantize(rows, group_size=KV_GROUP_SIZE, bits=bits)
+    return mx.dequantize(*packed, group_size=KV_GROUP_SIZE, bits=bits).astype(rows.dtype)
 
 
 def kept_mask(scores: mx.array, budget: int, n_sink: int, keep: str,
@@ -300,10 +345,21 @@ def policy_cache(model, policy: Policy | None, budget: int, context: int, n_sink
     ``RotatingKVCache(max_size=budget + 1, keep=n_sink)``, which shows each
     query the same ``budget`` earlier rows as the other caches; random:
     ``RandomEvictionCache``. Layers the model gives another cache
-    (sliding-window, recurrent) keep it.
+    (sliding-window, recurrent) keep it. With ``bits``, every cache that
+    can is converted by its ``to_quantized`` (mlx-lm's ``kv_bits``):
+    ``QuantizedL2NormKVCache``, and ``QuantizedKVCache`` for the full policy
+    and skipped layers.
     """
+    caches = _float_policy_cache(model, policy, budget, context, n_sink, seed, layout)
+    if policy is None or policy.bits is None:
+        return caches
+    return [c.to_quantized(group_size=KV_GROUP_SIZE, bits=policy.bits) if isinstance(c, (KVCache, L2NormKVCache))
+            else c for c in caches]
+
+
+def _float_policy_cache(model, policy, budget, context, n_sink, seed, layout) -> list:
     layers = attention_layers(model, n_sink)
-    if policy is None:
+    if policy is None or policy.score == "full":
         return make_prompt_cache(model)
     if policy.score == "window" and policy.skip:
         # mlx-lm builds one mask from layer 0's cache; a skipped (KVCache)
