@@ -9,9 +9,10 @@ BUDGET_FRACTIONS = (0.125, 0.25, 0.5)
 QUERY_CHUNK = 256  # query rows per attention block in the eval
 
 # The needle task's grids (needle.py; the command line reads them from here).
-# The default grid fits a 2-core CPU: 3 contexts x 5 depths x 2 budgets, one
-# key per cell, the full cache and three policies (NEEDLE_POLICIES), about
-# 190k prompt tokens. ``--full-grid`` is issue 17's: both haystacks, the
+# The default grid is sized for a 2-core CPU: 3 contexts x 5 depths x 2
+# budgets, one key per cell, the full cache and three policies
+# (NEEDLE_POLICIES), 186k prompt tokens (34 CPU-minutes on SmolLM2 here,
+# docs/quality.md). ``--full-grid`` is issue 17's: both haystacks, the
 # eval's nine policies, NEEDLE_FULL_KEYS keys per cell, about 3.3M tokens.
 HAYSTACKS = ("passkey", "prose")
 NEEDLE_HAYSTACKS = ("passkey",)
