@@ -7,6 +7,8 @@ runs the task on a real model.
 
 from __future__ import annotations
 
+import argparse
+import inspect
 import json
 
 import mlx.core as mx
@@ -21,7 +23,8 @@ from mlx_knorm.quality import MODEL_DIR
 from mlx_knorm.quality.needle import (KEY_DIGITS, answer, build_prompt, copy_caches, first_number, is_correct,
                                       make_haystack, make_keys, markdown_tables, needle_offset, plot, prefill,
                                       run_grid)
-from mlx_knorm.quality.policies import Policy, RandomEvictionCache, policy_cache
+from mlx_knorm.quality.cli import needle_grid, register
+from mlx_knorm.quality.policies import DEFAULT_POLICIES, Policy, RandomEvictionCache, policy_cache
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +126,8 @@ def test_a_trial_is_generate_step_on_the_whole_prompt(shipped, policy):
 
 def test_the_grid_runs_every_policy_through_its_real_cache_and_writes_json_and_a_plot(tmp_path, capsys):
     out, png = tmp_path / "needle.json", tmp_path / "needle.png"
-    argv = ["needle", "--model", str(MODEL_DIR), "--contexts", "400", "--depths", "0,1", "--budgets", "0.25",
-            "--keys", "2", "--prefill-step-size", "64", "--json", str(out), "--plot", str(png)]
+    argv = ["needle", "--model", str(MODEL_DIR), "--full-grid", "--contexts", "400", "--depths", "0,1",
+            "--budgets", "0.25", "--keys", "2", "--prefill-step-size", "64", "--json", str(out), "--plot", str(png)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "**passkey**" in printed and "**prose**" in printed and "prompt tokens through the model" in printed
@@ -137,6 +140,23 @@ def test_the_grid_runs_every_policy_through_its_real_cache_and_writes_json_and_a
                for cell in report["cells"])
     assert report["keys"] == 2 and report["prefill_step_size"] == 64 and report["timing"]["seconds"] > 0
     assert png.stat().st_size > 0
+
+
+def test_the_default_grid_is_the_small_one_and_the_full_grid_is_one_flag_away():
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+
+    def grid(*argv):
+        found = needle_grid(parser.parse_args(["needle", *argv]))
+        return found["haystacks"], [p.name for p in found["policies"]], found["keys"]
+
+    small = (["passkey"], ["keep-low", "window", "keep-low+recent=1/2"], 1)
+    assert grid() == small
+    assert grid("--full-grid") == (["passkey", "prose"], [p.name for p in DEFAULT_POLICIES], 4)
+    assert grid("--full-grid", "--keys", "2", "--haystacks", "prose")[::2] == (["prose"], 2)
+    assert grid("--policies", "random")[1] == ["random"]
+    defaults = {k: v.default for k, v in inspect.signature(run_grid).parameters.items()}
+    assert (list(defaults["haystacks"]), [p.name for p in defaults["policies"]], defaults["keys"]) == small
 
 
 def test_random_caches_of_a_trial_draw_their_own_evictions(shipped):

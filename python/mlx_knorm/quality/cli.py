@@ -16,7 +16,7 @@ from pathlib import Path
 from ..defaults import DEFAULT_N_SINK, DEFAULT_RECENT_SHARE, DEFAULT_SKIP_LAYERS
 from ..models.cli import MODEL_HELP, add_weight_arguments
 from . import (BUDGET_FRACTIONS, HAYSTACKS, MODEL_DIR, NEEDLE_BUDGET_FRACTIONS, NEEDLE_CONTEXTS, NEEDLE_DEPTHS,
-               NEEDLE_KEYS, PREFILL_STEP_SIZE, QUERY_CHUNK)
+               NEEDLE_FULL_KEYS, NEEDLE_HAYSTACKS, NEEDLE_KEYS, PREFILL_STEP_SIZE, QUERY_CHUNK)
 
 DEFAULT_SEQ_LEN = 1024
 DEMO_PROMPT = '"""Utilities for reading configuration files."""\n\nimport os\nimport sys\n\n\ndef '
@@ -139,15 +139,24 @@ def _numbers(kind):
     return parse
 
 
+def needle_grid(args) -> dict:
+    """``run_grid``'s haystacks, policies and keys: the options given, else the default grid or ``--full-grid``'s."""
+    from .policies import DEFAULT_POLICIES, NEEDLE_POLICIES
+
+    full = args.full_grid
+    return {"haystacks": args.haystacks or list(HAYSTACKS if full else NEEDLE_HAYSTACKS),
+            "policies": args.policies or list(DEFAULT_POLICIES if full else NEEDLE_POLICIES),
+            "keys": args.keys or (NEEDLE_FULL_KEYS if full else NEEDLE_KEYS)}
+
+
 def needle_command(args) -> int:
     from .needle import markdown_tables, plot, run_grid
-    from .policies import DEFAULT_POLICIES
 
     model, tokenizer, _ = load(args.model, args)
     clock = Clock()
-    grid = run_grid(model, tokenizer, haystacks=args.haystacks, contexts=args.contexts, depths=args.depths,
-                    fractions=args.budgets, policies=args.policies or DEFAULT_POLICIES, keys=args.keys, n_sink=args.n_sink,
-                    prefill_step_size=args.prefill_step_size, seed=args.seed, progress=True)
+    grid = run_grid(model, tokenizer, contexts=args.contexts, depths=args.depths, fractions=args.budgets,
+                    n_sink=args.n_sink, prefill_step_size=args.prefill_step_size, seed=args.seed, progress=True,
+                    **needle_grid(args))
     timing = clock.stop()
     print(markdown_tables(grid))
     print(f"{len(grid.trials)} trials, {grid.prefill_tokens:,} prompt tokens through the model in {clock.line()}")
@@ -228,10 +237,19 @@ def register(commands) -> None:
         description="A 5-digit key at a chosen depth of a long prompt, asked for at the end, answered greedily "
                     "by mlx-lm's generate_step through each policy's real cache (make_knorm_cache, "
                     "RotatingKVCache, KVCache, random eviction), the prompt fed in chunks as mlx-lm feeds it. "
-                    "Accuracy per context, depth, policy and budget with 95% Wilson intervals.")
+                    "Accuracy per context, depth, policy and budget with 95% Wilson intervals. The default "
+                    "grid (passkey haystack, 3 contexts x 5 depths x 2 budgets, one key per cell, the full "
+                    "cache, keep-low, the recent window and keep-low with a recent window of half the budget) "
+                    "reads 186k prompt tokens: 34 CPU-minutes on SmolLM2-135M with float32 weights and OpenBLAS "
+                    "on a 2-core x86 CPU. "
+                    "--full-grid reads about 3.3M: hours on a CPU.")
     nd.add_argument("--model", default="smollm2", help=f"{MODEL_HELP} (default: smollm2)")
-    nd.add_argument("--haystacks", type=lambda t: t.split(","), default=list(HAYSTACKS),
-                    help="passkey (the classic filler) and/or prose (pydoc_data.topics), comma-separated")
+    nd.add_argument("--full-grid", action="store_true",
+                    help=f"issue 17's full grid: both haystacks, the eval's nine policies, {NEEDLE_FULL_KEYS} "
+                         "keys per cell (the options below, where given, still apply)")
+    nd.add_argument("--haystacks", type=lambda t: t.split(","),
+                    help="passkey (the classic filler) and/or prose (pydoc_data.topics), comma-separated "
+                         f"(default: {','.join(NEEDLE_HAYSTACKS)}; --full-grid: {','.join(HAYSTACKS)})")
     nd.add_argument("--contexts", type=_numbers(int), default=list(NEEDLE_CONTEXTS),
                     help="prompt lengths in tokens, comma-separated")
     nd.add_argument("--depths", type=_numbers(float), default=list(NEEDLE_DEPTHS),
@@ -240,9 +258,11 @@ def register(commands) -> None:
                     help="cache budgets as fractions of each context, comma-separated: KV rows per "
                          "full-attention layer on average, the same memory for every policy")
     nd.add_argument("--policies", type=_policies,
-                    help="as for eval (default: the same nine); the full cache always runs")
-    nd.add_argument("--keys", type=_positive, default=NEEDLE_KEYS,
-                    help="keys per (context, depth): the same keys for every policy")
+                    help="as for eval (default: keep-low, window and keep-low+recent=1/2; --full-grid: the "
+                         "eval's nine); the full cache always runs")
+    nd.add_argument("--keys", type=_positive,
+                    help="keys per (context, depth): the same keys for every policy "
+                         f"(default: {NEEDLE_KEYS}; --full-grid: {NEEDLE_FULL_KEYS})")
     nd.add_argument("--n-sink", type=int, default=DEFAULT_N_SINK, help="protected first tokens, for every policy")
     nd.add_argument("--prefill-step-size", type=_positive, default=PREFILL_STEP_SIZE,
                     help="prompt tokens per model call (generate_step's prefill_step_size)")

@@ -38,9 +38,11 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 
-from . import HAYSTACKS, NEEDLE_BUDGET_FRACTIONS, NEEDLE_CONTEXTS, NEEDLE_DEPTHS, NEEDLE_KEYS, PREFILL_STEP_SIZE
+from . import (HAYSTACKS, NEEDLE_BUDGET_FRACTIONS, NEEDLE_CONTEXTS, NEEDLE_DEPTHS, NEEDLE_HAYSTACKS, NEEDLE_KEYS,
+               PREFILL_STEP_SIZE)
 from .data import pydoc_topics
-from .policies import FULL, Policy, RandomEvictionCache, attention_layers, derived_key, policy_cache
+from .policies import (FULL, NEEDLE_POLICIES, Policy, RandomEvictionCache, attention_layers, derived_key,
+                       policy_cache)
 from .stats import wilson_interval
 
 KEY_DIGITS = 5
@@ -268,8 +270,8 @@ def _summary(labels: dict, outcomes: list[bool]) -> dict:
             "ci": [round(low, 4), round(high, 4)]}
 
 
-def run_grid(model, tokenizer, haystacks=HAYSTACKS, contexts=NEEDLE_CONTEXTS, depths=NEEDLE_DEPTHS,
-             fractions=NEEDLE_BUDGET_FRACTIONS, policies=(), keys: int = NEEDLE_KEYS, n_sink: int = 4,
+def run_grid(model, tokenizer, haystacks=NEEDLE_HAYSTACKS, contexts=NEEDLE_CONTEXTS, depths=NEEDLE_DEPTHS,
+             fractions=NEEDLE_BUDGET_FRACTIONS, policies=NEEDLE_POLICIES, keys: int = NEEDLE_KEYS, n_sink: int = 4,
              prefill_step_size: int = PREFILL_STEP_SIZE, seed: int = 0, full: bool = True,
              progress: bool = False) -> Grid:
     """Every (haystack, context, depth, policy, budget fraction) with ``keys`` keys; the full cache once per depth.

@@ -46,7 +46,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, _BaseCache, create_att
 
 from .. import key_norms, protected_topk_gather
 from ..cache import L2NormKVCache, make_knorm_cache
-from ..defaults import share_of
+from ..defaults import DEFAULT_RECENT_SHARE, share_of
 
 SCORES = ("keep-low", "keep-high", "window", "random", "full")
 SCORE_LABELS = {
@@ -181,6 +181,10 @@ DEFAULT_POLICIES = tuple(Policy.parse(name) for name in (
     "keep-low+skip=0,1", "keep-low+recent=1/4+skip=0,1", "keep-low+recent=1/2+skip=0,1",
 ))
 
+
+# The needle task's default set, small enough for a CPU: the paper's rule,
+# the recent window (StreamingLLM) and the hybrid make_knorm_cache defaults to.
+NEEDLE_POLICIES = (Policy("keep-low"), Policy("window"), Policy("keep-low", DEFAULT_RECENT_SHARE))
 
 def derived_key(*entropy: int) -> mx.array:
     """An MLX random key determined by the integers given (a seed, then indices), independent of any count."""
