@@ -55,7 +55,7 @@ from mlx_knorm import __version__  # noqa: E402
 from mlx_knorm.backend import backend_info  # noqa: E402
 from mlx_knorm.bench.cache_report import package_version  # noqa: E402
 from mlx_knorm.bench.cases import N_SINK  # noqa: E402
-from mlx_knorm.bench.cli import native_missing, write_json  # noqa: E402
+from mlx_knorm.bench.cli import run_program  # noqa: E402
 from mlx_knorm.bench.report import machine, markdown_table, now, verdict  # noqa: E402
 from mlx_knorm.bench.timing import minor_faults, summary, warm_up  # noqa: E402
 from mlx_knorm.cache import make_knorm_cache  # noqa: E402
@@ -320,12 +320,7 @@ def main(argv=None) -> int:
     args.rounds = args.rounds or (3 if args.quick else 5)
     if not 2 <= args.prompt_min <= args.prompt_max:
         parser.error("--prompt-min must be at least 2 and at most --prompt-max")
-    if native_missing("bench/batch_decode.py"):
-        return 1
-    report = run(args)
-    print_report(report)
-    write_json(report, args.json)
-    return 0
+    return run_program("bench/batch_decode.py", args, run, print_report)
 
 
 if __name__ == "__main__":

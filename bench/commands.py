@@ -70,7 +70,7 @@ from mlx_lm.models.cache import RotatingKVCache
 from mlx_knorm import __version__
 from mlx_knorm.backend import backend_info
 from mlx_knorm.bench.cache_report import package_version
-from mlx_knorm.bench.cli import native_missing, write_json
+from mlx_knorm.bench.cli import run_program
 from mlx_knorm.bench.report import machine, markdown_table, now, verdict
 from mlx_knorm.bench.timing import minor_faults, warm_up
 from mlx_knorm.commands import generate as generate_command
@@ -553,12 +553,7 @@ def main(argv=None) -> int:
     args.rounds = args.rounds or (3 if args.quick else 5)
     if args.tokens < 2 or args.rounds < 1:
         parser.error("--tokens must be at least 2 and --rounds at least 1")
-    if native_missing("bench/commands.py"):
-        return 1
-    report = run(args)
-    print_report(report)
-    write_json(report, args.json)
-    return 0
+    return run_program("bench/commands.py", args, run, print_report)
 
 
 if __name__ == "__main__":

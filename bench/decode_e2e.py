@@ -58,7 +58,7 @@ from mlx_knorm.backend import backend_info
 from mlx_knorm.bench.cache_report import package_version
 from mlx_knorm.bench.cache_step import cache_kinds, stored_arrays
 from mlx_knorm.bench.cases import N_SINK
-from mlx_knorm.bench.cli import native_missing, write_json
+from mlx_knorm.bench.cli import run_program
 from mlx_knorm.bench.report import machine, markdown_table, now, verdict
 from mlx_knorm.bench.timing import minor_faults, summary, warm_up
 from mlx_knorm.cache import make_knorm_cache
@@ -342,12 +342,7 @@ def main(argv=None) -> int:
         parser.error("--prompt must be at least 2 tokens")
     if not args.budgets or min(args.budgets) <= N_SINK:
         parser.error(f"--budgets must be above n_sink ({N_SINK})")
-    if native_missing("bench/decode_e2e.py"):
-        return 1
-    report = run(args)
-    print_report(report)
-    write_json(report, args.json)
-    return 0
+    return run_program("bench/decode_e2e.py", args, run, print_report)
 
 
 if __name__ == "__main__":

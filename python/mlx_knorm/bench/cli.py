@@ -64,6 +64,17 @@ def write_json(report: dict, path: str | None) -> None:
             json.dump(report, f, indent=2)
 
 
+def run_program(program: str, args, run, print_report) -> int:
+    """A bench/ program's last steps: refuse without the extension, run,
+    print the report, write it as JSON to ``args.json``; the exit status."""
+    if native_missing(program):
+        return 1
+    report = run(args)
+    print_report(report)
+    write_json(report, args.json)
+    return 0
+
+
 def report_cache_suite(step_configs, schedule, device: str, command: str,
                        json_path: str | None, show_progress: bool) -> dict:
     """Runs the cache-step configurations, prints the report, writes the JSON."""
