@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from mlx_lm.models import cache as mlx_lm_cache
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from mlx_knorm.cache import L2NormKVCache
 from mlx_knorm.lru import LRUPromptCache, can_trim_prompt_cache, tokens_held
@@ -70,7 +70,8 @@ def test_a_cache_that_never_evicted_trims_as_mlx_lm_does():
     assert check_answer(question, cache, rest) == 25
     # The stored entry is untouched: fetch trims a copy.
     cache, rest = store.fetch_nearest_cache(MODEL, PROMPT)
-    assert rest == [] and cache[0].offset == 40
+    assert rest == PROMPT[-1:] and cache[0].offset == 39  # an exact hit keeps a token to process
+    assert store.fetch_nearest_cache(MODEL, PROMPT)[0][0].offset == 39
 
 
 def test_prefixes_the_new_cache_cannot_stand_in_for_are_kept():
@@ -115,3 +116,24 @@ def test_a_cache_is_stored_under_the_tokens_it_holds(skip_first):
     # A key no longer than the cache's offset is kept as given.
     assert tokens_held(prompt_cache(PROMPT, [40], 16), 40) == 40
     assert tokens_held([], 3) == 3
+
+
+@pytest.mark.parametrize("trimmable", [True, False])
+def test_an_exact_hit_leaves_the_prompt_s_last_token_to_process(trimmable):
+    """mlx-lm's store answers a prompt equal to a stored key with no tokens,
+    which generation refuses; ours trims the cache by one where it can."""
+    store = LRUPromptCache()
+    store.insert_cache(MODEL, PROMPT[:20], prompt_cache(PROMPT[:20], [20], 64))
+    if trimmable:
+        stored = prompt_cache(PROMPT, [39, 1], 16)
+    else:  # a RotatingKVCache that wrapped cannot trim
+        stored = [RotatingKVCache(max_size=16)]
+        keys = mx.zeros((1, KV_HEADS, len(PROMPT), HEAD_DIM), mx.float16)
+        stored[0].update_and_fetch(keys, keys)
+    store.insert_cache(MODEL, PROMPT, stored)
+    cache, rest = store.fetch_nearest_cache(MODEL, PROMPT)
+    held = check_answer(PROMPT, cache, rest)
+    assert held == (39 if trimmable else 20) and rest
+    theirs = mlx_lm_cache.LRUPromptCache()
+    theirs.insert_cache(MODEL, PROMPT, prompt_cache(PROMPT, [39, 1], 16))
+    assert theirs.fetch_nearest_cache(MODEL, PROMPT)[1] == []

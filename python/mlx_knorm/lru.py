@@ -11,7 +11,7 @@ yet (``trimmable()``, docs/spec.md §8) and refuses the rest, so with mlx-lm's
 class a request could be answered from a cache still holding tokens that
 are not in its prompt.
 
-``LRUPromptCache`` here is mlx-lm's class with three changes, and nothing else:
+``LRUPromptCache`` here is mlx-lm's class with four changes, and nothing else:
 
 - ``insert_cache`` stores a cache under the tokens it holds: a key longer
   than the cache's ``offset`` (its first layer's) is cut to it. mlx-lm's
@@ -26,10 +26,15 @@ are not in its prompt.
   answers as mlx-lm does for a cache that cannot trim: from the longest
   cached prefix, or with no cache;
 - ``insert_cache`` drops a prefix's entry only when the new cache can be
-  trimmed back to that prefix.
+  trimmed back to that prefix;
+- an exact hit returns the cache trimmed by one token and the prompt's last
+  token (when every layer can trim it; else what the prompt without its
+  last token gets, and that token): mlx-lm returns no tokens to process,
+  and generation refuses an empty prompt.
 
 Layers without ``trimmable()`` (mlx-lm's own caches) answer by
-``is_trimmable()``, as in mlx-lm, so for them the class behaves as mlx-lm's.
+``is_trimmable()``, as in mlx-lm, so for them the class behaves as mlx-lm's
+but for exact hits.
 """
 
 from __future__ import annotations
@@ -87,6 +92,16 @@ class LRUPromptCache(mlx_lm_cache.LRUPromptCache):
     def fetch_nearest_cache(self, model: Any, tokens: list[int]):
         result = self._trie.search(model, tokens)
         shorter = len(result.shorter) if result.shorter is not None else 0
+        if result.exact is not None and tokens:
+            # An exact hit leaves the prompt's last token to process (mlx-lm
+            # returns no tokens at all, and generation refuses an empty prompt).
+            entry = self._trie.get(result.model, result.exact)
+            if can_trim_prompt_cache(entry.prompt_cache, 1):
+                cache = copy.deepcopy(entry.prompt_cache)
+                mlx_lm_cache.trim_prompt_cache(cache, 1)
+                return cache, tokens[-1:]
+            cache, rest = self.fetch_nearest_cache(model, tokens[:-1])
+            return cache, rest + tokens[-1:]
         if result.exact is None and result.longer is not None and result.common_prefix > shorter:
             # mlx-lm would trim the longer prompt's cache to this prefix.
             entry = self._trie.get(result.model, result.longer)
