@@ -214,7 +214,7 @@ def run(args) -> dict:
             "decode_peak_memory_bytes": weights + d.decode_peak,
             "layer_cache_types": sorted({type(c).__name__ for c in d.cache}),
         }
-    baseline, slug, unbounded = baseline_of(args)
+    baseline, slug, unbounded = baseline_of(args.kv_bits)
     per_budget = {}
     for budget in args.budgets:
         caches = {name: dict(c) for (b, name), c in measured.items() if b == budget or name == unbounded}
@@ -247,9 +247,9 @@ def run(args) -> dict:
     }
 
 
-def baseline_of(args) -> tuple[str, str, str]:
+def baseline_of(kv_bits) -> tuple[str, str, str]:
     """(the baseline cache, its slug in ratio keys, the cache listed under every budget)."""
-    if args.kv_bits is None:
+    if kv_bits is None:
         return "RotatingKVCache", "rotating", "KVCache"
     return "QuantizedKVCache", "quantized", "QuantizedKVCache"
 
@@ -257,7 +257,7 @@ def baseline_of(args) -> tuple[str, str, str]:
 def targets(caches: dict, kv_bits=None) -> dict:
     """Ours against RotatingKVCache: tokens/s within 5%, peak memory within 5%;
     quantized, against QuantizedKVCache: tokens/s within 10%."""
-    slug = "rotating" if kv_bits is None else "quantized"
+    slug = baseline_of(kv_bits)[1]
     min_speed = MIN_TOKENS_PER_S_RATIO if kv_bits is None else MIN_QUANTIZED_TOKENS_PER_S_RATIO
     out = {}
     for layout in ("slots", "temporal"):
@@ -285,11 +285,10 @@ def print_report(report: dict) -> None:
           + ". Timed in a warm process, the caches of every budget interleaved "
           "in rounds; medians over the tokens after the warm-up; CPU ms = the process's CPU time per token; "
           "faults/token = minor page faults per token.")
-    base = report["baseline"]
+    base, slug, _ = baseline_of(report["kv_bits"])
     header = ["cache", "ms/token [p25, p75]", "tokens/s", f"vs {base}", "CPU ms/token",
               f"CPU vs {base}", "peak MiB",
               f"vs {base}", "prefill / decode peak MiB", "faults/token"]
-    slug = "rotating" if base == "RotatingKVCache" else "quantized"
     for budget, result in report["budgets"].items():
         print(f"\nbudget {budget}:")
         print_table(header, result, slug)
