@@ -62,7 +62,7 @@ from mlx_knorm.bench.cli import run_program
 from mlx_knorm.bench.report import machine, markdown_table, now, verdict
 from mlx_knorm.bench.timing import minor_faults, summary, warm_up
 from mlx_knorm.cache import make_knorm_cache
-from mlx_knorm.defaults import default_recent
+from mlx_knorm.defaults import DEFAULT_KV_GROUP_SIZE, default_recent
 
 BUDGETS, PREFILL_STEP = (512,), 512
 # Targets for our cache against the baseline, checked in the report:
@@ -70,7 +70,6 @@ BUDGETS, PREFILL_STEP = (512,), 512
 MIN_TOKENS_PER_S_RATIO = 0.95
 MIN_QUANTIZED_TOKENS_PER_S_RATIO = 0.9
 MAX_PEAK_MEMORY_RATIO = 1.05
-KV_GROUP_SIZE = 64
 
 
 def build_model(layers: int, intermediate: int, vocab: int) -> llama.Model:
@@ -157,7 +156,7 @@ class Decoder:
             for start in range(0, prompt.size - 1, PREFILL_STEP):
                 self.model(prompt[None, start : min(start + PREFILL_STEP, prompt.size - 1)],
                            cache=self.cache)
-                maybe_quantize_kv_cache(self.cache, 0, KV_GROUP_SIZE, self.kv_bits)
+                maybe_quantize_kv_cache(self.cache, 0, DEFAULT_KV_GROUP_SIZE, self.kv_bits)
                 mx.eval([stored_arrays(c) for c in self.cache])
 
         self.prefill_peak = self._rise(run)
@@ -240,7 +239,7 @@ def run(args) -> dict:
         "model": {**description, "weights_bytes": weights},
         "prompt_tokens": args.prompt, "prompt_source": prompt_source, "prefill_step_size": PREFILL_STEP,
         "n_sink": N_SINK, "warmup_tokens": args.warmup, "round_tokens": args.round_tokens,
-        "kv_bits": args.kv_bits, "kv_group_size": KV_GROUP_SIZE if args.kv_bits else None,
+        "kv_bits": args.kv_bits, "kv_group_size": DEFAULT_KV_GROUP_SIZE if args.kv_bits else None,
         "baseline": baseline,
         "our_recent": {str(b): default_recent(b, N_SINK) for b in args.budgets},
         "budgets": per_budget,

@@ -69,8 +69,8 @@ from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
 from .cache_state import StateError, check_block, check_state, parse_meta_state
-from .defaults import (DEFAULT_BUDGET, DEFAULT_KEEP, DEFAULT_LAYOUT, DEFAULT_N_SINK, DEFAULT_RECENT,
-                       DEFAULT_SKIP_LAYERS, default_recent)
+from .defaults import (DEFAULT_BUDGET, DEFAULT_KEEP, DEFAULT_KV_GROUP_SIZE, DEFAULT_LAYOUT, DEFAULT_N_SINK,
+                       DEFAULT_RECENT, DEFAULT_SKIP_LAYERS, default_recent)
 from .ops.evict_and_fill import check_layout, evict_and_fill_unchecked
 from .ops.key_norms import key_norms_unchecked
 from .validation import check_config, check_int
@@ -572,7 +572,7 @@ class L2NormKVCache(L2NormCacheBase):
 
         return BatchL2NormKVCache.merge(caches)
 
-    def to_quantized(self, group_size: int = 64, bits: int = 4) -> "QuantizedL2NormKVCache":
+    def to_quantized(self, group_size: int = DEFAULT_KV_GROUP_SIZE, bits: int = 4) -> "QuantizedL2NormKVCache":
         """This cache with its stored rows in MLX's affine quantization, as
         mlx-lm's ``maybe_quantize_kv_cache`` asks of ``KVCache``
         (docs/spec.md §8): the same kept rows, norms, positions, offset and
@@ -625,7 +625,7 @@ class QuantizedL2NormKVCache(L2NormCacheBase):
         recent: int | None = None,
         keep: str | None = None,
         layout: str = DEFAULT_LAYOUT,
-        group_size: int = 64,
+        group_size: int = DEFAULT_KV_GROUP_SIZE,
         bits: int = 4,
     ) -> None:
         self.state = (None, None, None, None, 0, *_pick_config(config, budget, n_sink, recent, keep),

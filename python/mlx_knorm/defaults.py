@@ -18,6 +18,8 @@ DEFAULT_LAYOUT = "slots"
 DEFAULT_RECENT_SHARE = Fraction(1, 2)
 # make_knorm_cache's uncompressed layers when none are given.
 DEFAULT_SKIP_LAYERS: tuple[int, ...] = ()
+# The quantized cache's group size when none is given: mlx-lm's kv_group_size default.
+DEFAULT_KV_GROUP_SIZE = 64
 
 
 def share_of(share: Fraction, budget: int) -> int:

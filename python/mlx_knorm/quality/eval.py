@@ -80,6 +80,13 @@ def _as_policy(policy) -> Policy:
     return policy if isinstance(policy, Policy) else Policy.parse(policy)
 
 
+def _with_skipped(policy: Policy, skip_layers) -> Policy:
+    """``policy`` leaving ``skip_layers`` uncompressed too (the full policy compresses none)."""
+    if policy.score == "full":
+        return policy
+    return Policy(policy.score, policy.recent, tuple(sorted(set(policy.skip) | set(skip_layers))), policy.bits)
+
+
 def plan_cuts(model, policies, budgets, length: int, n_sink: int, skip_layers=(),
               strict: bool = True) -> tuple[tuple[int, ...], list, list[str], list[str]]:
     """``(attention layers, cuts, notes, names)``: each policy at each budget where it fits.
@@ -95,9 +102,7 @@ def plan_cuts(model, policies, budgets, length: int, n_sink: int, skip_layers=()
     attention = attention_layers(model, n_sink)
     cuts, notes, names = [], [], []
     for policy in policies:
-        if policy.score != "full":
-            policy = Policy(policy.score, policy.recent, tuple(sorted(set(policy.skip) | set(skip_layers))),
-                            policy.bits)
+        policy = _with_skipped(policy, skip_layers)
         compressed = tuple(i for i in attention if i not in policy.skip)
         planned = []
         try:
@@ -508,9 +513,7 @@ def teacher_forced_logits(model, tokens, policy=None, budget: int | None = None,
     cut = None
     if policy is not None:
         policy = _as_policy(policy)
-        if policy.score != "full":
-            policy = Policy(policy.score, policy.recent, tuple(sorted(set(policy.skip) | set(skip_layers))),
-                            policy.bits)
+        policy = _with_skipped(policy, skip_layers)
         budget = len(tokens) if budget is None or policy.score == "full" else budget
         recent = policy.recent_rows(budget)
         make_knorm_cache(model, budget=budget, n_sink=n_sink, recent=recent, skip_layers=policy.skip)

@@ -10,7 +10,7 @@ A policy is a score, a recent window and the layers it leaves uncompressed:
 - ``+skip=I,J``: layers ``I, J`` keep every token (``skip_layers``), e.g.
   ``keep-low+recent=1/4+skip=0,1``;
 - ``+bits=B``: every attention layer's rows in MLX's affine quantization at
-  ``B`` bits, group size ``KV_GROUP_SIZE`` (mlx-lm's ``kv_bits``: the
+  ``B`` bits, group size ``DEFAULT_KV_GROUP_SIZE`` (mlx-lm's ``kv_bits``: the
   eviction cache's ``to_quantized``, ``KVCache``'s for skipped layers), the
   scores taken before quantization; ``full+bits=B`` evicts nothing
   (mlx-lm's ``QuantizedKVCache`` alone, whatever the budget).
@@ -46,7 +46,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, _BaseCache, create_att
 
 from .. import key_norms, protected_topk_gather
 from ..cache import L2NormKVCache, make_knorm_cache
-from ..defaults import DEFAULT_RECENT_SHARE, share_of
+from ..defaults import DEFAULT_KV_GROUP_SIZE, DEFAULT_RECENT_SHARE, share_of
 
 SCORES = ("keep-low", "keep-high", "window", "random", "full")
 SCORE_LABELS = {
@@ -56,9 +56,8 @@ SCORE_LABELS = {
     "random": "random",
     "full": "no eviction",
 }
-# mx.quantize's affine bit widths, and the group size of every quantized policy (mlx-lm's default).
+# mx.quantize's affine bit widths; every quantized policy takes DEFAULT_KV_GROUP_SIZE.
 KV_BITS = (2, 3, 4, 5, 6, 8)
-KV_GROUP_SIZE = 64
 FULL = "full"  # the full cache, in tables and the needle grid
 
 
@@ -158,9 +157,12 @@ class Policy:
 def row_bytes(head_dim: int, itemsize: int, bits: int | None = None, eviction: bool = True) -> int:
     """Bytes of one stored token in one KV head of one layer, keys and values of width ``head_dim``:
     ``itemsize``-byte floats, or with ``bits`` the packed words plus a scale and a bias of
-    ``itemsize`` bytes per ``KV_GROUP_SIZE`` elements (``mx.quantize``); an eviction cache
+    ``itemsize`` bytes per ``DEFAULT_KV_GROUP_SIZE`` elements (``mx.quantize``); an eviction cache
     adds its float32 norm and int32 position."""
-    row = head_dim * itemsize if bits is None else head_dim * bits // 8 + 2 * itemsize * head_dim // KV_GROUP_SIZE
+    if bits is None:
+        row = head_dim * itemsize
+    else:
+        row = head_dim * bits // 8 + 2 * itemsize * head_dim // DEFAULT_KV_GROUP_SIZE
     return 2 * row + (8 if eviction else 0)
 
 
@@ -222,8 +224,8 @@ def policy_scores(score: str, keys: mx.array, values: mx.array, key: mx.array,
 
 def quantized_rows(rows: mx.array, bits: int) -> mx.array:
     """``rows`` as a quantized cache holds them, dequantized: ``mx.dequantize(mx.quantize(rows))``."""
-    packed = mx.quantize(rows, group_size=KV_GROUP_SIZE, bits=bits)
-    return mx.dequantize(*packed, group_size=KV_GROUP_SIZE, bits=bits).astype(rows.dtype)
+    packed = mx.quantize(rows, group_size=DEFAULT_KV_GROUP_SIZE, bits=bits)
+    return mx.dequantize(*packed, group_size=DEFAULT_KV_GROUP_SIZE, bits=bits).astype(rows.dtype)
 
 
 def kept_mask(scores: mx.array, budget: int, n_sink: int, keep: str,
@@ -357,8 +359,8 @@ def policy_cache(model, policy: Policy | None, budget: int, context: int, n_sink
     caches = _float_policy_cache(model, policy, budget, context, n_sink, seed, layout)
     if policy is None or policy.bits is None:
         return caches
-    return [c.to_quantized(group_size=KV_GROUP_SIZE, bits=policy.bits) if isinstance(c, (KVCache, L2NormKVCache))
-            else c for c in caches]
+    return [c.to_quantized(group_size=DEFAULT_KV_GROUP_SIZE, bits=policy.bits)
+            if isinstance(c, (KVCache, L2NormKVCache)) else c for c in caches]
 
 
 def _float_policy_cache(model, policy, budget, context, n_sink, seed, layout) -> list:
