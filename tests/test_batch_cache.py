@@ -268,6 +268,44 @@ def test_state_checks_name_the_field():
         batch.meta_state = ("1", "0", "9", "0", "0", "low", "slots")
 
 
+def _tampered(state, field: int, value):
+    state = list(state)
+    state[field] = value(state[field]) if callable(value) else value
+    return state
+
+
+BATCH_STATE_FLAWS = [
+    # (what is wrong, field index, change, message)
+    ("norms that are not the keys' norms", 2, lambda a: a * 2, r"sequence 0: .*field 'norms'"),
+    ("a position held twice", 3, lambda a: a * 0, r"sequence 0: .*field 'positions'"),
+    ("int32 keys", 0, lambda a: a.astype(mx.int32), r"keys and values of one dtype"),
+    ("a budget that is not a number", 8, "eight", r"field 'budget' must be a decimal integer"),
+    ("a timeline that is not a number", 6, "x", r"field 'timeline' must be a decimal integer"),
+    ("a range with lo > hi", 4, lambda a: a[:, ::-1], r"field 'ranges' must hold 0 <= lo <= hi"),
+]
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("flaw", BATCH_STATE_FLAWS, ids=[f[0] for f in BATCH_STATE_FLAWS])
+def test_a_batch_state_a_single_cache_would_refuse_is_refused(backend, flaw):
+    """Every sequence of a loaded batch state must be what extract() and the
+    step take (the single cache's load check); a refused state leaves the
+    cache as it was."""
+    _, field, change, message = flaw
+    rng = np.random.default_rng(5)
+    with mlx_knorm.use_backend(backend):
+        batch, sequences = merged(rng, dict(budget=6, n_sink=1, recent=1), [9, 4], 3)
+        good = batch.state
+        bad = _tampered(good, field, change)
+        with pytest.raises(ValueError, match=message):
+            BatchL2NormKVCache.from_state(bad)
+        with pytest.raises(ValueError, match=message):
+            batch.state = bad
+        assert_same_state(batch, sequences)
+        batch.state = good
+        assert_same_state(batch, sequences)
+
+
 def test_nbytes_counts_the_buffers_and_sliding_windows_are_refused():
     rng = np.random.default_rng(2)
     batch, _ = merged(rng, dict(budget=5), [4, 9], 3)

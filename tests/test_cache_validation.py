@@ -15,7 +15,7 @@ import pytest
 
 import mlx_knorm
 from conftest import ALL_BACKENDS, requires_emulator
-from mlx_knorm.cache import L2NormKVCache
+from mlx_knorm.cache import L2NormKVCache, QuantizedL2NormKVCache
 from test_transformations import TRANSFORMS
 
 
@@ -49,36 +49,72 @@ CACHE_BLOCK_ERRORS = {
 }
 
 
-def cache_after(blocks: int) -> L2NormKVCache:
-    cache = L2NormKVCache(budget=4, n_sink=1, recent=1)
+# The quantized cache's rows need D a multiple of its group size (32): its
+# cases are the float cache's with every width times 32.
+WIDEN = {"float": 1, "quantized": 32}
+
+
+def widened(change: dict, kind: str) -> dict:
+    factor = WIDEN[kind]
+    return {name: mx.repeat(a, factor, axis=-1) if isinstance(a, mx.array) and factor > 1 else a
+            for name, a in change.items()}
+
+
+def new_cache(kind: str):
+    if kind == "quantized":
+        return QuantizedL2NormKVCache(budget=4, n_sink=1, recent=1, group_size=32, bits=4)
+    return L2NormKVCache(budget=4, n_sink=1, recent=1)
+
+
+def cache_after(blocks: int, kind: str = "float"):
+    cache = new_cache(kind)
     for seed in range(blocks):
         kv = good_block(keys=block(seed=2 * seed), values=block((1, 2, 3, 6), seed=2 * seed + 1))
-        mx.eval(cache.update_and_fetch(**kv))
+        mx.eval(cache.update_and_fetch(**widened(kv, kind)))
     return cache
 
 
-def snapshot(cache: L2NormKVCache) -> list:
-    return [np.array(x) if isinstance(x, mx.array) else x for x in (*cache.state, cache.filled, cache.nbytes)]
+def snapshot(cache) -> list:
+    return [np.array(x) if isinstance(x, mx.array) else
+            [np.array(y) for y in x] if isinstance(x, (tuple, list)) and x and isinstance(x[0], mx.array) else x
+            for x in (*cache.state, cache.filled, cache.nbytes)]
+
+
+def same(a, b) -> bool:
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    if isinstance(a, list) and a and isinstance(a[0], np.ndarray):
+        return all(np.array_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def quantized_fragment(fragment: str) -> str:
+    """The part of a float case's message that names the argument, without
+    the widths the quantized case changes."""
+    return re.split(r"[0-9\[]", fragment)[0].strip() or fragment.split()[-1]
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("kind", ["float", "quantized"])
 @pytest.mark.parametrize(
     "case, call",
     # The first block sets the shapes that later ones must keep.
     [(case, call) for case, (*_, later_only) in CACHE_BLOCK_ERRORS.items()
      for call in (["later"] if later_only else ["first", "later"])],
 )
-def test_cache_block_errors(case, backend, call):
+def test_cache_block_errors(case, backend, call, kind):
     change, error, fragment, _ = CACHE_BLOCK_ERRORS[case]
+    if kind == "quantized":
+        fragment = quantized_fragment(fragment)
     with mlx_knorm.use_backend(backend):
-        cache = cache_after(0 if call == "first" else 2)
+        cache = cache_after(0 if call == "first" else 2, kind)
         before = snapshot(cache)
         with pytest.raises(error, match=re.escape(fragment)):
-            cache.update_and_fetch(**good_block(**change))
+            cache.update_and_fetch(**widened(good_block(**change), kind))
         after = snapshot(cache)
-        assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(before, after))
+        assert all(same(a, b) for a, b in zip(before, after))
         # Still usable: a good block is absorbed.
-        mx.eval(cache.update_and_fetch(**good_block()))
+        mx.eval(cache.update_and_fetch(**widened(good_block(), kind)))
         assert cache.offset == before[4] + 3
 
 

@@ -28,6 +28,19 @@ from .cache_state import check_block
 from .ops.evict_and_fill import check_layout, evict_and_fill_unchecked
 from .validation import INT32_MAX, check_config, check_int
 
+_STATE_INTS = ("timeline", "filled", "budget", "n_sink", "recent")
+
+
+def _state_int(value, field: str) -> int:
+    """A state's integer field, an int or its decimal string (as
+    ``meta_state`` writes it); raises naming the field."""
+    if isinstance(value, str):
+        if not value.strip().lstrip("+-").isdigit():
+            raise ValueError(f"mlx_knorm: BatchL2NormKVCache state field '{field}' must be a decimal "
+                             f"integer, got {value!r}")
+        value = int(value)
+    return check_int(value, f"BatchL2NormKVCache state field '{field}'")
+
 # hi_b of a sequence whose tokens run on (no right-padded prefill pending).
 OPEN = INT32_MAX
 _CONFIG = ("budget", "n_sink", "recent", "keep", "layout")
@@ -415,10 +428,10 @@ class BatchL2NormKVCache(_BaseCache):
         if len(v) != 13:
             raise ValueError(f"mlx_knorm: BatchL2NormKVCache state must have 13 fields, got {len(v)}")
         keys, values, norms, positions, ranges, real, timeline, filled, *config = v
-        budget, n_sink, recent, keep = check_config(*(int(x) if isinstance(x, str) else x for x in config[:3]),
-                                                    config[3])
+        timeline, filled, budget, n_sink, recent = (
+            _state_int(x, name) for x, name in zip((timeline, filled, *config[:3]), _STATE_INTS))
+        budget, n_sink, recent, keep = check_config(budget, n_sink, recent, config[3])
         layout = check_layout(config[4])
-        timeline, filled = check_int(int(timeline), "timeline"), check_int(int(filled), "filled")
         if not isinstance(ranges, mx.array) or ranges.dtype != mx.int32 or ranges.ndim != 2 or ranges.shape[1] != 2:
             raise ValueError("mlx_knorm: BatchL2NormKVCache state field 'ranges' must be int32 [B, 2]")
         batch = ranges.shape[0]
@@ -447,12 +460,26 @@ class BatchL2NormKVCache(_BaseCache):
         if any(not 0 <= r <= filled for r in counts) or not 0 <= timeline <= INT32_MAX:
             raise ValueError("mlx_knorm: BatchL2NormKVCache state fields 'real_rows' must be in "
                              "[0, filled] and 'timeline' in [0, 2**31)")
+        pairs = ranges.tolist()
+        if any(not 0 <= lo <= hi for lo, hi in pairs):
+            raise ValueError("mlx_knorm: BatchL2NormKVCache state field 'ranges' must hold "
+                             f"0 <= lo <= hi for every sequence, got {pairs}")
+        before = dict(self.__dict__)
         self.budget, self.n_sink, self.recent, self.keep, self.layout = budget, n_sink, recent, keep, layout
         self._set_buffers(arrays)
         self.timeline, self.filled = timeline, filled
-        self._lo, self._hi = (list(x) for x in zip(*ranges.tolist())) if batch else ([], [])
+        self._lo, self._hi = (list(x) for x in zip(*pairs)) if batch else ([], [])
         self._real = counts
         self._ranges_changed()
+        # Each sequence's rows must be a state a single cache loads (what
+        # extract() gives and the step assumes); else nothing changes.
+        try:
+            for i in range(batch):
+                self.extract(i)
+        except ValueError as err:
+            self.__dict__.clear()
+            self.__dict__.update(before)
+            raise ValueError(f"mlx_knorm: BatchL2NormKVCache state, sequence {i}: {err}") from None
 
     @property
     def meta_state(self) -> tuple[str, ...]:

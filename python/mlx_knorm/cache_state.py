@@ -54,9 +54,11 @@ class StateError(ValueError):
     configuration field whose value the stored rows cannot satisfy, where
     one is to blame (a sink position missing: ``n_sink``)."""
 
-    def __init__(self, field: str, message: str, setting: str | None = None):
-        super().__init__(f"mlx_knorm: L2NormKVCache state field '{field}': {message}")
+    def __init__(self, field: str, message: str, setting: str | None = None,
+                 kind: str = "L2NormKVCache"):
+        super().__init__(f"mlx_knorm: {kind} state field '{field}': {message}")
         self.field = field
+        self.detail = message
         self.setting = setting
 
 
@@ -79,9 +81,19 @@ def check_quantization(group_size, bits) -> tuple[int, int]:
 def check_state(state, quantized: bool = False) -> CheckedState:
     """The state as ``L2NormKVCache.state`` (``quantized``:
     ``QuantizedL2NormKVCache.state``) writes it, checked; raises
-    ``ValueError``/``TypeError`` naming the field that is wrong."""
-    fields = QUANTIZED_FIELDS if quantized else FIELDS
+    ``ValueError``/``TypeError`` naming the cache class and the field that
+    is wrong."""
     kind = "QuantizedL2NormKVCache" if quantized else "L2NormKVCache"
+    try:
+        return _check_state(state, quantized, kind)
+    except StateError as e:
+        if kind == "L2NormKVCache":
+            raise
+        raise StateError(e.field, e.detail, e.setting, kind) from None
+
+
+def _check_state(state, quantized: bool, kind: str) -> CheckedState:
+    fields = QUANTIZED_FIELDS if quantized else FIELDS
     if not isinstance(state, (tuple, list)) or len(state) != len(fields):
         count = len(state) if isinstance(state, (tuple, list)) else type(state).__name__
         raise ValueError(
@@ -106,7 +118,7 @@ def check_state(state, quantized: bool = False) -> CheckedState:
     for field, a in arrays.items():
         if not isinstance(a, mx.array):
             raise TypeError(
-                f"mlx_knorm: L2NormKVCache state field '{field}' must be an mlx.core.array, "
+                f"mlx_knorm: {kind} state field '{field}' must be an mlx.core.array, "
                 f"got {type(a).__name__}"
             )
     kept = min(offset, budget)
@@ -321,9 +333,9 @@ def parse_meta_state(meta_state, quantized: bool = False) -> tuple:
     ``group_size, bits``) from ``meta_state``: the integers as decimal
     strings (as ``meta_state`` gives them) or ints; raises naming the field."""
     fields = META_FIELDS + QUANTIZATION_FIELDS if quantized else META_FIELDS
+    kind = "QuantizedL2NormKVCache" if quantized else "L2NormKVCache"
     if not isinstance(meta_state, (tuple, list)) or len(meta_state) != len(fields):
         count = len(meta_state) if isinstance(meta_state, (tuple, list)) else type(meta_state).__name__
-        kind = "QuantizedL2NormKVCache" if quantized else "L2NormKVCache"
         raise ValueError(
             f"mlx_knorm: {kind} meta_state must have the {len(fields)} fields "
             f"({', '.join(fields)}), got {count}"
@@ -335,7 +347,7 @@ def parse_meta_state(meta_state, quantized: bool = False) -> tuple:
         if isinstance(value, str):
             if not re.fullmatch(r"[+-]?[0-9]+", value):
                 raise ValueError(
-                    f"mlx_knorm: L2NormKVCache meta_state field '{field}' must be a decimal "
+                    f"mlx_knorm: {kind} meta_state field '{field}' must be a decimal "
                     f"integer, got {value!r}"
                 )
             value = int(value)
