@@ -283,7 +283,7 @@ def two_magnitude_norms(n_heads, rows, small, seed):
 
 @pytest.mark.parametrize("extra", [-1, 0, 1])
 @pytest.mark.parametrize("keep", ["low", "high"])
-def test_gather_cut_at_and_near_a_radix_bin_boundary(extra, keep):
+def test_protected_topk_gather_cut_at_and_near_a_radix_bin_boundary(extra, keep):
     """The select stops once the chosen bin holds exactly the rows still to
     keep (extra = 0 for keep="low": after the first pass), and the
     compaction then keeps every key at or below the bin's largest without

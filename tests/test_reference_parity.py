@@ -50,7 +50,7 @@ def ulp_distance(a: mx.array, b: mx.array) -> np.ndarray:
     dtype=st.sampled_from(sorted(DTYPES)),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_norms_close_to_reference_and_to_exact(dim, dtype, seed):
+def test_key_norms_close_to_reference_and_to_exact(dim, dtype, seed):
     """Within 4 ulp of the reference's sequential sum for head dims up to 128.
 
     For larger D the reference's own sequential rounding error grows past

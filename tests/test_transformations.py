@@ -231,7 +231,7 @@ def test_evict_and_fill_replay_with_short_positions_raises():
 
 
 @requires_emulator
-def test_emulator_replay_past_its_key_width_raises():
+def test_key_norms_emulator_replay_past_its_key_width_raises():
     """Traced at D = 8, replayed at D = 1024: each lane of the norm kernel
     holds D / 32 squares in an array sized for D <= 512, so the replay must
     raise before the kernel writes past it."""

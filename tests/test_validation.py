@@ -146,13 +146,12 @@ def test_key_norms_errors():
 
 
 @pytest.mark.skipif(_native.ext is None, reason="the native extension is not loaded")
-def test_extension_checks_its_own_inputs():
+def test_protected_topk_gather_extension_checks_its_own_inputs():
     """The bindings are reachable from Python, so they validate too: no crash."""
     a = good()
-    ext = _native.ext
 
     def gather(**change):
-        return ext.protected_topk_gather(**{**a, "new_norms": mx.zeros((2, 3)), **change})
+        return _native.ext.protected_topk_gather(**{**a, "new_norms": mx.zeros((2, 3)), **change})
 
     with pytest.raises(ValueError, match="keys/values mismatch in N or rows"):
         gather(prior_values=a["prior_values"][:, :2])
@@ -162,8 +161,13 @@ def test_extension_checks_its_own_inputs():
         gather(prior_norms=a["prior_norms"].astype(mx.int32))
     with pytest.raises(ValueError, match="keep must be"):
         gather(keep="up")
+
+
+@pytest.mark.skipif(_native.ext is None, reason="the native extension is not loaded")
+def test_key_norms_extension_checks_its_own_inputs():
+    """The binding is reachable from Python, so it validates too: no crash."""
     with pytest.raises(TypeError, match="keys must be"):
-        ext.key_norms(mx.zeros((2, 2), mx.int8))
+        _native.ext.key_norms(mx.zeros((2, 2), mx.int8))
 
 
 def test_failed_update_leaves_state_untouched():
@@ -383,10 +387,15 @@ def test_unchecked_key_norms_refuses_what_the_primitive_refuses(backend):
 
 
 @requires_emulator
-def test_the_metal_width_limit_names_the_argument():
+def test_key_norms_metal_width_limit_names_the_argument():
     with mlx_knorm.use_backend("metal-emulator"):
         with pytest.raises(ValueError, match=r"keys: the Metal key-norm kernel supports D <= 512, got D = 513"):
             mlx_knorm.key_norms(mx.zeros((2, 513)))
+
+
+@requires_emulator
+def test_evict_and_fill_metal_width_limit_names_the_argument():
+    with mlx_knorm.use_backend("metal-emulator"):
         with pytest.raises(ValueError, match=r"new_keys: the Metal key-norm kernel supports D <= 512, got D = 513"):
             mlx_knorm.evict_and_fill(**{**good_step(), "keys": mx.zeros((2, 6, 513), mx.float16),
                                         "new_keys": mx.ones((2, 1, 513), mx.float16)})
@@ -394,7 +403,8 @@ def test_the_metal_width_limit_names_the_argument():
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("rows", [1, 6])
-def test_inputs_that_are_slices_of_larger_buffers(backend, rows):
+@pytest.mark.parametrize("op", ["evict_and_fill", "protected_topk_gather", "key_norms"])
+def test_inputs_that_are_slices_of_larger_buffers(op, backend, rows):
     """Evaluated views that are not row-contiguous (what a cache's state
     gives, sliced from its buffers) are valid inputs on every backend and
     give what their copies give (mx.as_strided, which pins the fallbacks'
@@ -409,10 +419,13 @@ def test_inputs_that_are_slices_of_larger_buffers(backend, rows):
     config = dict(filled=rows, offset=9, capacity=rows, budget=5, n_sink=1, recent=1, keep="low", layout="slots")
     new = [mx.ones((2, 1, 8)), mx.ones((2, 1, 3))]
     with mlx_knorm.use_backend(backend):
-        for got, want in zip(mlx_knorm.evict_and_fill(*views, *new, **{**config, "capacity": rows + 1}),
-                             mlx_knorm.evict_and_fill(*copies, *new, **{**config, "capacity": rows + 1})):
-            assert mx.array_equal(got[:, : min(rows, 5) + 1], want[:, : min(rows, 5) + 1]).item()
-        got = mlx_knorm.protected_topk_gather(*views[:3], *new, mx.ones((2, 1)), 5, 1, 1, "low")
-        want = mlx_knorm.protected_topk_gather(*copies[:3], *new, mx.ones((2, 1)), 5, 1, 1, "low")
-        assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
-        assert mx.array_equal(mlx_knorm.key_norms(views[2]), mlx_knorm.key_norms(copies[2])).item()
+        if op == "evict_and_fill":
+            for got, want in zip(mlx_knorm.evict_and_fill(*views, *new, **{**config, "capacity": rows + 1}),
+                                 mlx_knorm.evict_and_fill(*copies, *new, **{**config, "capacity": rows + 1})):
+                assert mx.array_equal(got[:, : min(rows, 5) + 1], want[:, : min(rows, 5) + 1]).item()
+        elif op == "protected_topk_gather":
+            got = mlx_knorm.protected_topk_gather(*views[:3], *new, mx.ones((2, 1)), 5, 1, 1, "low")
+            want = mlx_knorm.protected_topk_gather(*copies[:3], *new, mx.ones((2, 1)), 5, 1, 1, "low")
+            assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+        else:
+            assert mx.array_equal(mlx_knorm.key_norms(views[2]), mlx_knorm.key_norms(copies[2])).item()
