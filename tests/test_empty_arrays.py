@@ -39,7 +39,7 @@ def test_key_norms(backend, shape):
     assert_bitwise_equal(native, fallback, f"keys {shape}")
 
 
-GATHER_CASES = {
+PROTECTED_TOPK_GATHER_CASES = {
     # name: (n_prior, n_new, key_dim, value_dim, budget)
     "empty prior": (0, 7, 3, 5, 4),
     "empty prior, all kept": (0, 3, 3, 5, 8),
@@ -53,9 +53,9 @@ GATHER_CASES = {
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS)
-@pytest.mark.parametrize("case", GATHER_CASES)
+@pytest.mark.parametrize("case", PROTECTED_TOPK_GATHER_CASES)
 def test_protected_topk_gather(backend, case):
-    n_prior, n_new, key_dim, value_dim, budget = GATHER_CASES[case]
+    n_prior, n_new, key_dim, value_dim, budget = PROTECTED_TOPK_GATHER_CASES[case]
     rng = np.random.default_rng(n_prior * 7 + n_new)
     args = (
         fill(rng, (2, n_prior, key_dim), "special", "float16"),
@@ -70,7 +70,7 @@ def test_protected_topk_gather(backend, case):
         assert_bitwise_equal(a, b, f"{case}: {name}")
 
 
-STEP_CASES = {
+EVICT_AND_FILL_CASES = {
     # name: (slots, filled, n_new, key_dim, value_dim, budget)
     "S = 0": (10, 10, 0, 4, 3, 6),
     "S = 0, nothing leaves": (10, 5, 0, 4, 3, 6),
@@ -83,9 +83,9 @@ STEP_CASES = {
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS)
-@pytest.mark.parametrize("case", STEP_CASES)
+@pytest.mark.parametrize("case", EVICT_AND_FILL_CASES)
 def test_evict_and_fill(backend, case):
-    slots, filled, n_new, key_dim, value_dim, budget = STEP_CASES[case]
+    slots, filled, n_new, key_dim, value_dim, budget = EVICT_AND_FILL_CASES[case]
     rng = np.random.default_rng(slots * 5 + n_new)
     args = (
         fill(rng, (2, slots, key_dim), "special", "float16"),

@@ -27,7 +27,7 @@ def flat_rows(x) -> list[mx.array]:
 
 
 def flat_outputs(out) -> list[tuple[str, mx.array]]:
-    """A step's outputs (keys, values, norms, positions), payload by payload,
+    """evict_and_fill's outputs (keys, values, norms, positions), payload by payload,
     with their names."""
     named = []
     for name, x in zip(OUTPUTS, out):
@@ -325,7 +325,7 @@ def test_evict_and_fill_inside_compile():
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
 def test_evict_and_fill_heads_on_several_axes_act_as_one(backend):
     """[B, H, C, D] buffers, as a model's cache holds them, give the [B*H, C, D]
-    step's bits in the same shape."""
+    call's bits in the same shape."""
     arrays = slot_state(n_heads=6, slots=12, dim=8, seed=9)
     config = config_for(filled=12, budget=9, capacity=13)
     flat = evict_and_fill_on(backend, arrays, config)
@@ -375,7 +375,7 @@ def batch_streams(draw, max_sequences=4, max_budget=12):
 
 
 def real_rows(out, n, filled, lo, hi):
-    """Head n's real rows among slots [0, filled) of a step's outputs, by
+    """Head n's real rows among slots [0, filled) of evict_and_fill's outputs, by
     position, as (position - lo, key bits, value bits, norm bits), and
     whether they sit in temporal order."""
     keys, values, norms, positions = (np.array(x[n, :filled].view(mx.uint8) if x.dtype != mx.int32 else x[n, :filled])
@@ -405,22 +405,22 @@ def check_batch_against_sequences(backend, case):
     alone_filled = [0] * n_sequences
     filled = offset = 0
     with mlx_knorm.use_backend(backend):
-        for steps in blocks:
+        for n_new in blocks:
             kept = min(filled, config["budget"])
             batch = mlx_knorm.evict_and_fill(
-                *batch, keys[:, offset : offset + steps], values[:, offset : offset + steps],
-                filled=filled, offset=offset, capacity=kept + steps, valid=valid, **config)
-            filled = kept + steps
+                *batch, keys[:, offset : offset + n_new], values[:, offset : offset + n_new],
+                filled=filled, offset=offset, capacity=kept + n_new, valid=valid, **config)
+            filled = kept + n_new
             for b, (lo, hi) in enumerate(ranges):
                 # The block's real rows, as the sequence alone sees them.
-                start, stop = min(max(offset, lo), hi), min(max(offset + steps, lo), hi)
+                start, stop = min(max(offset, lo), hi), min(max(offset + n_new, lo), hi)
                 kept_alone = min(alone_filled[b], config["budget"])
                 alone[b] = mlx_knorm.evict_and_fill(
                     *alone[b], keys[b : b + 1, start:stop], values[b : b + 1, start:stop],
                     filled=alone_filled[b], offset=start - lo, capacity=kept_alone + stop - start,
                     **config)
                 alone_filled[b] = kept_alone + stop - start
-            offset += steps
+            offset += n_new
             mx.eval(batch, alone)
             for b, (lo, hi) in enumerate(ranges):
                 got, in_order = real_rows(batch, b, filled, lo, hi)
@@ -535,7 +535,7 @@ def test_evict_and_fill_given_norms_are_stored_as_given(backend):
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
 def test_evict_and_fill_six_payloads_of_every_width_and_none_of_width_zero(backend):
-    """The most payloads a step takes, of 1, 2, 4 and 8-byte elements, odd
+    """The most payloads one call takes, of 1, 2, 4 and 8-byte elements, odd
     widths and a width of 0, through a decode step and a step evicting
     several rows, in both layouts: the oracle's rows."""
     rng = np.random.default_rng(3)

@@ -4,11 +4,11 @@ beside the kernel's own (test_key_norms.py, test_protected_topk_gather.py).
 
 The gather and evict-and-fill kernels work through rows in chunks of 256
 (their threadgroup size), both leave more than 128 rows a head to copy
-(the gather's kept rows, the step's new rows) to a second dispatch of
-128-row blocks (metal/knorm_defines.h), the
-evict-and-fill kernel pairs holes with movers
-through queues of 512, and the norm kernel runs one 32-lane SIMD group per
-row, four rows per threadgroup: the cases below cross those boundaries.
+(protected_topk_gather's kept rows, evict_and_fill's new rows) to a second
+dispatch of 128-row blocks (metal/knorm_defines.h), the evict-and-fill
+kernel pairs holes with movers through queues of 512, and the norm kernel
+runs one 32-lane SIMD group per row, four rows per threadgroup: the cases
+below cross those boundaries.
 """
 
 from __future__ import annotations
@@ -140,14 +140,14 @@ def test_evict_and_fill_edges(slots, filled, budget, n_new, positions, layout, d
 def test_protected_topk_gather_and_evict_and_fill_second_dispatch_over_three_heads(donate):
     """Both ops with rows a second dispatch copies on three heads: its
     head and block arithmetic past the second head."""
-    gather = protected_topk_gather_args(150, 250, 300, 2, 4, "normal", dim=16, seed=3, n_heads=3)
+    args = protected_topk_gather_args(150, 250, 300, 2, 4, "normal", dim=16, seed=3, n_heads=3)
     for name, a, b in zip(("keys", "values", "norms", "indices"),
-                          *native_and_emulated("protected_topk_gather", *gather)):
+                          *native_and_emulated("protected_topk_gather", *args)):
         assert_bitwise_equal(b, a, name)
-    step = evict_and_fill_arrays(np.random.default_rng(3), 3, 600, 200, 16, 8, dtypes=("float32", "float16"))
+    arrays = evict_and_fill_arrays(np.random.default_rng(3), 3, 600, 200, 16, 8, dtypes=("float32", "float16"))
     config = dict(filled=400, offset=600, capacity=600, budget=300, n_sink=2, recent=4,
                   keep="low", layout="slots")
-    native, emulated = evict_and_fill_native_and_emulated(step, config, donate)
+    native, emulated = evict_and_fill_native_and_emulated(arrays, config, donate)
     for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
         assert_bitwise_equal(b[:, :500], a[:, :500], name)
 

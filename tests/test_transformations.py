@@ -133,16 +133,16 @@ def evict_and_fill_call_arrays(n_rows, slots, n_new, key_dim, value_dim, shape_c
 @settings(EMULATOR_SETTINGS)
 @given(args=drawn_calls(evict_and_fill_shapes, evict_and_fill_call_arrays), layout=st.sampled_from(["slots", "temporal"]))
 def test_evict_and_fill_agrees_under_compile(backend, args, layout):
-    def step(*arrays):
+    def op(*arrays):
         return mlx_knorm.evict_and_fill(*arrays, **EVICT_AND_FILL_CONFIG, layout=layout)
 
     trace_args = evict_and_fill_call_arrays(2, 6, 1, 8, 8, {}, 0)
     defined = min(EVICT_AND_FILL_CONFIG["filled"], EVICT_AND_FILL_CONFIG["budget"]) + args[4].shape[1]
-    check_all_modes(step, trace_args, args, backend, defined=defined)
+    check_all_modes(op, trace_args, args, backend, defined=defined)
 
 
 def evict_and_fill_payload_shapes(n_rows, slots, n_new, key_dim, value_dim):
-    """A quantized-style step: keys as (packed, scales), float values, the
+    """A quantized-style call: keys as (packed, scales), float values, the
     new rows' norms given, valid ranges."""
     return [
         (n_rows, slots, key_dim),
@@ -176,7 +176,7 @@ def evict_and_fill_payload_call_arrays(n_rows, slots, n_new, key_dim, value_dim,
 @settings(EMULATOR_SETTINGS)
 @given(args=drawn_calls(evict_and_fill_payload_shapes, evict_and_fill_payload_call_arrays), layout=st.sampled_from(["slots", "temporal"]))
 def test_evict_and_fill_payloads_with_ranges_agree_under_compile(backend, args, layout):
-    def step(*a):
+    def op(*a):
         keys, values, norms, positions = mlx_knorm.evict_and_fill(
             (a[0], a[1]), a[2], a[3], a[4], (a[5], a[6]), a[7], **EVICT_AND_FILL_CONFIG, layout=layout,
             new_norms=a[8], valid=a[9])
@@ -184,7 +184,7 @@ def test_evict_and_fill_payloads_with_ranges_agree_under_compile(backend, args, 
 
     trace_args = evict_and_fill_payload_call_arrays(2, 6, 1, 8, 8, {}, 0)
     defined = min(EVICT_AND_FILL_CONFIG["filled"], EVICT_AND_FILL_CONFIG["budget"]) + args[5].shape[1]
-    check_all_modes(step, trace_args, args, backend, defined=defined)
+    check_all_modes(op, trace_args, args, backend, defined=defined)
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
@@ -249,23 +249,25 @@ def test_key_norms_emulator_replay_past_its_key_width_raises():
 
 def transform_cases():
     rng = np.random.default_rng(7)
-    gather_in = protected_topk_gather_call_arrays(2, 5, 2, 8, 8, {}, 1)
-    step_in = evict_and_fill_call_arrays(2, 6, 1, 8, 8, {}, 2)
-    payload_in = evict_and_fill_payload_call_arrays(2, 6, 1, 8, 8, {}, 3)
+    protected_topk_gather_in = protected_topk_gather_call_arrays(2, 5, 2, 8, 8, {}, 1)
+    evict_and_fill_in = evict_and_fill_call_arrays(2, 6, 1, 8, 8, {}, 2)
+    evict_and_fill_payloads_in = evict_and_fill_payload_call_arrays(2, 6, 1, 8, 8, {}, 3)
     keys = mx.array(rng.standard_normal((2, 3, 8)).astype(np.float32))
 
-    def payload_step(new_norms):
-        # Through the given norms of a tuple-form step with valid ranges.
-        a = payload_in
+    def evict_and_fill_payloads(new_norms):
+        # Through the given norms of a tuple-form call with valid ranges.
+        a = evict_and_fill_payloads_in
         return mlx_knorm.evict_and_fill(
             (a[0], a[1]), a[2], a[3], a[4], (a[5], a[6]), a[7], **EVICT_AND_FILL_CONFIG,
             new_norms=new_norms, valid=a[9])[2]
 
     return {
         "key_norms": (lambda k: norms(k), [keys]),
-        "protected_topk_gather": (lambda k: gather(k, *gather_in[1:])[0], [gather_in[0]]),
-        "evict_and_fill": (lambda k: mlx_knorm.evict_and_fill(k, *step_in[1:], **EVICT_AND_FILL_CONFIG)[0], [step_in[0]]),
-        "evict_and_fill payloads": (payload_step, [payload_in[8]]),
+        "protected_topk_gather": (lambda k: gather(k, *protected_topk_gather_in[1:])[0],
+                                  [protected_topk_gather_in[0]]),
+        "evict_and_fill": (lambda k: mlx_knorm.evict_and_fill(k, *evict_and_fill_in[1:], **EVICT_AND_FILL_CONFIG)[0],
+                           [evict_and_fill_in[0]]),
+        "evict_and_fill payloads": (evict_and_fill_payloads, [evict_and_fill_payloads_in[8]]),
     }
 
 
