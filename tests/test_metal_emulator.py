@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_bitwise_equal, requires_emulator
-from generators import evict_and_fill_arrays, fill, fill_norms, protected_topk_gather_arrays
+from generators import evict_and_fill_arrays, key_norms_arrays, protected_topk_gather_arrays
 from mlx_knorm import _native
 
 pytestmark = requires_emulator
@@ -78,7 +78,7 @@ def test_protected_topk_gather_all_equal_scores_keep_earliest():
 
 @pytest.mark.parametrize("dim", [0, 1, 31, 32, 33, 512])
 def test_key_norms_simd_boundaries(dim):
-    keys = fill(np.random.default_rng(dim), (2, 3, 5, dim), "special", "bfloat16")
+    (keys,) = key_norms_arrays(np.random.default_rng(dim), (2, 3, 5, dim), palette="special", dtype="bfloat16")
     native, emulated = native_and_emulated("key_norms", keys)
     assert_bitwise_equal(emulated, native, f"D={dim}")
 
@@ -291,10 +291,9 @@ def test_protected_topk_gather_cut_at_and_near_a_radix_bin_boundary(extra, keep)
     n_prior, small = 400, 150
     budget = small + extra
     norms = two_magnitude_norms(2, n_prior, small, seed=small + extra)
-    rng = np.random.default_rng(5)
-    args = (fill(rng, (2, n_prior, 8), "normal", "float16"), fill(rng, (2, n_prior, 8), "normal", "float16"),
-            norms, mx.zeros((2, 0, 8), mx.float16), mx.zeros((2, 0, 8), mx.float16), mx.zeros((2, 0)),
-            budget, 0, 0, keep)
+    arrays = protected_topk_gather_arrays(np.random.default_rng(5), 2, n_prior, 0, 8, dtypes=("float16", "float16"))
+    arrays[2] = norms
+    args = (*arrays, budget, 0, 0, keep)
     native, emulated = native_and_emulated("protected_topk_gather", *args)
     for name, a, b in zip(("keys", "values", "norms", "indices"), native, emulated):
         assert_bitwise_equal(b, a, name)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import mlx_knorm
 from conftest import assert_bitwise_equal
-from generators import DTYPES, fill
+from generators import DTYPES, fill, key_norms_arrays
 
 from veloxquant_mlx.quantizers import knorm as reference
 
@@ -58,7 +58,7 @@ def test_key_norms_close_to_reference_and_to_exact(dim, dtype, seed):
     1 ulp of the correctly rounded norm; there we bound the distance by the
     reference's error plus ours.
     """
-    keys = fill(np.random.default_rng(seed), (3, 17, dim), "normal", dtype)
+    (keys,) = key_norms_arrays(np.random.default_rng(seed), (3, 17, dim), dtype=dtype)
     ours = mlx_knorm.key_norms(keys)
     theirs = mx.sqrt(mx.sum(keys.astype(mx.float32) ** 2, axis=-1))
     x = np.array(keys.astype(mx.float32)).astype(np.float64)

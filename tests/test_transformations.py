@@ -21,6 +21,7 @@ from conftest import ALL_BACKENDS, EMULATOR_SETTINGS, assert_bitwise_equal, requ
 from generators import (
     evict_and_fill_arrays,
     evict_and_fill_shapes,
+    key_norms_arrays,
     protected_topk_gather_arrays,
     protected_topk_gather_shapes,
 )
@@ -142,34 +143,16 @@ def test_evict_and_fill_agrees_under_compile(backend, args, layout):
 
 
 def evict_and_fill_payload_shapes(n_rows, slots, n_new, key_dim, value_dim):
-    """A quantized-style call: keys as (packed, scales), float values, the
-    new rows' norms given, valid ranges."""
-    return [
-        (n_rows, slots, key_dim),
-        (n_rows, slots, 2),
-        (n_rows, slots, value_dim),
-        (n_rows, slots),
-        (n_rows, slots),
-        (n_rows, n_new, key_dim),
-        (n_rows, n_new, 2),
-        (n_rows, n_new, value_dim),
-        (n_rows, n_new),
-        (n_rows, 2),
-    ]
-
-
-PAYLOAD_DTYPES = [mx.uint32, mx.float16, mx.float16, mx.float32, mx.int32,
-                  mx.uint32, mx.float16, mx.float16, mx.float32, mx.int32]
+    """The shapes of ``evict_and_fill_payload_call_arrays``."""
+    return evict_and_fill_shapes(n_rows, slots, n_new, key_dim, value_dim, quantized=True)
 
 
 def evict_and_fill_payload_call_arrays(n_rows, slots, n_new, key_dim, value_dim, shape_changes, seed):
-    shapes = evict_and_fill_payload_shapes(n_rows, slots, n_new, key_dim, value_dim)
-    shapes = [shape_changes.get(i, shape) for i, shape in enumerate(shapes)]
-    rng = np.random.default_rng(seed)
-    arrays = [mx.array(rng.integers(-1, 12, size=shape).astype(np.float32)).astype(dtype)
-              for shape, dtype in zip(shapes, PAYLOAD_DTYPES)]
-    arrays[9] = mx.array(rng.integers(0, 4, size=shapes[9]).astype(np.int32))
-    return arrays
+    """A quantized-style call: keys as (packed, scales), float values, the
+    new rows' norms given, valid ranges; ``shape_changes`` as in
+    ``protected_topk_gather_call_arrays``."""
+    return evict_and_fill_arrays(np.random.default_rng(seed), n_rows, slots, n_new, key_dim, value_dim,
+                                 shape_changes=shape_changes, quantized=True)
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
@@ -195,9 +178,7 @@ def test_evict_and_fill_payloads_with_ranges_agree_under_compile(backend, args, 
     seed=st.integers(0, 2**31 - 1),
 )
 def test_key_norms_agree_under_compile(backend, shape, dim, seed):
-    rng = np.random.default_rng(seed)
-    keys = mx.array(rng.standard_normal((*shape, dim)).astype(np.float32))
-    check_all_modes(norms, [mx.ones((2, 8))], [keys], backend)
+    check_all_modes(norms, [mx.ones((2, 8))], key_norms_arrays(np.random.default_rng(seed), (*shape, dim)), backend)
 
 
 def test_protected_topk_gather_replay_with_wider_values_writes_inside_its_buffers():
@@ -252,7 +233,7 @@ def transform_cases():
     protected_topk_gather_in = protected_topk_gather_call_arrays(2, 5, 2, 8, 8, {}, 1)
     evict_and_fill_in = evict_and_fill_call_arrays(2, 6, 1, 8, 8, {}, 2)
     evict_and_fill_payloads_in = evict_and_fill_payload_call_arrays(2, 6, 1, 8, 8, {}, 3)
-    keys = mx.array(rng.standard_normal((2, 3, 8)).astype(np.float32))
+    (keys,) = key_norms_arrays(rng, (2, 3, 8))
 
     def evict_and_fill_payloads(new_norms):
         # Through the given norms of a tuple-form call with valid ranges.
