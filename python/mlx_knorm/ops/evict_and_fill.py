@@ -18,11 +18,11 @@ from ..validation import (
     check_float32,
     check_floating,
     check_int,
+    check_int32,
     check_leading_axes,
     check_rank,
     check_row_bytes,
     check_same_dtype,
-    dtype_name,
     shape_mismatch,
 )
 from .common import on_stream, run_native, shape_pinned, without_transforms
@@ -232,14 +232,13 @@ def check_evict_and_fill(
         check_floating(first, names[0])
         check_floating(new_rows[0], new_names[0])
     check_float32(norms, "norms")
-    if positions.dtype != mx.int32:
-        raise TypeError(f"mlx_knorm: positions must be int32, got {dtype_name(positions.dtype)}")
+    check_int32(positions, "positions")
     for new, stored, new_name, name in zip(new_rows, rows, new_names, names):
         check_same_dtype(new, new_name, stored, name)
     if new_norms is not None:
         check_float32(new_norms, "new_norms")
-    if valid is not None and valid.dtype != mx.int32:
-        raise TypeError(f"mlx_knorm: valid must be int32, got {dtype_name(valid.dtype)}")
+    if valid is not None:
+        check_int32(valid, "valid")
     for x, name in zip(rows, names):
         check_row_bytes(x, name)
     for i in range(1, len(rows)):
