@@ -70,6 +70,12 @@ def fill_norms(rng: np.random.Generator, shape, palette: str) -> mx.array:
     return mx.array(x.astype(np.float32))
 
 
+def key_norms_arrays(rng: np.random.Generator, shape, *, palette: str = "normal",
+                     dtype: str = "float32") -> list[mx.array]:
+    """The arrays of one key_norms call: keys of ``shape`` (``[..., D]``)."""
+    return [fill(rng, shape, palette, dtype)]
+
+
 def protected_topk_gather_shapes(n_heads, n_prior, n_new, key_dim, value_dim) -> list[tuple]:
     """Shapes of protected_topk_gather's six arrays, in argument order."""
     return [
@@ -97,44 +103,80 @@ def protected_topk_gather_arrays(
     ]
 
 
-def evict_and_fill_shapes(n_heads, slots, n_new, key_dim, value_dim) -> list[tuple]:
-    """Shapes of evict_and_fill's six arrays, in argument order."""
+def evict_and_fill_shapes(n_heads, slots, n_new, key_dim, value_dim, *, quantized: bool = False) -> list[tuple]:
+    """Shapes of evict_and_fill's six arrays, in argument order; with
+    ``quantized`` the ten flat arrays of ``evict_and_fill_arrays(...,
+    quantized=True)``."""
+    if quantized:
+        return [
+            (n_heads, slots, key_dim), (n_heads, slots, 2), (n_heads, slots, value_dim),
+            (n_heads, slots), (n_heads, slots),
+            (n_heads, n_new, key_dim), (n_heads, n_new, 2), (n_heads, n_new, value_dim),
+            (n_heads, n_new), (n_heads, 2),
+        ]
     return [
         (n_heads, slots, key_dim), (n_heads, slots, value_dim), (n_heads, slots), (n_heads, slots),
         (n_heads, n_new, key_dim), (n_heads, n_new, value_dim),
     ]
 
 
+# The dtypes of evict_and_fill_arrays(..., quantized=True), in its order.
+_QUANTIZED_DTYPES = [mx.uint32, mx.float16, mx.float16, mx.float32, mx.int32,
+                     mx.uint32, mx.float16, mx.float16, mx.float32, mx.int32]
+
+
+def _evict_and_fill_positions(rng, shape, positions, layout) -> mx.array:
+    if not isinstance(positions, str):
+        return mx.array(np.asarray(positions).astype(np.int32))
+    if positions == "distinct":
+        order = np.stack([rng.permutation(shape[-1]) for _ in range(int(np.prod(shape[:-1])))])
+        order = np.sort(order, axis=1) if layout == "temporal" else order
+        order = order.reshape(shape)
+    elif positions == "equal":
+        order = np.full(shape, 3)
+    else:
+        order = rng.integers(0, 9, size=shape)
+    return mx.array(order.astype(np.int32))
+
+
 def evict_and_fill_arrays(
     rng: np.random.Generator, n_heads: int, slots: int, n_new: int, key_dim: int,
-    value_dim: int | None = None, *, positions: str = "distinct", layout: str = "slots",
+    value_dim: int | None = None, *, positions="distinct", layout: str = "slots",
     key_palette: str = "normal", value_palette: str = "normal", norm_palette: str = "normal",
-    dtypes=("float16", "float32"), shape_changes=None,
+    dtypes=("float16", "float32"), shape_changes=None, norms: mx.array | None = None,
+    positions_first: bool = False, quantized: bool = False,
 ) -> list[mx.array]:
     """The arrays of one evict_and_fill call: a cache's key, value, norm and
     position buffers of ``slots`` slots, then the new block's keys and values.
     ``positions``: ``"distinct"`` (each head a permutation of the slots,
     sorted for the temporal layout), ``"equal"`` (all 3: only the slot tells
-    ranks apart) or ``"random"`` (any of 0..8, repeats included).
-    ``shape_changes`` as in ``protected_topk_gather_arrays``."""
-    shapes = evict_and_fill_shapes(n_heads, slots, n_new, key_dim,
-                                   key_dim if value_dim is None else value_dim)
+    ranks apart), ``"random"`` (any of 0..8, repeats included) or the
+    positions themselves; ``norms``: the stored norms instead of drawn ones;
+    ``positions_first``: the positions drawn before the other arrays.
+    ``shape_changes`` as in ``protected_topk_gather_arrays``.
+
+    ``quantized``: the ten arrays of a quantized-style call, flat: keys as
+    (packed uint32, float16 scales), float16 values, norms, positions, the
+    new rows' three, their norms (``new_norms``) and the valid ranges
+    (``valid``), all small integers (the palettes, dtypes and ``positions``
+    do not apply)."""
+    value_dim = key_dim if value_dim is None else value_dim
+    shapes = evict_and_fill_shapes(n_heads, slots, n_new, key_dim, value_dim, quantized=quantized)
     shapes = [(shape_changes or {}).get(i, shape) for i, shape in enumerate(shapes)]
+    if quantized:
+        arrays = [mx.array(rng.integers(-1, 12, size=shape).astype(np.float32)).astype(dtype)
+                  for shape, dtype in zip(shapes, _QUANTIZED_DTYPES)]
+        arrays[9] = mx.array(rng.integers(0, 4, size=shapes[9]).astype(np.int32))
+        return arrays
+    drawn_positions = _evict_and_fill_positions(rng, shapes[3], positions, layout) if positions_first else None
     palettes = (key_palette, value_palette)
     arrays = []
     for i, shape in enumerate(shapes):
         if i == 2:
-            arrays.append(fill_norms(rng, shape, norm_palette))
+            arrays.append(fill_norms(rng, shape, norm_palette) if norms is None else norms)
         elif i == 3:
-            if positions == "distinct":
-                order = np.stack([rng.permutation(shape[-1]) for _ in range(int(np.prod(shape[:-1])))])
-                order = np.sort(order, axis=1) if layout == "temporal" else order
-                order = order.reshape(shape)
-            elif positions == "equal":
-                order = np.full(shape, 3)
-            else:
-                order = rng.integers(0, 9, size=shape)
-            arrays.append(mx.array(order.astype(np.int32)))
+            arrays.append(drawn_positions if positions_first else
+                          _evict_and_fill_positions(rng, shape, positions, layout))
         else:
             part = 0 if i in (0, 4) else 1
             arrays.append(fill(rng, shape, palettes[part], dtypes[part]))

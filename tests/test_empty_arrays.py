@@ -17,7 +17,7 @@ import pytest
 
 import mlx_knorm
 from conftest import NATIVE_BACKENDS, assert_bitwise_equal
-from generators import fill, fill_norms
+from generators import evict_and_fill_arrays, key_norms_arrays, protected_topk_gather_arrays
 
 
 def on_backends(backend, op, *args, **kwargs):
@@ -34,12 +34,12 @@ def on_backends(backend, op, *args, **kwargs):
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS)
 @pytest.mark.parametrize("shape", [(2, 3, 0), (4, 0), (0, 8), (2, 0, 5)])
 def test_key_norms(backend, shape):
-    keys = fill(np.random.default_rng(0), shape, "special", "bfloat16")
+    (keys,) = key_norms_arrays(np.random.default_rng(0), shape, palette="special", dtype="bfloat16")
     (native,), (fallback,) = on_backends(backend, mlx_knorm.key_norms, keys)
     assert_bitwise_equal(native, fallback, f"keys {shape}")
 
 
-GATHER_CASES = {
+PROTECTED_TOPK_GATHER_CASES = {
     # name: (n_prior, n_new, key_dim, value_dim, budget)
     "empty prior": (0, 7, 3, 5, 4),
     "empty prior, all kept": (0, 3, 3, 5, 8),
@@ -53,24 +53,18 @@ GATHER_CASES = {
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS)
-@pytest.mark.parametrize("case", GATHER_CASES)
+@pytest.mark.parametrize("case", PROTECTED_TOPK_GATHER_CASES)
 def test_protected_topk_gather(backend, case):
-    n_prior, n_new, key_dim, value_dim, budget = GATHER_CASES[case]
-    rng = np.random.default_rng(n_prior * 7 + n_new)
-    args = (
-        fill(rng, (2, n_prior, key_dim), "special", "float16"),
-        fill(rng, (2, n_prior, value_dim), "normal", "float32"),
-        fill_norms(rng, (2, n_prior), "ties"),
-        fill(rng, (2, n_new, key_dim), "special", "float16"),
-        fill(rng, (2, n_new, value_dim), "normal", "float32"),
-        fill_norms(rng, (2, n_new), "ties"),
-    )
+    n_prior, n_new, key_dim, value_dim, budget = PROTECTED_TOPK_GATHER_CASES[case]
+    args = protected_topk_gather_arrays(np.random.default_rng(n_prior * 7 + n_new), 2, n_prior, n_new, key_dim,
+                                        value_dim, key_palette="special", norm_palette="ties",
+                                        dtypes=("float16", "float32"))
     native, fallback = on_backends(backend, mlx_knorm.protected_topk_gather, *args, budget, 1, 1, "low")
     for name, a, b in zip(("keys", "values", "norms", "indices"), native, fallback):
         assert_bitwise_equal(a, b, f"{case}: {name}")
 
 
-STEP_CASES = {
+EVICT_AND_FILL_CASES = {
     # name: (slots, filled, n_new, key_dim, value_dim, budget)
     "S = 0": (10, 10, 0, 4, 3, 6),
     "S = 0, nothing leaves": (10, 5, 0, 4, 3, 6),
@@ -83,18 +77,11 @@ STEP_CASES = {
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS)
-@pytest.mark.parametrize("case", STEP_CASES)
+@pytest.mark.parametrize("case", EVICT_AND_FILL_CASES)
 def test_evict_and_fill(backend, case):
-    slots, filled, n_new, key_dim, value_dim, budget = STEP_CASES[case]
-    rng = np.random.default_rng(slots * 5 + n_new)
-    args = (
-        fill(rng, (2, slots, key_dim), "special", "float16"),
-        fill(rng, (2, slots, value_dim), "normal", "bfloat16"),
-        fill_norms(rng, (2, slots), "ties"),
-        mx.array(np.stack([rng.permutation(slots) for _ in range(2)]).astype(np.int32).reshape(2, slots)),
-        fill(rng, (2, n_new, key_dim), "special", "float16"),
-        fill(rng, (2, n_new, value_dim), "normal", "bfloat16"),
-    )
+    slots, filled, n_new, key_dim, value_dim, budget = EVICT_AND_FILL_CASES[case]
+    args = evict_and_fill_arrays(np.random.default_rng(slots * 5 + n_new), 2, slots, n_new, key_dim, value_dim,
+                                 key_palette="special", norm_palette="ties", dtypes=("float16", "bfloat16"))
     kept = min(filled, budget)
     config = dict(filled=filled, offset=slots, capacity=kept + n_new, budget=budget,
                   n_sink=1, recent=1, keep="low")

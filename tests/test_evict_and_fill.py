@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import mlx_knorm
 from conftest import EMULATOR_SETTINGS, NATIVE_BACKENDS, assert_bitwise_equal, requires_emulator
-from generators import fill, fill_bits, fill_norms, evict_and_fill_cases
+from generators import evict_and_fill_arrays, evict_and_fill_cases, fill, fill_bits, fill_norms
 from spec_oracle import evict_and_fill_sources
 
 OUTPUTS = ("keys", "values", "norms", "positions")
@@ -27,7 +27,7 @@ def flat_rows(x) -> list[mx.array]:
 
 
 def flat_outputs(out) -> list[tuple[str, mx.array]]:
-    """A step's outputs (keys, values, norms, positions), payload by payload,
+    """evict_and_fill's outputs (keys, values, norms, positions), payload by payload,
     with their names."""
     named = []
     for name, x in zip(OUTPUTS, out):
@@ -211,18 +211,9 @@ def test_evict_and_fill_metal_emulator_matches_spec_oracle_on_payloads_and_range
     assert_matches_oracle(evict_and_fill_on("metal-emulator", arrays, config), *case)
 
 
-def slot_state(n_heads=2, slots=12, dim=4, seed=0, positions=None, norms=None):
-    rng = np.random.default_rng(seed)
-    if positions is None:
-        positions = np.stack([rng.permutation(slots) for _ in range(n_heads)]).astype(np.int32)
-    return (
-        fill(rng, (n_heads, slots, dim), "normal", "float16"),
-        fill(rng, (n_heads, slots, dim), "normal", "bfloat16"),
-        fill_norms(rng, (n_heads, slots), "normal") if norms is None else norms,
-        mx.array(positions),
-        fill(rng, (n_heads, 1, dim), "normal", "float16"),
-        fill(rng, (n_heads, 1, dim), "normal", "bfloat16"),
-    )
+# The hand-written states' keys and values; their positions, unless given,
+# are drawn first.
+STATE_DTYPES = ("float16", "bfloat16")
 
 
 def config_for(**change):
@@ -236,7 +227,9 @@ def test_evict_and_fill_decode_moves_the_spare_row_into_the_hole(backend):
     slot 11 (the spare slot) moves into slot 5, the new row goes to slot 11."""
     norms = mx.array([[1.0] * 12])
     norms[0, 5] = 9.0
-    arrays = slot_state(n_heads=1, positions=np.arange(12, dtype=np.int32)[None], norms=norms)
+    arrays = evict_and_fill_arrays(np.random.default_rng(0), n_heads=1, slots=12, n_new=1,
+                                   key_dim=4, positions=np.arange(12, dtype=np.int32)[None], norms=norms,
+                                   dtypes=STATE_DTYPES)
     out = evict_and_fill_on(backend, arrays, config_for())
     assert out[3][0].tolist() == [0, 1, 2, 3, 4, 11, 6, 7, 8, 9, 10, 12]
     temporal = evict_and_fill_on(backend, arrays, config_for(layout="temporal"))
@@ -246,7 +239,9 @@ def test_evict_and_fill_decode_moves_the_spare_row_into_the_hole(backend):
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
 def test_evict_and_fill_decode_evicting_the_spare_row_moves_nothing(backend):
     norms = mx.array([[1.0] * 11 + [9.0]])
-    arrays = slot_state(n_heads=1, positions=np.arange(12, dtype=np.int32)[None], norms=norms)
+    arrays = evict_and_fill_arrays(np.random.default_rng(0), n_heads=1, slots=12, n_new=1,
+                                   key_dim=4, positions=np.arange(12, dtype=np.int32)[None], norms=norms,
+                                   dtypes=STATE_DTYPES)
     out = evict_and_fill_on(backend, arrays, config_for(recent=0))
     assert out[3][0].tolist() == list(range(11)) + [12]
     assert_bitwise_equal(out[0][:, :11], arrays[0][:, :11], "keys")
@@ -256,7 +251,9 @@ def test_evict_and_fill_decode_evicting_the_spare_row_moves_nothing(backend):
 def test_evict_and_fill_nan_and_inf_never_evict_protected_rows(backend):
     nan, inf = math.nan, math.inf
     norms = mx.array([[nan, inf, 1.0, nan, 0.5, -inf, 2.0, nan]], dtype=mx.float32)
-    arrays = slot_state(n_heads=1, slots=8, positions=np.arange(8, dtype=np.int32)[None], norms=norms)
+    arrays = evict_and_fill_arrays(np.random.default_rng(0), n_heads=1, slots=8, n_new=1,
+                                   key_dim=4, positions=np.arange(8, dtype=np.int32)[None], norms=norms,
+                                   dtypes=STATE_DTYPES)
     for keep, kept in (("low", [0, 1, 4, 5, 7]), ("high", [0, 1, 2, 6, 7])):
         config = config_for(filled=8, offset=8, capacity=6, budget=5, n_sink=2, recent=1, keep=keep, layout="temporal")
         assert evict_and_fill_on(backend, arrays, config)[3][0, :5].tolist() == kept
@@ -266,7 +263,8 @@ def test_evict_and_fill_nan_and_inf_never_evict_protected_rows(backend):
 def test_evict_and_fill_equal_positions_tie_by_slot(backend):
     """Only reachable by passing such buffers: equal ranks keep the lower slot."""
     positions = np.array([[3, 3, 3, 3, 3, 3]], dtype=np.int32)
-    arrays = slot_state(n_heads=1, slots=6, positions=positions, norms=mx.zeros((1, 6)))
+    arrays = evict_and_fill_arrays(np.random.default_rng(0), n_heads=1, slots=6, n_new=1,
+                                   key_dim=4, positions=positions, norms=mx.zeros((1, 6)), dtypes=STATE_DTYPES)
     out = evict_and_fill_on(backend, arrays, config_for(filled=6, offset=6, capacity=6, budget=5, n_sink=0, recent=0))
     assert_bitwise_equal(out[0][:, :5], arrays[0][:, :5], "keys")
     general = evict_and_fill_on(backend, arrays, config_for(filled=6, offset=6, capacity=6, budget=3, n_sink=0, recent=0))
@@ -275,12 +273,15 @@ def test_evict_and_fill_equal_positions_tie_by_slot(backend):
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
 def test_evict_and_fill_empty_blocks_and_buffers(backend):
-    arrays = slot_state(slots=0)
+    arrays = evict_and_fill_arrays(np.random.default_rng(0), n_heads=2, slots=0, n_new=1,
+                                   key_dim=4, positions_first=True, dtypes=STATE_DTYPES)
     arrays = (*arrays[:4], arrays[4][:, :0], arrays[5][:, :0])
     out = evict_and_fill_on(backend, arrays, config_for(filled=0, offset=0, capacity=0))
     assert [o.shape for o in out] == [(2, 0, 4), (2, 0, 4), (2, 0), (2, 0)]
     assert [o.dtype for o in out] == [mx.float16, mx.bfloat16, mx.float32, mx.int32]
-    grown = evict_and_fill_on(backend, slot_state(slots=3), config_for(filled=0, offset=7, capacity=5))
+    small = evict_and_fill_arrays(np.random.default_rng(0), n_heads=2, slots=3, n_new=1, key_dim=4,
+                                  positions_first=True, dtypes=STATE_DTYPES)
+    grown = evict_and_fill_on(backend, small, config_for(filled=0, offset=7, capacity=5))
     assert grown[3][:, :1].tolist() == [[7], [7]]
 
 
@@ -288,19 +289,9 @@ def test_evict_and_fill_empty_blocks_and_buffers(backend):
 def test_evict_and_fill_large_calls_use_several_threads_and_agree(layout):
     """Heads split over threads above the size threshold; a decode step, a
     prefill chunk with many pending evictions, and more rows than budget."""
-    rng = np.random.default_rng(7)
     n_heads, slots, dim = 32, 4096 + 257, 128
-    positions = np.stack([rng.permutation(slots) for _ in range(n_heads)]).astype(np.int32)
-    if layout == "temporal":
-        positions.sort(axis=1)
-    arrays = (
-        fill(rng, (n_heads, slots, dim), "normal", "float16"),
-        fill(rng, (n_heads, slots, dim), "normal", "float16"),
-        fill_norms(rng, (n_heads, slots), "ties"),
-        mx.array(positions),
-        fill(rng, (n_heads, 3, dim), "normal", "float16"),
-        fill(rng, (n_heads, 3, dim), "normal", "float16"),
-    )
+    arrays = evict_and_fill_arrays(np.random.default_rng(7), n_heads, slots, 3, dim, layout=layout,
+                                   norm_palette="ties", dtypes=("float16", "float16"), positions_first=True)
     for filled, budget in ((4097, 4096), (slots, 4096), (slots, 1000)):
         config = config_for(filled=filled, offset=slots, capacity=slots + 3, budget=budget, n_sink=4, recent=16,
                             layout=layout)
@@ -308,7 +299,8 @@ def test_evict_and_fill_large_calls_use_several_threads_and_agree(layout):
 
 
 def test_evict_and_fill_non_contiguous_inputs():
-    arrays = slot_state(n_heads=4, slots=12, dim=8, seed=3)
+    arrays = evict_and_fill_arrays(np.random.default_rng(3), n_heads=4, slots=12, n_new=1,
+                                   key_dim=8, positions_first=True, dtypes=STATE_DTYPES)
     strided = tuple(a[::2] for a in arrays)
     copies = tuple(mx.contiguous(a) for a in strided)
     config = config_for(filled=10, budget=8, capacity=11)
@@ -316,7 +308,8 @@ def test_evict_and_fill_non_contiguous_inputs():
 
 
 def test_evict_and_fill_inside_compile():
-    arrays = slot_state(seed=4)
+    arrays = evict_and_fill_arrays(np.random.default_rng(4), n_heads=2, slots=12, n_new=1,
+                                   key_dim=4, positions_first=True, dtypes=STATE_DTYPES)
     config = config_for(filled=12, budget=9, capacity=10, layout="temporal")
     compiled = mx.compile(lambda *a: mlx_knorm.evict_and_fill(*a, **config))
     assert_same_outputs(compiled(*arrays), evict_and_fill_on("kernel", arrays, config), arrays, config)
@@ -325,8 +318,9 @@ def test_evict_and_fill_inside_compile():
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
 def test_evict_and_fill_heads_on_several_axes_act_as_one(backend):
     """[B, H, C, D] buffers, as a model's cache holds them, give the [B*H, C, D]
-    step's bits in the same shape."""
-    arrays = slot_state(n_heads=6, slots=12, dim=8, seed=9)
+    call's bits in the same shape."""
+    arrays = evict_and_fill_arrays(np.random.default_rng(9), n_heads=6, slots=12, n_new=1,
+                                   key_dim=8, positions_first=True, dtypes=STATE_DTYPES)
     config = config_for(filled=12, budget=9, capacity=13)
     flat = evict_and_fill_on(backend, arrays, config)
     by_batch = evict_and_fill_on(backend, tuple(a.reshape(2, 3, *a.shape[1:]) for a in arrays), config)
@@ -375,7 +369,7 @@ def batch_streams(draw, max_sequences=4, max_budget=12):
 
 
 def real_rows(out, n, filled, lo, hi):
-    """Head n's real rows among slots [0, filled) of a step's outputs, by
+    """Head n's real rows among slots [0, filled) of evict_and_fill's outputs, by
     position, as (position - lo, key bits, value bits, norm bits), and
     whether they sit in temporal order."""
     keys, values, norms, positions = (np.array(x[n, :filled].view(mx.uint8) if x.dtype != mx.int32 else x[n, :filled])
@@ -405,22 +399,22 @@ def check_batch_against_sequences(backend, case):
     alone_filled = [0] * n_sequences
     filled = offset = 0
     with mlx_knorm.use_backend(backend):
-        for steps in blocks:
+        for n_new in blocks:
             kept = min(filled, config["budget"])
             batch = mlx_knorm.evict_and_fill(
-                *batch, keys[:, offset : offset + steps], values[:, offset : offset + steps],
-                filled=filled, offset=offset, capacity=kept + steps, valid=valid, **config)
-            filled = kept + steps
+                *batch, keys[:, offset : offset + n_new], values[:, offset : offset + n_new],
+                filled=filled, offset=offset, capacity=kept + n_new, valid=valid, **config)
+            filled = kept + n_new
             for b, (lo, hi) in enumerate(ranges):
                 # The block's real rows, as the sequence alone sees them.
-                start, stop = min(max(offset, lo), hi), min(max(offset + steps, lo), hi)
+                start, stop = min(max(offset, lo), hi), min(max(offset + n_new, lo), hi)
                 kept_alone = min(alone_filled[b], config["budget"])
                 alone[b] = mlx_knorm.evict_and_fill(
                     *alone[b], keys[b : b + 1, start:stop], values[b : b + 1, start:stop],
                     filled=alone_filled[b], offset=start - lo, capacity=kept_alone + stop - start,
                     **config)
                 alone_filled[b] = kept_alone + stop - start
-            offset += steps
+            offset += n_new
             mx.eval(batch, alone)
             for b, (lo, hi) in enumerate(ranges):
                 got, in_order = real_rows(batch, b, filled, lo, hi)
@@ -458,7 +452,9 @@ def test_evict_and_fill_padding_never_outranks_a_real_row(backend):
     # head 1's [5, 2**31 - 1).
     norms = mx.array([[0.0, 0.0, 0.0, nan, inf, 1.0, 0.0, 0.0],
                       [0.0, 0.0, 0.0, 0.0, 0.0, nan, 2.0, 1.0]], dtype=mx.float32)
-    arrays = slot_state(n_heads=2, slots=8, positions=np.tile(np.arange(8, dtype=np.int32), (2, 1)), norms=norms)
+    arrays = evict_and_fill_arrays(np.random.default_rng(0), n_heads=2, slots=8, n_new=1,
+                                   key_dim=4, positions=np.tile(np.arange(8, dtype=np.int32), (2, 1)), norms=norms,
+                                   dtypes=STATE_DTYPES)
     valid = mx.array([[3, 6], [5, INT32_MAX]], dtype=mx.int32)
     config = config_for(filled=8, offset=8, capacity=5, budget=4, n_sink=1, recent=1, layout="temporal",
                         valid=valid)
@@ -478,8 +474,9 @@ def test_evict_and_fill_empty_and_extreme_ranges(backend):
     """lo >= hi: every row padding (kept by position); the whole int32
     range: every row real, the sinks counted from -2**31."""
     norms = mx.array([[5.0, 1.0, 4.0, 2.0, 3.0, 0.5]] * 2, dtype=mx.float32)
-    arrays = slot_state(n_heads=2, slots=6, positions=np.tile(np.array([[4, 2, 0, 5, 1, 3]], np.int32), (2, 1)),
-                        norms=norms)
+    arrays = evict_and_fill_arrays(np.random.default_rng(0), n_heads=2, slots=6, n_new=1,
+                                   key_dim=4, positions=np.tile(np.array([[4, 2, 0, 5, 1, 3]], np.int32), (2, 1)),
+                                   norms=norms, dtypes=STATE_DTYPES)
     valid = mx.array([[3, 3], [-(2**31), INT32_MAX]], dtype=mx.int32)
     out = evict_and_fill_on(backend, arrays, config_for(filled=6, offset=6, capacity=4, budget=3, n_sink=1, recent=0,
                                                layout="temporal", valid=valid))
@@ -524,7 +521,8 @@ def test_evict_and_fill_quantized_payloads_keep_the_float_rows(backend):
 def test_evict_and_fill_given_norms_are_stored_as_given(backend):
     """new_norms, NaN payloads, -0 and infinities included, land bit for bit;
     the keys' own norms are not taken."""
-    arrays = slot_state(n_heads=2, slots=12, dim=4)
+    arrays = evict_and_fill_arrays(np.random.default_rng(0), n_heads=2, slots=12, n_new=1,
+                                   key_dim=4, positions_first=True, dtypes=STATE_DTYPES)
     nan_payload = np.array([0x7FC00001, 0xFFC00000], dtype=np.uint32).view(np.float32)
     new_norms = mx.array(np.array([[nan_payload[0]], [-0.0]], dtype=np.float32))
     out = evict_and_fill_on(backend, arrays, config_for(new_norms=new_norms))
@@ -535,7 +533,7 @@ def test_evict_and_fill_given_norms_are_stored_as_given(backend):
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
 def test_evict_and_fill_six_payloads_of_every_width_and_none_of_width_zero(backend):
-    """The most payloads a step takes, of 1, 2, 4 and 8-byte elements, odd
+    """The most payloads one call takes, of 1, 2, 4 and 8-byte elements, odd
     widths and a width of 0, through a decode step and a step evicting
     several rows, in both layouts: the oracle's rows."""
     rng = np.random.default_rng(3)

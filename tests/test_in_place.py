@@ -235,7 +235,7 @@ def evict_and_fill_dropping(backend, arrays: list, config):
     return out
 
 
-def assert_step_equal(actual, expected, defined):
+def assert_evict_and_fill_equal(actual, expected, defined):
     for name, a, e in zip(("keys", "values", "norms", "positions"), actual, expected):
         assert_bitwise_equal(a[:, :defined], e[:, :defined], name)
 
@@ -256,7 +256,7 @@ def test_evict_and_fill_on_donated_buffers_runs_in_place(backend, layout, slots,
     addresses = [data_address(a) for a in arrays[:4]]
     out = evict_and_fill_dropping(backend, arrays, config)
     assert [data_address(o) for o in out] == addresses
-    assert_step_equal(out, expected, min(filled, budget) + 1)
+    assert_evict_and_fill_equal(out, expected, min(filled, budget) + 1)
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS)
@@ -273,7 +273,7 @@ def test_evict_and_fill_never_writes_held_buffers(backend, layout):
     held = [np.array(keys_view), np.array(values)]
     addresses = [data_address(a) for a in arrays[:4]]
     out = evict_and_fill_dropping(backend, arrays, config)
-    assert_step_equal(out, expected, 28)
+    assert_evict_and_fill_equal(out, expected, 28)
     got = [data_address(o) for o in out]
     assert got[0] != addresses[0] and got[1] != addresses[1]
     assert got[2:] == addresses[2:]
@@ -304,7 +304,7 @@ def test_evict_and_fill_decode_loop_in_place_matches_the_fallback(backend, layou
         if name == backend:
             assert [data_address(a) for a in state] == addresses
         results[name] = state
-    assert_step_equal(results[backend], results["fallback"], budget + 1)
+    assert_evict_and_fill_equal(results[backend], results["fallback"], budget + 1)
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS)
@@ -420,4 +420,4 @@ def test_evict_and_fill_with_valid_ranges_on_donated_buffers_runs_in_place(backe
     addresses = [data_address(a) for a in arrays[:4]]
     out = evict_and_fill_dropping(backend, arrays, config)
     assert [data_address(o) for o in out] == addresses
-    assert_step_equal(out, expected, budget + 1)
+    assert_evict_and_fill_equal(out, expected, budget + 1)

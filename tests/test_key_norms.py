@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import mlx_knorm
 from conftest import ALL_BACKENDS, EMULATOR_SETTINGS, assert_bitwise_equal, requires_emulator
-from generators import DIMS, DTYPES, PALETTES, fill
+from generators import DIMS, DTYPES, PALETTES, key_norms_arrays
 
 
 def norms_on(backend: str, keys: mx.array) -> mx.array:
@@ -47,7 +47,7 @@ def pinned_norm(row: np.ndarray) -> np.float32:
     seed=st.integers(0, 2**32 - 1),
 )
 def test_key_norms_kernel_matches_fallback(shape, dim, dtype, palette, seed):
-    keys = fill(np.random.default_rng(seed), (*shape, dim), palette, dtype)
+    (keys,) = key_norms_arrays(np.random.default_rng(seed), (*shape, dim), palette=palette, dtype=dtype)
     assert_bitwise_equal(norms_on("kernel", keys), norms_on("fallback", keys), "norms")
 
 
@@ -62,7 +62,7 @@ def test_key_norms_kernel_matches_fallback(shape, dim, dtype, palette, seed):
 )
 def test_key_norms_metal_emulator_matches_fallback(rows, dim, dtype, palette, seed):
     """Rows past 4 span several threadgroups (one SIMD group per row, 4 per group)."""
-    keys = fill(np.random.default_rng(seed), (rows, dim), palette, dtype)
+    (keys,) = key_norms_arrays(np.random.default_rng(seed), (rows, dim), palette=palette, dtype=dtype)
     assert_bitwise_equal(norms_on("metal-emulator", keys), norms_on("fallback", keys), "norms")
 
 

@@ -4,11 +4,11 @@ beside the kernel's own (test_key_norms.py, test_protected_topk_gather.py).
 
 The gather and evict-and-fill kernels work through rows in chunks of 256
 (their threadgroup size), both leave more than 128 rows a head to copy
-(the gather's kept rows, the step's new rows) to a second dispatch of
-128-row blocks (metal/knorm_defines.h), the
-evict-and-fill kernel pairs holes with movers
-through queues of 512, and the norm kernel runs one 32-lane SIMD group per
-row, four rows per threadgroup: the cases below cross those boundaries.
+(protected_topk_gather's kept rows, evict_and_fill's new rows) to a second
+dispatch of 128-row blocks (metal/knorm_defines.h), the evict-and-fill
+kernel pairs holes with movers through queues of 512, and the norm kernel
+runs one 32-lane SIMD group per row, four rows per threadgroup: the cases
+below cross those boundaries.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_bitwise_equal, requires_emulator
-from generators import evict_and_fill_arrays, fill, fill_norms, protected_topk_gather_arrays
+from generators import evict_and_fill_arrays, key_norms_arrays, protected_topk_gather_arrays
 from mlx_knorm import _native
 
 pytestmark = requires_emulator
@@ -78,7 +78,7 @@ def test_protected_topk_gather_all_equal_scores_keep_earliest():
 
 @pytest.mark.parametrize("dim", [0, 1, 31, 32, 33, 512])
 def test_key_norms_simd_boundaries(dim):
-    keys = fill(np.random.default_rng(dim), (2, 3, 5, dim), "special", "bfloat16")
+    (keys,) = key_norms_arrays(np.random.default_rng(dim), (2, 3, 5, dim), palette="special", dtype="bfloat16")
     native, emulated = native_and_emulated("key_norms", keys)
     assert_bitwise_equal(emulated, native, f"D={dim}")
 
@@ -140,14 +140,14 @@ def test_evict_and_fill_edges(slots, filled, budget, n_new, positions, layout, d
 def test_protected_topk_gather_and_evict_and_fill_second_dispatch_over_three_heads(donate):
     """Both ops with rows a second dispatch copies on three heads: its
     head and block arithmetic past the second head."""
-    gather = protected_topk_gather_args(150, 250, 300, 2, 4, "normal", dim=16, seed=3, n_heads=3)
+    args = protected_topk_gather_args(150, 250, 300, 2, 4, "normal", dim=16, seed=3, n_heads=3)
     for name, a, b in zip(("keys", "values", "norms", "indices"),
-                          *native_and_emulated("protected_topk_gather", *gather)):
+                          *native_and_emulated("protected_topk_gather", *args)):
         assert_bitwise_equal(b, a, name)
-    step = evict_and_fill_arrays(np.random.default_rng(3), 3, 600, 200, 16, 8, dtypes=("float32", "float16"))
+    arrays = evict_and_fill_arrays(np.random.default_rng(3), 3, 600, 200, 16, 8, dtypes=("float32", "float16"))
     config = dict(filled=400, offset=600, capacity=600, budget=300, n_sink=2, recent=4,
                   keep="low", layout="slots")
-    native, emulated = evict_and_fill_native_and_emulated(step, config, donate)
+    native, emulated = evict_and_fill_native_and_emulated(arrays, config, donate)
     for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
         assert_bitwise_equal(b[:, :500], a[:, :500], name)
 
@@ -283,7 +283,7 @@ def two_magnitude_norms(n_heads, rows, small, seed):
 
 @pytest.mark.parametrize("extra", [-1, 0, 1])
 @pytest.mark.parametrize("keep", ["low", "high"])
-def test_gather_cut_at_and_near_a_radix_bin_boundary(extra, keep):
+def test_protected_topk_gather_cut_at_and_near_a_radix_bin_boundary(extra, keep):
     """The select stops once the chosen bin holds exactly the rows still to
     keep (extra = 0 for keep="low": after the first pass), and the
     compaction then keeps every key at or below the bin's largest without
@@ -291,10 +291,9 @@ def test_gather_cut_at_and_near_a_radix_bin_boundary(extra, keep):
     n_prior, small = 400, 150
     budget = small + extra
     norms = two_magnitude_norms(2, n_prior, small, seed=small + extra)
-    rng = np.random.default_rng(5)
-    args = (fill(rng, (2, n_prior, 8), "normal", "float16"), fill(rng, (2, n_prior, 8), "normal", "float16"),
-            norms, mx.zeros((2, 0, 8), mx.float16), mx.zeros((2, 0, 8), mx.float16), mx.zeros((2, 0)),
-            budget, 0, 0, keep)
+    arrays = protected_topk_gather_arrays(np.random.default_rng(5), 2, n_prior, 0, 8, dtypes=("float16", "float16"))
+    arrays[2] = norms
+    args = (*arrays, budget, 0, 0, keep)
     native, emulated = native_and_emulated("protected_topk_gather", *args)
     for name, a, b in zip(("keys", "values", "norms", "indices"), native, emulated):
         assert_bitwise_equal(b, a, name)

@@ -11,7 +11,7 @@ from hypothesis import given
 
 import mlx_knorm
 from conftest import EMULATOR_SETTINGS, NATIVE_BACKENDS, assert_bitwise_equal, requires_emulator
-from generators import fill, fill_norms, protected_topk_gather_cases
+from generators import protected_topk_gather_arrays, protected_topk_gather_cases
 from spec_oracle import kept_rows
 
 
@@ -75,23 +75,15 @@ def test_protected_topk_gather_kept_rows_are_the_indexed_input_rows(case):
     assert_bitwise_equal(values, mx.take_along_axis(all_values, indices[..., None], axis=1), "values")
 
 
-def decode_arrays(n_prior=10, n_new=1, dim=4, n_rows=2, seed=0, dtype="float16"):
-    rng = np.random.default_rng(seed)
-    return (
-        fill(rng, (n_rows, n_prior, dim), "normal", dtype),
-        fill(rng, (n_rows, n_prior, dim), "normal", dtype),
-        fill_norms(rng, (n_rows, n_prior), "normal"),
-        fill(rng, (n_rows, n_new, dim), "normal", dtype),
-        fill(rng, (n_rows, n_new, dim), "normal", dtype),
-        fill_norms(rng, (n_rows, n_new), "normal"),
-    )
+FLOAT16 = ("float16", "float16")  # the keys' and the values' dtypes
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
 def test_protected_topk_gather_nan_and_inf_never_evict_protected_rows(backend):
     nan, inf = math.nan, math.inf
     norms = mx.array([[nan, inf, 1.0, nan, 0.5, -inf, 2.0, nan]], dtype=mx.float32)
-    arrays = list(decode_arrays(n_prior=8, n_new=0, n_rows=1))
+    arrays = protected_topk_gather_arrays(np.random.default_rng(0), n_heads=1, n_prior=8, n_new=0, key_dim=4,
+                                          dtypes=FLOAT16)
     arrays[2] = norms
     for keep in ("low", "high"):
         _, _, _, indices = gather_on(backend, arrays, (5, 2, 1, keep))
@@ -103,7 +95,8 @@ def test_protected_topk_gather_nan_and_inf_never_evict_protected_rows(backend):
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
 def test_protected_topk_gather_signed_zeros_tie_by_index(backend):
-    arrays = list(decode_arrays(n_prior=6, n_new=0, n_rows=1))
+    arrays = protected_topk_gather_arrays(np.random.default_rng(0), n_heads=1, n_prior=6, n_new=0, key_dim=4,
+                                          dtypes=FLOAT16)
     arrays[2] = mx.array([[-0.0, 0.0, -0.0, 0.0, -0.0, 0.0]])
     assert gather_on(backend, arrays, (3, 0, 0, "low"))[3][0].tolist() == [0, 1, 2]
     assert gather_on(backend, arrays, (3, 0, 0, "high"))[3][0].tolist() == [0, 1, 2]
@@ -111,10 +104,12 @@ def test_protected_topk_gather_signed_zeros_tie_by_index(backend):
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
 def test_protected_topk_gather_empty_blocks_and_no_eviction(backend):
-    prior = decode_arrays(n_prior=0, n_new=0)
+    prior = protected_topk_gather_arrays(np.random.default_rng(0), n_heads=2, n_prior=0, n_new=0, key_dim=4,
+                                         dtypes=FLOAT16)
     keys, values, norms, indices = gather_on(backend, prior, (4, 1, 0, "low"))
     assert keys.shape == (2, 0, 4) and norms.shape == (2, 0) and indices.dtype == mx.uint32
-    arrays = decode_arrays(n_prior=3, n_new=2)
+    arrays = protected_topk_gather_arrays(np.random.default_rng(0), n_heads=2, n_prior=3, n_new=2, key_dim=4,
+                                          dtypes=FLOAT16)
     keys, _, _, indices = gather_on(backend, arrays, (5, 1, 1, "low"))
     assert indices.tolist() == [[0, 1, 2, 3, 4]] * 2
     assert_bitwise_equal(keys, mx.concatenate([arrays[0], arrays[3]], axis=1), "keys")
@@ -122,34 +117,31 @@ def test_protected_topk_gather_empty_blocks_and_no_eviction(backend):
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
 def test_protected_topk_gather_output_dtypes_follow_inputs(backend):
-    rng = np.random.default_rng(3)
-    arrays = (
-        fill(rng, (1, 4, 8), "normal", "bfloat16"),
-        fill(rng, (1, 4, 8), "normal", "float32"),
-        fill_norms(rng, (1, 4), "normal"),
-        fill(rng, (1, 2, 8), "normal", "bfloat16"),
-        fill(rng, (1, 2, 8), "normal", "float32"),
-        fill_norms(rng, (1, 2), "normal"),
-    )
+    arrays = protected_topk_gather_arrays(np.random.default_rng(3), n_heads=1, n_prior=4, n_new=2, key_dim=8,
+                                          dtypes=("bfloat16", "float32"))
     out = gather_on(backend, arrays, (3, 1, 0, "low"))
     assert [o.dtype for o in out] == [mx.bfloat16, mx.float32, mx.float32, mx.uint32]
 
 
 def test_protected_topk_gather_non_contiguous_inputs():
-    arrays = decode_arrays(n_prior=12, n_new=3, dim=8, n_rows=4, seed=5)
+    arrays = protected_topk_gather_arrays(np.random.default_rng(5), n_heads=4, n_prior=12, n_new=3, key_dim=8,
+                                          dtypes=FLOAT16)
     strided = tuple(a[::2] for a in arrays)
     copies = tuple(mx.array(np.array(a)) for a in strided)
     assert_same_outputs(gather_on("kernel", strided, (9, 1, 2, "low")), gather_on("fallback", copies, (9, 1, 2, "low")))
 
 
 def test_protected_topk_gather_inside_compile():
-    arrays = decode_arrays(n_prior=12, n_new=3, dim=8)
+    arrays = protected_topk_gather_arrays(np.random.default_rng(0), n_heads=2, n_prior=12, n_new=3, key_dim=8,
+                                          dtypes=FLOAT16)
     compiled = mx.compile(lambda *a: mlx_knorm.protected_topk_gather(*a, 9, 1, 2, "high"))
     assert_same_outputs(compiled(*arrays), gather_on("kernel", arrays, (9, 1, 2, "high")))
 
 
 def test_protected_topk_gather_large_rows_use_several_threads_and_agree():
-    arrays = decode_arrays(n_prior=2048, n_new=1, dim=128, n_rows=32, seed=7)
+    arrays = protected_topk_gather_arrays(np.random.default_rng(7), n_heads=32, n_prior=2048, n_new=1, key_dim=128,
+                                          dtypes=FLOAT16)
     assert_same_outputs(gather_on("kernel", arrays, (2048, 4, 0, "low")), gather_on("fallback", arrays, (2048, 4, 0, "low")))
-    prefill = decode_arrays(n_prior=0, n_new=4096, dim=64, n_rows=8, seed=8)
+    prefill = protected_topk_gather_arrays(np.random.default_rng(8), n_heads=8, n_prior=0, n_new=4096, key_dim=64,
+                                           dtypes=FLOAT16)
     assert_same_outputs(gather_on("kernel", prefill, (512, 4, 16, "low")), gather_on("fallback", prefill, (512, 4, 16, "low")))

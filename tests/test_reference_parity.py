@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import mlx_knorm
 from conftest import assert_bitwise_equal
-from generators import DTYPES, fill
+from generators import DTYPES, fill, key_norms_arrays
 
 from veloxquant_mlx.quantizers import knorm as reference
 
@@ -50,7 +50,7 @@ def ulp_distance(a: mx.array, b: mx.array) -> np.ndarray:
     dtype=st.sampled_from(sorted(DTYPES)),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_norms_close_to_reference_and_to_exact(dim, dtype, seed):
+def test_key_norms_close_to_reference_and_to_exact(dim, dtype, seed):
     """Within 4 ulp of the reference's sequential sum for head dims up to 128.
 
     For larger D the reference's own sequential rounding error grows past
@@ -58,7 +58,7 @@ def test_norms_close_to_reference_and_to_exact(dim, dtype, seed):
     1 ulp of the correctly rounded norm; there we bound the distance by the
     reference's error plus ours.
     """
-    keys = fill(np.random.default_rng(seed), (3, 17, dim), "normal", dtype)
+    (keys,) = key_norms_arrays(np.random.default_rng(seed), (3, 17, dim), dtype=dtype)
     ours = mlx_knorm.key_norms(keys)
     theirs = mx.sqrt(mx.sum(keys.astype(mx.float32) ** 2, axis=-1))
     x = np.array(keys.astype(mx.float32)).astype(np.float64)

@@ -21,6 +21,7 @@ from conftest import ALL_BACKENDS, EMULATOR_SETTINGS, assert_bitwise_equal, requ
 from generators import (
     evict_and_fill_arrays,
     evict_and_fill_shapes,
+    key_norms_arrays,
     protected_topk_gather_arrays,
     protected_topk_gather_shapes,
 )
@@ -133,50 +134,32 @@ def evict_and_fill_call_arrays(n_rows, slots, n_new, key_dim, value_dim, shape_c
 @settings(EMULATOR_SETTINGS)
 @given(args=drawn_calls(evict_and_fill_shapes, evict_and_fill_call_arrays), layout=st.sampled_from(["slots", "temporal"]))
 def test_evict_and_fill_agrees_under_compile(backend, args, layout):
-    def step(*arrays):
+    def op(*arrays):
         return mlx_knorm.evict_and_fill(*arrays, **EVICT_AND_FILL_CONFIG, layout=layout)
 
     trace_args = evict_and_fill_call_arrays(2, 6, 1, 8, 8, {}, 0)
     defined = min(EVICT_AND_FILL_CONFIG["filled"], EVICT_AND_FILL_CONFIG["budget"]) + args[4].shape[1]
-    check_all_modes(step, trace_args, args, backend, defined=defined)
+    check_all_modes(op, trace_args, args, backend, defined=defined)
 
 
 def evict_and_fill_payload_shapes(n_rows, slots, n_new, key_dim, value_dim):
-    """A quantized-style step: keys as (packed, scales), float values, the
-    new rows' norms given, valid ranges."""
-    return [
-        (n_rows, slots, key_dim),
-        (n_rows, slots, 2),
-        (n_rows, slots, value_dim),
-        (n_rows, slots),
-        (n_rows, slots),
-        (n_rows, n_new, key_dim),
-        (n_rows, n_new, 2),
-        (n_rows, n_new, value_dim),
-        (n_rows, n_new),
-        (n_rows, 2),
-    ]
-
-
-PAYLOAD_DTYPES = [mx.uint32, mx.float16, mx.float16, mx.float32, mx.int32,
-                  mx.uint32, mx.float16, mx.float16, mx.float32, mx.int32]
+    """The shapes of ``evict_and_fill_payload_call_arrays``."""
+    return evict_and_fill_shapes(n_rows, slots, n_new, key_dim, value_dim, quantized=True)
 
 
 def evict_and_fill_payload_call_arrays(n_rows, slots, n_new, key_dim, value_dim, shape_changes, seed):
-    shapes = evict_and_fill_payload_shapes(n_rows, slots, n_new, key_dim, value_dim)
-    shapes = [shape_changes.get(i, shape) for i, shape in enumerate(shapes)]
-    rng = np.random.default_rng(seed)
-    arrays = [mx.array(rng.integers(-1, 12, size=shape).astype(np.float32)).astype(dtype)
-              for shape, dtype in zip(shapes, PAYLOAD_DTYPES)]
-    arrays[9] = mx.array(rng.integers(0, 4, size=shapes[9]).astype(np.int32))
-    return arrays
+    """A quantized-style call: keys as (packed, scales), float values, the
+    new rows' norms given, valid ranges; ``shape_changes`` as in
+    ``protected_topk_gather_call_arrays``."""
+    return evict_and_fill_arrays(np.random.default_rng(seed), n_rows, slots, n_new, key_dim, value_dim,
+                                 shape_changes=shape_changes, quantized=True)
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @settings(EMULATOR_SETTINGS)
 @given(args=drawn_calls(evict_and_fill_payload_shapes, evict_and_fill_payload_call_arrays), layout=st.sampled_from(["slots", "temporal"]))
 def test_evict_and_fill_payloads_with_ranges_agree_under_compile(backend, args, layout):
-    def step(*a):
+    def op(*a):
         keys, values, norms, positions = mlx_knorm.evict_and_fill(
             (a[0], a[1]), a[2], a[3], a[4], (a[5], a[6]), a[7], **EVICT_AND_FILL_CONFIG, layout=layout,
             new_norms=a[8], valid=a[9])
@@ -184,7 +167,7 @@ def test_evict_and_fill_payloads_with_ranges_agree_under_compile(backend, args, 
 
     trace_args = evict_and_fill_payload_call_arrays(2, 6, 1, 8, 8, {}, 0)
     defined = min(EVICT_AND_FILL_CONFIG["filled"], EVICT_AND_FILL_CONFIG["budget"]) + args[5].shape[1]
-    check_all_modes(step, trace_args, args, backend, defined=defined)
+    check_all_modes(op, trace_args, args, backend, defined=defined)
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
@@ -195,9 +178,7 @@ def test_evict_and_fill_payloads_with_ranges_agree_under_compile(backend, args, 
     seed=st.integers(0, 2**31 - 1),
 )
 def test_key_norms_agree_under_compile(backend, shape, dim, seed):
-    rng = np.random.default_rng(seed)
-    keys = mx.array(rng.standard_normal((*shape, dim)).astype(np.float32))
-    check_all_modes(norms, [mx.ones((2, 8))], [keys], backend)
+    check_all_modes(norms, [mx.ones((2, 8))], key_norms_arrays(np.random.default_rng(seed), (*shape, dim)), backend)
 
 
 def test_protected_topk_gather_replay_with_wider_values_writes_inside_its_buffers():
@@ -231,7 +212,7 @@ def test_evict_and_fill_replay_with_short_positions_raises():
 
 
 @requires_emulator
-def test_emulator_replay_past_its_key_width_raises():
+def test_key_norms_emulator_replay_past_its_key_width_raises():
     """Traced at D = 8, replayed at D = 1024: each lane of the norm kernel
     holds D / 32 squares in an array sized for D <= 512, so the replay must
     raise before the kernel writes past it."""
@@ -249,23 +230,25 @@ def test_emulator_replay_past_its_key_width_raises():
 
 def transform_cases():
     rng = np.random.default_rng(7)
-    gather_in = protected_topk_gather_call_arrays(2, 5, 2, 8, 8, {}, 1)
-    step_in = evict_and_fill_call_arrays(2, 6, 1, 8, 8, {}, 2)
-    payload_in = evict_and_fill_payload_call_arrays(2, 6, 1, 8, 8, {}, 3)
-    keys = mx.array(rng.standard_normal((2, 3, 8)).astype(np.float32))
+    protected_topk_gather_in = protected_topk_gather_call_arrays(2, 5, 2, 8, 8, {}, 1)
+    evict_and_fill_in = evict_and_fill_call_arrays(2, 6, 1, 8, 8, {}, 2)
+    evict_and_fill_payloads_in = evict_and_fill_payload_call_arrays(2, 6, 1, 8, 8, {}, 3)
+    (keys,) = key_norms_arrays(rng, (2, 3, 8))
 
-    def payload_step(new_norms):
-        # Through the given norms of a tuple-form step with valid ranges.
-        a = payload_in
+    def evict_and_fill_payloads(new_norms):
+        # Through the given norms of a tuple-form call with valid ranges.
+        a = evict_and_fill_payloads_in
         return mlx_knorm.evict_and_fill(
             (a[0], a[1]), a[2], a[3], a[4], (a[5], a[6]), a[7], **EVICT_AND_FILL_CONFIG,
             new_norms=new_norms, valid=a[9])[2]
 
     return {
         "key_norms": (lambda k: norms(k), [keys]),
-        "protected_topk_gather": (lambda k: gather(k, *gather_in[1:])[0], [gather_in[0]]),
-        "evict_and_fill": (lambda k: mlx_knorm.evict_and_fill(k, *step_in[1:], **EVICT_AND_FILL_CONFIG)[0], [step_in[0]]),
-        "evict_and_fill payloads": (payload_step, [payload_in[8]]),
+        "protected_topk_gather": (lambda k: gather(k, *protected_topk_gather_in[1:])[0],
+                                  [protected_topk_gather_in[0]]),
+        "evict_and_fill": (lambda k: mlx_knorm.evict_and_fill(k, *evict_and_fill_in[1:], **EVICT_AND_FILL_CONFIG)[0],
+                           [evict_and_fill_in[0]]),
+        "evict_and_fill payloads": (evict_and_fill_payloads, [evict_and_fill_payloads_in[8]]),
     }
 
 

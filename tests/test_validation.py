@@ -16,7 +16,7 @@ from mlx_knorm.ops.key_norms import key_norms_unchecked
 from mlx_knorm.ops.protected_topk_gather import protected_topk_gather_unchecked
 
 
-def good(n=2, n_prior=5, s=3, d=8, dtype=mx.float16):
+def good_protected_topk_gather_args(n=2, n_prior=5, s=3, d=8, dtype=mx.float16):
     return dict(
         prior_keys=mx.zeros((n, n_prior, d), dtype),
         prior_values=mx.zeros((n, n_prior, d), dtype),
@@ -45,9 +45,11 @@ PROTECTED_TOPK_GATHER_SHAPE_ERRORS = [
     (dict(n_sink=3, recent=3), "must be < budget"),
     (dict(keep="middle"), "keep must be 'low' or 'high'"),
     # docs/spec.md §5's limits, on heads without elements (no memory).
-    (good(n=0, n_prior=2**31 - 3, s=3), "n_prior + S (2147483648) must be < 2**31"),
-    (good(n=0, d=2**30, dtype=mx.float16), "prior_keys has rows of 2147483648 bytes; rows must be < 2**31 bytes"),
-    ({**good(n=0), "prior_values": mx.zeros((0, 5, 2**29)), "new_values": mx.zeros((0, 3, 2**29))},
+    (good_protected_topk_gather_args(n=0, n_prior=2**31 - 3, s=3), "n_prior + S (2147483648) must be < 2**31"),
+    (good_protected_topk_gather_args(n=0, d=2**30, dtype=mx.float16),
+     "prior_keys has rows of 2147483648 bytes; rows must be < 2**31 bytes"),
+    ({**good_protected_topk_gather_args(n=0), "prior_values": mx.zeros((0, 5, 2**29)),
+      "new_values": mx.zeros((0, 3, 2**29))},
      "prior_values has rows of 2147483648 bytes"),
 ]
 PROTECTED_TOPK_GATHER_TYPE_ERRORS = [
@@ -68,27 +70,28 @@ PROTECTED_TOPK_GATHER_TYPE_ERRORS = [
 @pytest.mark.parametrize("change, fragment", PROTECTED_TOPK_GATHER_SHAPE_ERRORS)
 def test_protected_topk_gather_value_errors(backend, change, fragment):
     with mlx_knorm.use_backend(backend), pytest.raises(ValueError, match=re.escape(fragment)):
-        mlx_knorm.knorm_update_batched(**{**good(), **change})
+        mlx_knorm.knorm_update_batched(**{**good_protected_topk_gather_args(), **change})
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("change, fragment", PROTECTED_TOPK_GATHER_TYPE_ERRORS)
 def test_protected_topk_gather_type_errors(backend, change, fragment):
     with mlx_knorm.use_backend(backend), pytest.raises(TypeError, match=fragment):
-        mlx_knorm.knorm_update_batched(**{**good(), **change})
+        mlx_knorm.knorm_update_batched(**{**good_protected_topk_gather_args(), **change})
 
 
 def test_protected_topk_gather_messages_name_the_shapes():
     with pytest.raises(ValueError, match=r"new_keys \[2, 3, 8\] vs new_values \[2, 4, 8\]"):
-        mlx_knorm.knorm_update_batched(**{**good(), "new_values": mx.ones((2, 4, 8), mx.float16)})
+        mlx_knorm.knorm_update_batched(
+            **{**good_protected_topk_gather_args(), "new_values": mx.ones((2, 4, 8), mx.float16)})
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_protected_topk_gather_empty_blocks_are_valid(backend):
     with mlx_knorm.use_backend(backend):
-        keys, values, norms = mlx_knorm.knorm_update_batched(**good(n_prior=0, s=0))
+        keys, values, norms = mlx_knorm.knorm_update_batched(**good_protected_topk_gather_args(n_prior=0, s=0))
         assert keys.shape == (2, 0, 8) and norms.shape == (2, 0)
-        keys, _, _ = mlx_knorm.knorm_update_batched(**good(n_prior=4, s=0))
+        keys, _, _ = mlx_knorm.knorm_update_batched(**good_protected_topk_gather_args(n_prior=4, s=0))
         assert keys.shape == (2, 4, 8)
 
 
@@ -97,7 +100,7 @@ def test_protected_topk_gather_converts_numpy_integers_before_any_arithmetic(bac
     """np.uint8(200) + np.uint8(100) wraps to 44; the checks must see 300."""
     with mlx_knorm.use_backend(backend), pytest.raises(ValueError, match=r"n_sink \(200\) \+ recent \(100\)"):
         mlx_knorm.knorm_update_batched(
-            **{**good(), "budget": 50, "n_sink": np.uint8(200), "recent": np.uint8(100)})
+            **{**good_protected_topk_gather_args(), "budget": 50, "n_sink": np.uint8(200), "recent": np.uint8(100)})
     with pytest.raises(ValueError, match=r"n_sink \(100\) \+ recent \(100\)"):
         mlx_knorm.init_knorm_state(n_sink=np.int8(100), budget=np.int8(127), head_dim=8, recent=np.int8(100))
     state = mlx_knorm.init_knorm_state(n_sink=np.int8(2), budget=np.int64(6), head_dim=np.int16(8))
@@ -107,7 +110,7 @@ def test_protected_topk_gather_converts_numpy_integers_before_any_arithmetic(bac
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_protected_topk_gather_names_missing_norms(backend):
     """None where an array belongs is a TypeError naming it, on every backend."""
-    a = good()
+    a = good_protected_topk_gather_args()
     with mlx_knorm.use_backend(backend), pytest.raises(TypeError, match="new_norms must be an mlx.core.array, got NoneType"):
         mlx_knorm.protected_topk_gather(
             a["prior_keys"], a["prior_values"], a["prior_norms"], a["new_keys"], a["new_values"],
@@ -118,7 +121,7 @@ def test_protected_topk_gather_names_missing_norms(backend):
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_protected_topk_gather_keys_and_values_may_differ_in_width(backend):
     """Multi-head latent attention stores keys of dim 192 beside values of dim 128."""
-    a = good()
+    a = good_protected_topk_gather_args()
     a["prior_values"] = mx.zeros((2, 5, 3), mx.float16)
     a["new_values"] = mx.ones((2, 3, 3), mx.float16)
     with mlx_knorm.use_backend(backend):
@@ -127,7 +130,7 @@ def test_protected_topk_gather_keys_and_values_may_differ_in_width(backend):
 
 
 def test_protected_topk_gather_requires_matching_dtypes():
-    args = good()
+    args = good_protected_topk_gather_args()
     with pytest.raises(TypeError, match="new_keys dtype float32 must equal prior_keys dtype float16"):
         mlx_knorm.protected_topk_gather(
             args["prior_keys"], args["prior_values"], args["prior_norms"],
@@ -146,13 +149,12 @@ def test_key_norms_errors():
 
 
 @pytest.mark.skipif(_native.ext is None, reason="the native extension is not loaded")
-def test_extension_checks_its_own_inputs():
+def test_protected_topk_gather_extension_checks_its_own_inputs():
     """The bindings are reachable from Python, so they validate too: no crash."""
-    a = good()
-    ext = _native.ext
+    a = good_protected_topk_gather_args()
 
     def gather(**change):
-        return ext.protected_topk_gather(**{**a, "new_norms": mx.zeros((2, 3)), **change})
+        return _native.ext.protected_topk_gather(**{**a, "new_norms": mx.zeros((2, 3)), **change})
 
     with pytest.raises(ValueError, match="keys/values mismatch in N or rows"):
         gather(prior_values=a["prior_values"][:, :2])
@@ -162,8 +164,13 @@ def test_extension_checks_its_own_inputs():
         gather(prior_norms=a["prior_norms"].astype(mx.int32))
     with pytest.raises(ValueError, match="keep must be"):
         gather(keep="up")
+
+
+@pytest.mark.skipif(_native.ext is None, reason="the native extension is not loaded")
+def test_key_norms_extension_checks_its_own_inputs():
+    """The binding is reachable from Python, so it validates too: no crash."""
     with pytest.raises(TypeError, match="keys must be"):
-        ext.key_norms(mx.zeros((2, 2), mx.int8))
+        _native.ext.key_norms(mx.zeros((2, 2), mx.int8))
 
 
 def test_failed_update_leaves_state_untouched():
@@ -194,7 +201,7 @@ def test_knorm_update_rejects_a_broken_state():
 # checks on every backend and from the primitive's own checks.
 
 
-def good_step(n=2, slots=6, s=1, d=8, dtype=mx.float16):
+def good_evict_and_fill_args(n=2, slots=6, s=1, d=8, dtype=mx.float16):
     return dict(
         keys=mx.zeros((n, slots, d), dtype),
         values=mx.zeros((n, slots, 3), mx.float32),
@@ -259,10 +266,10 @@ EVICT_AND_FILL_VALUE_ERRORS = [
     (dict(valid=mx.zeros((2, 3), mx.int32)), "valid must be [N, 2]: valid [2, 3] vs keys [2, 6, 8]"),
     (dict(valid=mx.zeros((3, 2), mx.int32)), "valid must be [N, 2]"),
     (dict(valid=mx.zeros((2,), mx.int32)), "valid must have rank 2"),
-    ({**good_step(n=0), "values": mx.zeros((0, 6, 2**28), mx.float64),
+    ({**good_evict_and_fill_args(n=0), "values": mx.zeros((0, 6, 2**28), mx.float64),
       "new_values": mx.zeros((0, 1, 2**28), mx.float64)},
      "values has rows of 2147483648 bytes; rows must be < 2**31 bytes, got shape [0, 6, 268435456]"),
-    ({**good_step(n=0), "values": (mx.zeros((0, 6, 3)), mx.zeros((0, 6, 2**31 - 1), mx.uint8),
+    ({**good_evict_and_fill_args(n=0), "values": (mx.zeros((0, 6, 3)), mx.zeros((0, 6, 2**31 - 1), mx.uint8),
                                    mx.zeros((0, 6, 2**30), mx.int16)),
       "new_values": (mx.zeros((0, 1, 3)), mx.zeros((0, 1, 2**31 - 1), mx.uint8),
                      mx.zeros((0, 1, 2**30), mx.int16))},
@@ -305,14 +312,14 @@ EVICT_AND_FILL_TYPE_ERRORS = EVICT_AND_FILL_DTYPE_ERRORS + [
 @pytest.mark.parametrize("change, fragment", EVICT_AND_FILL_VALUE_ERRORS)
 def test_evict_and_fill_value_errors(backend, change, fragment):
     with mlx_knorm.use_backend(backend), pytest.raises(ValueError, match=re.escape(fragment)):
-        mlx_knorm.evict_and_fill(**{**good_step(), **change})
+        mlx_knorm.evict_and_fill(**{**good_evict_and_fill_args(), **change})
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("change, fragment", EVICT_AND_FILL_TYPE_ERRORS)
 def test_evict_and_fill_type_errors(backend, change, fragment):
     with mlx_knorm.use_backend(backend), pytest.raises(TypeError, match=re.escape(fragment)):
-        mlx_knorm.evict_and_fill(**{**good_step(), **change})
+        mlx_knorm.evict_and_fill(**{**good_evict_and_fill_args(), **change})
 
 
 @pytest.mark.skipif(_native.ext is None, reason="the native extension is not loaded")
@@ -323,14 +330,14 @@ def test_evict_and_fill_type_errors(backend, change, fragment):
 def test_evict_and_fill_primitive_checks_its_own_inputs(change, fragment, error):
     """The binding is reachable from Python and shapeless compilation skips
     the Python checks: the primitive raises the same errors itself."""
-    args = {**good_step(), **change}
+    args = {**good_evict_and_fill_args(), **change}
     with pytest.raises(error, match=re.escape(fragment)):
         mx.eval(_native.ext.evict_and_fill(**args))
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_evict_and_fill_failure_leaves_buffers_untouched(backend):
-    args = good_step()
+    args = good_evict_and_fill_args()
     args["keys"] = mx.arange(2 * 6 * 8, dtype=mx.float16).reshape(2, 6, 8)
     before = np.array(args["keys"])
     with mlx_knorm.use_backend(backend), pytest.raises(ValueError):
@@ -348,7 +355,7 @@ def test_evict_and_fill_failure_leaves_buffers_untouched(backend):
     [(c, f, ValueError) for c, f in EVICT_AND_FILL_VALUE_ERRORS] + [(c, f, TypeError) for c, f in EVICT_AND_FILL_DTYPE_ERRORS],
 )
 def test_unchecked_evict_and_fill_refuses_what_the_primitive_refuses(backend, change, fragment, error):
-    args = {**good_step(), **change}
+    args = {**good_evict_and_fill_args(), **change}
     with mlx_knorm.use_backend(backend), pytest.raises(error, match=re.escape(fragment)):
         mx.eval(evict_and_fill_unchecked(**args))
 
@@ -369,7 +376,7 @@ UNCHECKED_PROTECTED_TOPK_GATHER_ERRORS = [
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("change, error, fragment", UNCHECKED_PROTECTED_TOPK_GATHER_ERRORS)
 def test_unchecked_protected_topk_gather_refuses_what_the_primitive_refuses(backend, change, error, fragment):
-    args = {**good(), "new_norms": mx.zeros((2, 3)), **change}
+    args = {**good_protected_topk_gather_args(), "new_norms": mx.zeros((2, 3)), **change}
     order = ("prior_keys", "prior_values", "prior_norms", "new_keys", "new_values", "new_norms",
              "budget", "n_sink", "recent", "keep")
     with mlx_knorm.use_backend(backend), pytest.raises(error, match=re.escape(fragment)):
@@ -383,18 +390,24 @@ def test_unchecked_key_norms_refuses_what_the_primitive_refuses(backend):
 
 
 @requires_emulator
-def test_the_metal_width_limit_names_the_argument():
+def test_key_norms_metal_width_limit_names_the_argument():
     with mlx_knorm.use_backend("metal-emulator"):
         with pytest.raises(ValueError, match=r"keys: the Metal key-norm kernel supports D <= 512, got D = 513"):
             mlx_knorm.key_norms(mx.zeros((2, 513)))
+
+
+@requires_emulator
+def test_evict_and_fill_metal_width_limit_names_the_argument():
+    with mlx_knorm.use_backend("metal-emulator"):
         with pytest.raises(ValueError, match=r"new_keys: the Metal key-norm kernel supports D <= 512, got D = 513"):
-            mlx_knorm.evict_and_fill(**{**good_step(), "keys": mx.zeros((2, 6, 513), mx.float16),
+            mlx_knorm.evict_and_fill(**{**good_evict_and_fill_args(), "keys": mx.zeros((2, 6, 513), mx.float16),
                                         "new_keys": mx.ones((2, 1, 513), mx.float16)})
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("rows", [1, 6])
-def test_inputs_that_are_slices_of_larger_buffers(backend, rows):
+@pytest.mark.parametrize("op", ["evict_and_fill", "protected_topk_gather", "key_norms"])
+def test_inputs_that_are_slices_of_larger_buffers(op, backend, rows):
     """Evaluated views that are not row-contiguous (what a cache's state
     gives, sliced from its buffers) are valid inputs on every backend and
     give what their copies give (mx.as_strided, which pins the fallbacks'
@@ -409,10 +422,13 @@ def test_inputs_that_are_slices_of_larger_buffers(backend, rows):
     config = dict(filled=rows, offset=9, capacity=rows, budget=5, n_sink=1, recent=1, keep="low", layout="slots")
     new = [mx.ones((2, 1, 8)), mx.ones((2, 1, 3))]
     with mlx_knorm.use_backend(backend):
-        for got, want in zip(mlx_knorm.evict_and_fill(*views, *new, **{**config, "capacity": rows + 1}),
-                             mlx_knorm.evict_and_fill(*copies, *new, **{**config, "capacity": rows + 1})):
-            assert mx.array_equal(got[:, : min(rows, 5) + 1], want[:, : min(rows, 5) + 1]).item()
-        got = mlx_knorm.protected_topk_gather(*views[:3], *new, mx.ones((2, 1)), 5, 1, 1, "low")
-        want = mlx_knorm.protected_topk_gather(*copies[:3], *new, mx.ones((2, 1)), 5, 1, 1, "low")
-        assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
-        assert mx.array_equal(mlx_knorm.key_norms(views[2]), mlx_knorm.key_norms(copies[2])).item()
+        if op == "evict_and_fill":
+            for got, want in zip(mlx_knorm.evict_and_fill(*views, *new, **{**config, "capacity": rows + 1}),
+                                 mlx_knorm.evict_and_fill(*copies, *new, **{**config, "capacity": rows + 1})):
+                assert mx.array_equal(got[:, : min(rows, 5) + 1], want[:, : min(rows, 5) + 1]).item()
+        elif op == "protected_topk_gather":
+            got = mlx_knorm.protected_topk_gather(*views[:3], *new, mx.ones((2, 1)), 5, 1, 1, "low")
+            want = mlx_knorm.protected_topk_gather(*copies[:3], *new, mx.ones((2, 1)), 5, 1, 1, "low")
+            assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+        else:
+            assert mx.array_equal(mlx_knorm.key_norms(views[2]), mlx_knorm.key_norms(copies[2])).item()

@@ -46,6 +46,12 @@ def check_float32(x: mx.array, name: str) -> None:
         raise TypeError(f"mlx_knorm: {name} must be float32, got {dtype_name(x.dtype)}")
 
 
+def check_int32(x: mx.array, name: str) -> None:
+    """``x`` is int32 (the primitives' ``check_int32``)."""
+    if x.dtype != mx.int32:
+        raise TypeError(f"mlx_knorm: {name} must be int32, got {dtype_name(x.dtype)}")
+
+
 def check_rank(x: mx.array, ndim: int, name: str) -> None:
     if x.ndim != ndim:
         raise ValueError(f"mlx_knorm: {name} must have rank {ndim}, got shape {list(x.shape)}")

@@ -18,11 +18,11 @@ from ..validation import (
     check_float32,
     check_floating,
     check_int,
+    check_int32,
     check_leading_axes,
     check_rank,
     check_row_bytes,
     check_same_dtype,
-    dtype_name,
     shape_mismatch,
 )
 from .common import on_stream, run_native, shape_pinned, without_transforms
@@ -30,7 +30,7 @@ from .key_norms import fallback as key_norms_fallback
 from .order_keys import PADDING_SCORE_KEY, position_order_key, score_order_key
 
 LAYOUTS = ("slots", "temporal")
-# Payload arrays (keys' and values' together) a step moves: the Metal
+# Payload arrays (keys' and values' together) one call moves: the Metal
 # kernel binds each at fixed buffer indices (kEvictMaxPayloads,
 # metal/knorm_defines.h).
 MAX_PAYLOADS = 6
@@ -87,13 +87,13 @@ def evict_and_fill(
     every real row and never protected, so each sequence of a batch keeps
     what it would keep alone.
     """
-    step = check_step(
+    args = check_evict_and_fill(
         keys, values, norms, positions, new_keys, new_values,
         filled=filled, offset=offset, capacity=capacity, budget=budget,
         n_sink=n_sink, recent=recent, keep=keep, layout=layout,
         new_norms=new_norms, valid=valid,
     )
-    return _run(resolve(stream, key_dim=step.norm_key_dim()), step, stream)
+    return _run(resolve(stream, key_dim=args.norm_key_dim()), args, stream)
 
 
 def check_layout(layout) -> str:
@@ -104,8 +104,8 @@ def check_layout(layout) -> str:
     return layout
 
 
-class Step(NamedTuple):
-    """One checked step: the payloads flat (the keys', then the values'),
+class EvictAndFillArgs(NamedTuple):
+    """One call's checked arguments: the payloads flat (the keys', then the values'),
     how they group back into ``keys`` and ``values`` (``None``: one array;
     else the tuple's length), the other arrays, and the configuration as
     converted."""
@@ -170,14 +170,14 @@ def _check_structure(new_len, new_name: str, stored_len, stored_name: str) -> No
         )
 
 
-def check_step(
+def check_evict_and_fill(
     keys, values, norms, positions, new_keys, new_values,
     *, filled, offset, capacity, budget, n_sink, recent, keep, layout,
     new_norms=None, valid=None,
-) -> Step:
-    """Every check of docs/spec.md §6 for one step, in the primitive's order
-    (csrc/evict_and_fill/evict_and_fill.cpp); returns the step with the
-    integer and string arguments as converted, the form every later call
+) -> EvictAndFillArgs:
+    """Every check of docs/spec.md §6 for one call, in the primitive's order
+    (csrc/evict_and_fill/evict_and_fill.cpp); returns the arguments with
+    the integer and string ones as converted, the form every later call
     uses."""
     budget, n_sink, recent, keep = check_config(budget, n_sink, recent, keep)
     layout = check_layout(layout)
@@ -232,14 +232,13 @@ def check_step(
         check_floating(first, names[0])
         check_floating(new_rows[0], new_names[0])
     check_float32(norms, "norms")
-    if positions.dtype != mx.int32:
-        raise TypeError(f"mlx_knorm: positions must be int32, got {dtype_name(positions.dtype)}")
+    check_int32(positions, "positions")
     for new, stored, new_name, name in zip(new_rows, rows, new_names, names):
         check_same_dtype(new, new_name, stored, name)
     if new_norms is not None:
         check_float32(new_norms, "new_norms")
-    if valid is not None and valid.dtype != mx.int32:
-        raise TypeError(f"mlx_knorm: valid must be int32, got {dtype_name(valid.dtype)}")
+    if valid is not None:
+        check_int32(valid, "valid")
     for x, name in zip(rows, names):
         check_row_bytes(x, name)
     for i in range(1, len(rows)):
@@ -257,16 +256,16 @@ def check_step(
     if valid is not None and tuple(valid.shape) != (*first.shape[:heads], 2):
         raise shape_mismatch("valid must be [N, 2]", "valid", valid, names[0], first)
     slots = first.shape[-2]
-    steps = new_rows[0].shape[-2]
+    n_new = new_rows[0].shape[-2]
     if filled < 0:
         raise ValueError(f"mlx_knorm: filled must be >= 0, got {filled}")
     if filled > slots:
         raise ValueError(f"mlx_knorm: filled ({filled}) must be <= C, the buffers' slots ({slots})")
     if offset < 0:
         raise ValueError(f"mlx_knorm: offset must be >= 0, got {offset}")
-    if offset + steps > INT32_MAX:
-        raise ValueError(f"mlx_knorm: offset + S ({offset + steps}) must be < 2**31: positions are int32")
-    needed = min(filled, budget) + steps
+    if offset + n_new > INT32_MAX:
+        raise ValueError(f"mlx_knorm: offset + S ({offset + n_new}) must be < 2**31: positions are int32")
+    needed = min(filled, budget) + n_new
     if capacity < needed:
         raise ValueError(f"mlx_knorm: capacity ({capacity}) must be >= kept + S ({needed})")
     if capacity > INT32_MAX:
@@ -275,7 +274,7 @@ def check_step(
         filled=filled, offset=offset, capacity=capacity, budget=budget,
         n_sink=n_sink, recent=recent, keep=keep, layout=layout,
     )
-    return Step(rows, norms, positions, new_rows, new_norms, valid, key_tuple, value_tuple, config)
+    return EvictAndFillArgs(rows, norms, positions, new_rows, new_norms, valid, key_tuple, value_tuple, config)
 
 
 def evict_and_fill_unchecked(
@@ -285,7 +284,7 @@ def evict_and_fill_unchecked(
 ) -> tuple[Rows, Rows, mx.array, mx.array]:
     """``evict_and_fill`` for callers that checked their arguments already
     (the cache): the native op checks every relation it relies on again in
-    C++, so only the fallback runs ``check_step``, and every backend refuses
+    C++, so only the fallback runs ``check_evict_and_fill``, and every backend refuses
     the same calls (docs/spec.md §6)."""
     one_keys = type(keys) is mx.array
     key_dim = keys.shape[-1] if new_norms is None and one_keys and keys.ndim else None
@@ -306,7 +305,7 @@ def evict_and_fill_unchecked(
     )
     arrays = keys, values, norms, positions, new_keys, new_values
     if backend == "fallback":
-        return _run(backend, check_step(*arrays, **config, new_norms=new_norms, valid=valid), stream)
+        return _run(backend, check_evict_and_fill(*arrays, **config, new_norms=new_norms, valid=valid), stream)
     # The primitive checks every relation; what it cannot name is an
     # argument that is no array at all.
     for x, name in ((keys, "keys"), (values, "values"), (new_keys, "new_keys"), (new_values, "new_values")):
@@ -317,29 +316,29 @@ def evict_and_fill_unchecked(
     return _run_native(backend, arrays, config, new_norms, valid, stream)
 
 
-def _run(backend: str, step: Step, stream) -> tuple[Rows, Rows, mx.array, mx.array]:
+def _run(backend: str, args: EvictAndFillArgs, stream) -> tuple[Rows, Rows, mx.array, mx.array]:
     if backend == "fallback":
-        arrays = [*step.payloads, step.norms, step.positions, *step.new_payloads]
-        arrays += [x for x in (step.new_norms, step.valid) if x is not None]
+        arrays = [*args.payloads, args.norms, args.positions, *args.new_payloads]
+        arrays += [x for x in (args.new_norms, args.valid) if x is not None]
         with on_stream(stream):
             flat = fallback(
-                *arrays, payloads=len(step.payloads), norms_given=step.new_norms is not None,
-                has_valid=step.valid is not None, **step.config,
+                *arrays, payloads=len(args.payloads), norms_given=args.new_norms is not None,
+                has_valid=args.valid is not None, **args.config,
             )
-        return step.grouped(flat)
-    keys = step.payloads[: step.n_keys]
-    values = step.payloads[step.n_keys :]
-    new_keys = step.new_payloads[: step.n_keys]
-    new_values = step.new_payloads[step.n_keys :]
+        return args.grouped(flat)
+    keys = args.payloads[: args.n_keys]
+    values = args.payloads[args.n_keys :]
+    new_keys = args.new_payloads[: args.n_keys]
+    new_values = args.new_payloads[args.n_keys :]
     arrays = (
-        keys[0] if step.key_tuple is None else tuple(keys),
-        values[0] if step.value_tuple is None else tuple(values),
-        step.norms,
-        step.positions,
-        new_keys[0] if step.key_tuple is None else tuple(new_keys),
-        new_values[0] if step.value_tuple is None else tuple(new_values),
+        keys[0] if args.key_tuple is None else tuple(keys),
+        values[0] if args.value_tuple is None else tuple(values),
+        args.norms,
+        args.positions,
+        new_keys[0] if args.key_tuple is None else tuple(new_keys),
+        new_values[0] if args.value_tuple is None else tuple(new_values),
     )
-    return _run_native(backend, arrays, step.config, step.new_norms, step.valid, stream)
+    return _run_native(backend, arrays, args.config, args.new_norms, args.valid, stream)
 
 
 def _run_native(backend: str, arrays, config: dict, new_norms, valid, stream):
@@ -421,7 +420,7 @@ def fallback(
     payloads, norms_given, has_valid,
     filled, offset, capacity, budget, n_sink, recent, keep, layout,
 ) -> tuple[mx.array, ...]:
-    """The pure-MLX step, bit-identical to the kernels on slots
+    """The pure-MLX op, bit-identical to the kernels on slots
     ``[0, kept + S)``; later slots are zeros here. ``arrays`` in the
     primitive's order: the ``payloads`` buffers, norms, positions, the new
     payload rows, then new_norms and valid where given; returns the
@@ -446,7 +445,7 @@ def _fallback_one_head_axis(
     filled, offset, capacity, budget, n_sink, recent, keep, layout,
 ) -> list[mx.array]:
     kept = min(filled, budget)
-    steps = new[0].shape[1]
+    n_new = new[0].shape[1]
     n_heads = norms.shape[0]
     norms = shape_pinned(norms)
     keep_mask = kept_slots(norms, positions, filled, offset, budget, n_sink, recent, keep, valid)
@@ -454,10 +453,10 @@ def _fallback_one_head_axis(
 
     def assemble(buffer, fresh):
         rows = mx.take_along_axis(buffer, src.reshape(*src.shape, *([1] * (buffer.ndim - 2))), axis=1)
-        pad_shape = (buffer.shape[0], capacity - kept - steps, *buffer.shape[2:])
+        pad_shape = (buffer.shape[0], capacity - kept - n_new, *buffer.shape[2:])
         return mx.concatenate([rows, fresh, mx.zeros(pad_shape, buffer.dtype)], axis=1)
 
-    new_positions = mx.broadcast_to(mx.arange(offset, offset + steps, dtype=mx.int32), (n_heads, steps))
+    new_positions = mx.broadcast_to(mx.arange(offset, offset + n_new, dtype=mx.int32), (n_heads, n_new))
     if new_norms is None:
         new_norms = key_norms_fallback(new[0])
     return [
