@@ -65,7 +65,7 @@ BATCH_SIZES = (1, 4, 8)
 ROTATING = "BatchRotatingKVCache"
 OURS = "BatchL2NormKVCache"
 ALONE = "L2NormKVCache one at a time"
-# The issue's targets (issue 19), checked in the report.
+# The targets, checked in the report.
 MIN_TOKENS_PER_S_RATIO = 0.9
 MAX_PEAK_MEMORY_RATIO = 1.05
 MIN_SPEEDUP_OVER_ALONE = 1.5

@@ -245,7 +245,7 @@ def register(commands) -> None:
                     "--full-grid reads about 3.3M: hours on a CPU.")
     nd.add_argument("--model", default="smollm2", help=f"{MODEL_HELP} (default: smollm2)")
     nd.add_argument("--full-grid", action="store_true",
-                    help=f"issue 17's full grid: both haystacks, the eval's nine policies, {NEEDLE_FULL_KEYS} "
+                    help=f"the full grid: both haystacks, the eval's nine policies, {NEEDLE_FULL_KEYS} "
                          "keys per cell (the options below, where given, still apply)")
     nd.add_argument("--haystacks", type=lambda t: t.split(","),
                     help="passkey (the classic filler) and/or prose (pydoc_data.topics), comma-separated "
