@@ -1,7 +1,9 @@
-"""``mlx-knorm generate`` on a GGUF file, as a user runs it: the tokens of
-``mlx_lm.generate`` on the directory ``mlx-knorm convert`` writes from the
-same file, while the prompt and the generation fit in the budget; past it,
-generation goes on and the KV memory stays at the budget."""
+"""mlx-knorm's commands on a GGUF file, as a user runs them: ``generate``
+gives the tokens of ``mlx_lm.generate`` on the directory ``mlx-knorm
+convert`` writes from the same file while the prompt and the generation fit
+in the budget (past it, generation goes on and the KV memory stays at the
+budget); ``chat``, ``cache-prompt`` with ``generate --prompt-cache-file``,
+and ``server`` answer on the file what they answer on its conversion."""
 
 from __future__ import annotations
 
@@ -48,3 +50,43 @@ def test_generate_on_a_gguf_file_past_the_budget_keeps_the_budget(gguf_model):
     assert label == f"budget {budget}"
     assert tokens == mlx_lm_stat(out, "Prompt") + 50 > budget
     assert 0 < kept < full
+
+
+def test_chat_on_a_gguf_file_is_chat_on_its_conversion(gguf_model):
+    path, converted, env = gguf_model
+    turns = "the tin man\nand the lion\nq\n"
+    flags = ["--max-tokens", "16", "--budget", "512"]
+    ours = succeeded(run([*MLX_KNORM, "chat", "--model", path, *flags], env, stdin=turns)).stdout
+    theirs = succeeded(run([*MLX_KNORM, "chat", "--model", converted, *flags], env, stdin=turns)).stdout
+    assert ours == theirs
+    assert len(kv_lines(ours)) == 2
+
+
+def test_a_prompt_cache_of_a_gguf_file_answers_as_its_conversion_s(gguf_model, tmp_path):
+    path, converted, env = gguf_model
+    answers = []
+    for model in (path, converted):
+        cache_file = tmp_path / f"{len(answers)}.safetensors"
+        succeeded(run([*MLX_KNORM, "cache-prompt", "--model", model, "--budget", "32",
+                       "--prompt", PROMPT * 8, "--prompt-cache-file", cache_file], env))
+        answers.append(succeeded(run([*MLX_KNORM, "generate", "--prompt-cache-file", cache_file, "--model", model,
+                                      "--prompt", " and", "--max-tokens", "20", "--verbose", "F"], env)).stdout)
+    assert answers[0] == answers[1] and answers[0].strip()
+
+
+def test_the_server_serves_a_gguf_file(gguf_model, tmp_path):
+    from test_command_server import Server
+
+    path, converted, env = gguf_model
+    server = Server([*MLX_KNORM, "server", "--model", path, "--budget", "512"], env, tmp_path / "server.log")
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 20}
+        text = server.complete("/v1/completions", body)["choices"][0]["text"]
+        streamed = "".join(e["choices"][0]["text"] for e in server.stream("/v1/completions", body))
+    finally:
+        server.stop()
+    from mlx_lm import generate, load
+
+    model, tokenizer = load(str(converted))
+    expected = generate(model, tokenizer, PROMPT, max_tokens=20)
+    assert text == streamed == expected and text.strip()
