@@ -24,26 +24,15 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from .cache import L2NormKVCache, _storage_dtype, step_capacity
-from .cache_state import check_block
+from .cache_state import check_block, decimal_int
 from .ops.evict_and_fill import check_layout, evict_and_fill_unchecked
 from .validation import INT32_MAX, check_config, check_int
-
-_STATE_INTS = ("timeline", "filled", "budget", "n_sink", "recent")
-
-
-def _state_int(value, field: str) -> int:
-    """A state's integer field, an int or its decimal string (as
-    ``meta_state`` writes it); raises naming the field."""
-    if isinstance(value, str):
-        if not value.strip().lstrip("+-").isdigit():
-            raise ValueError(f"mlx_knorm: BatchL2NormKVCache state field '{field}' must be a decimal "
-                             f"integer, got {value!r}")
-        value = int(value)
-    return check_int(value, f"BatchL2NormKVCache state field '{field}'")
 
 # hi_b of a sequence whose tokens run on (no right-padded prefill pending).
 OPEN = INT32_MAX
 _CONFIG = ("budget", "n_sink", "recent", "keep", "layout")
+# The state's integer fields, ints or decimal strings.
+_STATE_INTS = ("timeline", "filled", "budget", "n_sink", "recent")
 
 
 def _config_of(cache) -> tuple:
@@ -429,7 +418,8 @@ class BatchL2NormKVCache(_BaseCache):
             raise ValueError(f"mlx_knorm: BatchL2NormKVCache state must have 13 fields, got {len(v)}")
         keys, values, norms, positions, ranges, real, timeline, filled, *config = v
         timeline, filled, budget, n_sink, recent = (
-            _state_int(x, name) for x, name in zip((timeline, filled, *config[:3]), _STATE_INTS))
+            decimal_int(x, f"BatchL2NormKVCache state field '{name}'")
+            for x, name in zip((timeline, filled, *config[:3]), _STATE_INTS))
         budget, n_sink, recent, keep = check_config(budget, n_sink, recent, config[3])
         layout = check_layout(config[4])
         if not isinstance(ranges, mx.array) or ranges.dtype != mx.int32 or ranges.ndim != 2 or ranges.shape[1] != 2:

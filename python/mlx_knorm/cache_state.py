@@ -343,13 +343,15 @@ def parse_meta_state(meta_state, quantized: bool = False) -> tuple:
     integers = [i for i, field in enumerate(fields) if field not in ("keep", "layout")]
     out = list(meta_state)
     for i in integers:
-        field, value = fields[i], meta_state[i]
-        if isinstance(value, str):
-            if not re.fullmatch(r"[+-]?[0-9]+", value):
-                raise ValueError(
-                    f"mlx_knorm: {kind} meta_state field '{field}' must be a decimal "
-                    f"integer, got {value!r}"
-                )
-            value = int(value)
-        out[i] = check_int(value, f"meta_state field '{field}'")
+        out[i] = decimal_int(meta_state[i], f"{kind} meta_state field '{fields[i]}'")
     return tuple(out)
+
+
+def decimal_int(value, label: str) -> int:
+    """An int, or its decimal string (as ``meta_state`` writes integers);
+    raises naming ``label`` (e.g. ``"L2NormKVCache meta_state field 'budget'"``)."""
+    if isinstance(value, str):
+        if not re.fullmatch(r"[+-]?[0-9]+", value):
+            raise ValueError(f"mlx_knorm: {label} must be a decimal integer, got {value!r}")
+        value = int(value)
+    return check_int(value, label)
