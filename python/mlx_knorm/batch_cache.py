@@ -466,10 +466,11 @@ class BatchL2NormKVCache(_BaseCache):
         try:
             for i in range(batch):
                 self.extract(i)
-        except ValueError as err:
+        except (ValueError, TypeError) as err:
             self.__dict__.clear()
             self.__dict__.update(before)
-            raise ValueError(f"mlx_knorm: BatchL2NormKVCache state, sequence {i}: {err}") from None
+            error = ValueError if isinstance(err, ValueError) else TypeError
+            raise error(f"mlx_knorm: BatchL2NormKVCache state, sequence {i}: {err}") from None
 
     @property
     def meta_state(self) -> tuple[str, ...]:
