@@ -62,7 +62,9 @@ constant constexpr uint kRadixBins = 256;
 
 // What a selection keeps: every row whose order key is below `key`, and
 // the first `take_equal` of the `equal` rows with exactly that key (ties go
-// to the earliest rows).
+// to the earliest rows). take_equal == equal keeps every row whose key is at
+// or below `key`; after a select that stopped at a whole bin, `equal`
+// counts that bin's rows, most of them below `key`.
 template <typename Key>
 struct KnormCut {
   Key key;

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -52,6 +55,59 @@ PROTECTED_TOPK_GATHER_SHAPE_ERRORS = [
       "new_values": mx.zeros((0, 3, 2**29))},
      "prior_values has rows of 2147483648 bytes"),
 ]
+# The largest calls within docs/spec.md §5's limits, on heads without
+# elements: accepted on every backend, one row, byte or slot below the
+# calls above that are refused. Each runs in a subprocess whose address
+# space is capped, so a backend that sized host scratch by the rows (4 bytes
+# a row is 8 GB here) fails the test instead of the machine. The fallback
+# builds its selection from the shapes as arrays of the rows (8 bytes a row),
+# so it is not run at the row limit.
+AT_THE_LIMITS_SCRIPT = """
+import resource, sys
+sys.path.insert(0, sys.argv[2])
+import mlx.core as mx
+import mlx_knorm
+from test_validation import good_evict_and_fill_args, good_protected_topk_gather_args
+
+backend = sys.argv[1]
+calls = [
+    ("n_prior + S = 2**31 - 1", mlx_knorm.knorm_update_batched,
+     good_protected_topk_gather_args(n=0, n_prior=2**31 - 4, s=3), (0, 6, 8)),
+    ("gather rows of 2**31 - 2 bytes", mlx_knorm.knorm_update_batched,
+     {**good_protected_topk_gather_args(n=0), "prior_values": mx.zeros((0, 5, 2**30 - 1), mx.float16),
+      "new_values": mx.zeros((0, 3, 2**30 - 1), mx.float16)}, (0, 6, 8)),
+    ("capacity = 2**31 - 1", mlx_knorm.evict_and_fill,
+     {**good_evict_and_fill_args(n=0), "capacity": 2**31 - 1}, (0, 2**31 - 1, 8)),
+    ("offset + S = 2**31 - 1", mlx_knorm.evict_and_fill,
+     {**good_evict_and_fill_args(n=0), "offset": 2**31 - 2}, (0, 6, 8)),
+    ("step rows of 2**31 - 1 bytes", mlx_knorm.evict_and_fill,
+     {**good_evict_and_fill_args(n=0), "values": mx.zeros((0, 6, 2**31 - 1), mx.uint8),
+      "new_values": mx.zeros((0, 1, 2**31 - 1), mx.uint8)}, (0, 6, 8)),
+]
+if backend == "fallback":
+    calls = calls[1:]
+with open("/proc/self/status") as status:
+    used = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (used + (2 << 30), resource.getrlimit(resource.RLIMIT_AS)[1]))
+with mlx_knorm.use_backend(backend):
+    for name, op, args, keys_shape in calls:
+        outputs = op(**args)
+        mx.eval(outputs)
+        assert outputs[0].shape == keys_shape, (name, outputs[0].shape)
+        print("accepted:", name)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_the_largest_calls_within_the_limits_are_accepted(backend):
+    tests_dir = str(Path(__file__).resolve().parent)
+    result = subprocess.run([sys.executable, "-c", AT_THE_LIMITS_SCRIPT, backend, tests_dir],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("accepted:") == (4 if backend == "fallback" else 5), result.stdout
+
+
 PROTECTED_TOPK_GATHER_TYPE_ERRORS = [
     (dict(new_keys=mx.ones((2, 3, 8), mx.int32)), "new_keys must be float16, bfloat16 or float32"),
     (dict(prior_values=mx.zeros((2, 5, 8), mx.uint8)), "prior_values must be float16"),

@@ -121,6 +121,11 @@ void gather_rows(
     const SelectionConfig& config,
     int64_t row_begin,
     int64_t row_end) {
+  // No heads (parallel_for runs the body once even then): nothing to select,
+  // and the keys below would take 4 bytes a row, up to 8 GB at the row limit.
+  if (row_begin >= row_end) {
+    return;
+  }
   const RowSelection sel(b.n_prior + b.n_new, config);
   if (!sel.evicts) {
     for (int64_t n = row_begin; n < row_end; ++n) {
