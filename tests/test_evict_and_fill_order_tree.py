@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import mlx_knorm
 from conftest import ALL_BACKENDS, EMULATOR_SETTINGS, NATIVE_BACKENDS, assert_bitwise_equal, requires_emulator
 from generators import evict_and_fill_arrays, fill
+from mlx_knorm.ops.evict_and_fill import evict_and_fill_unchecked
 from spec_oracle import order_tree as oracle_order_tree
 
 INT32_MAX = 2**31 - 1
@@ -172,7 +173,8 @@ def test_evict_and_fill_order_tree_is_read_by_the_cpu_kernel():
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
-@pytest.mark.parametrize("flaw", ["winner_past_filled", "winner_negative", "stamp_count", "stamp_offset", "garbage"])
+@pytest.mark.parametrize("flaw", ["winner_past_filled", "winner_negative", "window_winner_past_c",
+                                  "window_winner_negative", "stamp_count", "stamp_offset", "garbage"])
 def test_evict_and_fill_order_tree_not_of_this_step_stays_in_bounds(backend, flaw):
     """A tree whose stamps are not this step's, or whose winner is out of
     range, makes the step rank every row (the contract's result); any other
@@ -185,6 +187,10 @@ def test_evict_and_fill_order_tree_not_of_this_step_stays_in_bounds(backend, fla
         tree[:, 0, n] = n + 5
     elif flaw == "winner_negative":
         tree[:, 0, n] = -3
+    elif flaw == "window_winner_past_c":
+        tree[:, 1, n] = n
+    elif flaw == "window_winner_negative":
+        tree[:, 1, n] = -1
     elif flaw == "stamp_count":
         tree[:, 0, 0] += 1
     elif flaw == "stamp_offset":
@@ -234,6 +240,18 @@ def test_evict_and_fill_order_tree_errors(backend, flaw, bad, error, message):
     *rows, tree = state
     with mlx_knorm.use_backend(backend), pytest.raises(error, match=message):
         mlx_knorm.evict_and_fill(*rows, new, new, tree=bad(tree), **step)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("bad", [None, 1, [0], np.zeros((2, 2, 10), np.int32), np.True_],
+                         ids=["None", "int", "list", "numpy", "numpy-bool"])
+def test_evict_and_fill_order_tree_of_another_type_is_refused_by_the_cache_entry(backend, bad):
+    """The cache's entry point (no Python checks on the kernel's decode
+    path) names a tree that is neither a bool nor an array, as the op does."""
+    state, step, new = decode_state()
+    *rows, _ = state
+    with mlx_knorm.use_backend(backend), pytest.raises(TypeError, match="tree must be a bool or an mlx.core.array"):
+        evict_and_fill_unchecked(*rows, new, new, tree=bad, **step)
 
 
 def test_evict_and_fill_order_tree_inside_compile():

@@ -389,8 +389,9 @@ constexpr int kMaxLeaving = 4;
 // winner is evicted; the rows leaving the window are found as the window
 // half's winners before any row moves; then the nodes above every slot
 // whose row or rank changed are recomputed for the next step. Returns false,
-// with no row moved, when the tree's stamps are not this step's or its
-// winner is out of range: the caller ranks the rows and builds the tree.
+// with no row moved, when the tree's stamps are not this step's or a
+// half's winner is out of range: the caller ranks the rows and builds the
+// tree.
 bool decode_with_tree(
     const EvictAndFillBuffers& b,
     const EvictAndFillConfig& config,
@@ -408,7 +409,8 @@ bool decode_with_tree(
   }
   const bool evicts = filled > kept;
   const int32_t evicted = evicts ? given[slots] : -1;
-  if (evicts && (evicted < 0 || evicted >= filled)) {
+  const int32_t oldest = given[2 * slots + 1];
+  if ((evicts && (evicted < 0 || evicted >= filled)) || oldest < 0 || oldest >= slots) {
     return false;
   }
   if (given != eviction) {

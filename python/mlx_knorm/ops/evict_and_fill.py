@@ -320,6 +320,8 @@ def evict_and_fill_unchecked(
     C++, so only the fallback runs ``check_evict_and_fill``, and every backend refuses
     the same calls (docs/spec.md §6)."""
     one_keys = type(keys) is mx.array
+    if tree is not True and tree is not False and type(tree) is not mx.array:
+        _check_tree_argument(tree)
     key_dim = keys.shape[-1] if new_norms is None and one_keys and keys.ndim else None
     backend = resolve(stream, key_dim=key_dim)
     if (backend == "kernel" and one_keys and type(values) is mx.array and type(norms) is mx.array
