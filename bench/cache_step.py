@@ -43,6 +43,10 @@ def main(argv=None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    if args.rounds is not None and args.rounds < 2:
+        parser.error(f"--rounds must be >= 2 (the first round is untimed), got {args.rounds}")
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
     if cli.native_missing("bench/cache_step.py"):
         return 1
     if args.quick:

@@ -176,6 +176,8 @@ NB_MODULE(_ext, m) {
          const std::string& layout,
          const std::optional<mx::array>& new_norms,
          const std::optional<mx::array>& valid,
+         bool order_tree,
+         const std::optional<mx::array>& tree,
          bool emulate,
          mx::StreamOrDevice s) {
         mlx_knorm::PayloadArrays rows;
@@ -194,9 +196,11 @@ NB_MODULE(_ext, m) {
             mlx_knorm::parse_layout(layout),
             {static_cast<int>(k.count), static_cast<int>(v.count), k.listed, v.listed},
             new_norms.has_value(),
-            valid.has_value()};
+            valid.has_value(),
+            order_tree || tree.has_value(),
+            tree.has_value()};
         const mlx_knorm::EvictAndFillInputs inputs{
-            std::move(rows), norms, positions, std::move(new_rows), new_norms, valid};
+            std::move(rows), norms, positions, std::move(new_rows), new_norms, valid, tree};
         return mlx_knorm::evict_and_fill(inputs, config, executor_for(emulate), s);
       },
       "keys"_a,
@@ -216,13 +220,17 @@ NB_MODULE(_ext, m) {
       nb::kw_only(),
       "new_norms"_a = nb::none(),
       "valid"_a = nb::none(),
+      "order_tree"_a = false,
+      "tree"_a = nb::none(),
       "emulate_metal"_a = false,
       "stream"_a = nb::none(),
       "One cache step of docs/spec.md §4 on payloads moved as raw bits: keys "
       "and values (and new_keys, new_values) are each an array or a list of "
       "arrays; new_norms (float32 [..., S]) replaces the norms computed from "
       "new_keys; valid (int32 [..., 2]) gives each head's real positions "
-      "[lo, hi). Returns [*keys, *values, norms, positions], flat.");
+      "[lo, hi); order_tree, or a given tree (int32 [..., 2, C + 1], the "
+      "previous step's), adds the order tree of step 4. Returns [*keys, "
+      "*values, norms, positions] and the tree where asked for, flat.");
 
   m.def(
       "metal_kernel_source",

@@ -81,14 +81,16 @@ inline int knorm_clamp_to_int(long v) {
 // n_sink and the window starts at offset - recent; with (lo, hi) the real
 // rows are [lo, hi), the sinks [lo, lo + n_sink) and the window starts at
 // min(offset, hi) - recent. Bounds past int are clamped, which changes no
-// real row's protection.
+// real row's protection. `offset`: the step's (params.offset), or the next
+// step's for the order tree.
 inline KnormEvictHead knorm_evict_head(
     constant KnormEvictParams& params,
     device const int* valid,
     uint head,
     device const float* norms,
     device const int* positions,
-    threadgroup const ulong* cached_ranks) {
+    threadgroup const ulong* cached_ranks,
+    long offset) {
   KnormEvictHead h;
   h.filled = params.filled;
   h.kept = params.kept;
@@ -97,7 +99,6 @@ inline KnormEvictHead knorm_evict_head(
   h.positions = positions;
   h.cached = false;
   h.cached_ranks = cached_ranks;
-  const long offset = long(params.offset);
   const long recent = long(params.recent);
   if (params.has_valid == 0) {
     h.first_real = as_type<int>(0x80000000u);
@@ -614,7 +615,7 @@ template <typename K>
   const ulong in_row = ulong(head) * params.slots;
   const ulong out_row = ulong(head) * params.out_slots;
   KnormEvictHead stored = knorm_evict_head(
-      params, valid, head, norms + in_row, positions + in_row, cached_ranks);
+      params, valid, head, norms + in_row, positions + in_row, cached_ranks, long(params.offset));
   const KnormEvictBuffers batch = {
       {rows_0, rows_1, rows_2, rows_3, rows_4, rows_5},
       {out_rows_0, out_rows_1, out_rows_2, out_rows_3, out_rows_4, out_rows_5},

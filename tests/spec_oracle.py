@@ -61,3 +61,55 @@ def evict_and_fill_sources(
     kept = len(kept_in_order)
     movers = [s for s in kept_in_order if s >= kept]
     return [s if s in kept_set else movers.pop(0) for s in range(kept)]
+
+
+def order_tree(
+    norms: list[float],
+    positions: list[int],
+    n_slots: int,
+    count: int,
+    next_offset: int,
+    n_sink: int,
+    recent: int,
+    keep: str,
+    valid: tuple[int, int] | None = None,
+) -> list[list[int]]:
+    """docs/spec.md §4 step 4 for one head: its two halves, each
+    ``n_slots + 1`` entries, over output rows of which slots ``[0, count)``
+    are occupied, for the step at ``next_offset``."""
+    lo, hi = (0, math.inf) if valid is None else valid
+    end = min(next_offset, hi)
+
+    def real(s):
+        return valid is None or lo <= positions[s] < hi
+
+    def rank(s: int):
+        p = positions[s]
+        if not real(s):
+            return (2, False, 0.0, p, s)
+        if p < lo + n_sink or p >= end - recent:
+            return (0, False, 0.0, p, s)
+        score = norms[s] if keep == "low" else -norms[s]
+        nan = math.isnan(score)
+        return (1, nan, 0.0 if nan else score, p, s)
+
+    def window(s: int) -> bool:
+        return s < count and real(s) and positions[s] >= end - recent
+
+    def eviction_key(s):
+        return (s < count, rank(s) if s < count else (), s)
+
+    def window_key(s):
+        return (not window(s), positions[s] if window(s) else 0, s)
+
+    halves = []
+    for best, stamp in ((lambda a, b: max(a, b, key=eviction_key), count),
+                        (lambda a, b: min(a, b, key=window_key), next_offset)):
+        def winner(node):
+            return node - n_slots if node >= n_slots else best(winner(2 * node), winner(2 * node + 1))
+
+        half = [stamp] + [winner(i) for i in range(1, n_slots)]
+        if n_slots >= 1:
+            half.append(winner(1) if n_slots >= 2 else 0)
+        halves.append(half)
+    return halves

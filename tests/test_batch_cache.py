@@ -309,7 +309,8 @@ def test_a_batch_state_a_single_cache_would_refuse_is_refused(backend, flaw):
 def test_nbytes_counts_the_buffers_and_sliding_windows_are_refused():
     rng = np.random.default_rng(2)
     batch, _ = merged(rng, dict(budget=5), [4, 9], 3)
-    assert batch.nbytes == sum(b.nbytes for b in (batch.keys, batch.values, batch.norms, batch.slot_positions))
+    tree_bytes = 0 if batch.order_tree is None else batch.order_tree.nbytes
+    assert batch.nbytes == sum(b.nbytes for b in (batch.keys, batch.values, batch.norms, batch.slot_positions)) + tree_bytes
     assert L2NormKVCache.merge([L2NormKVCache()]).nbytes == 0
     with pytest.raises(ValueError, match="sliding-window"):
         batch.make_mask(1, window_size=4)

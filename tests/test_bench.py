@@ -145,6 +145,15 @@ def test_cache_step_program_runs_the_same_suite(tmp_path):
     check_cache_report(report, [(16, 1), (16, 2)])
 
 
+@pytest.mark.parametrize("flag, value", [("--rounds", "1"), ("--rounds", "0"), ("--steps", "0")])
+def test_cache_step_program_refuses_schedules_with_nothing_timed(flag, value, capsys):
+    program = runpy.run_path(str(BENCH / "cache_step.py"))
+    with pytest.raises(SystemExit) as exit_info:
+        program["main"](["--budget", "16", flag, value])
+    assert exit_info.value.code == 2
+    assert f"{flag} must be >= " in capsys.readouterr().err
+
+
 def check_decode_e2e(report, budgets):
     assert report["benchmark"] == "decode_e2e" and report["warm_process"] is True
     assert list(report["budgets"]) == [str(b) for b in budgets]

@@ -43,7 +43,9 @@ def check_accounting(cache: L2NormKVCache, batch: int, seen: int, budget: int) -
     assert cache.knorm_kept_bytes == batch * KV_HEADS * kept * HEAD_DIM * 4
     assert cache.full_seq_bytes == batch * KV_HEADS * seen * HEAD_DIM * 4
     assert cache.compression_ratio == seen / kept
-    assert cache.nbytes == sum(b.nbytes for b in buffers(cache))
+    tree = cache.order_tree
+    assert (tree is None) == (cache.layout == "temporal")
+    assert cache.nbytes == sum(b.nbytes for b in buffers(cache)) + (0 if tree is None else tree.nbytes)
     capacity = cache.keys.shape[2]
     assert [b.shape[:3] for b in buffers(cache)] == [(batch, KV_HEADS, capacity)] * 4
     assert cache.filled <= capacity <= max(cache.filled, budget + 1)

@@ -421,3 +421,55 @@ def test_evict_and_fill_with_valid_ranges_on_donated_buffers_runs_in_place(backe
     out = evict_and_fill_dropping(backend, arrays, config)
     assert [data_address(o) for o in out] == addresses
     assert_evict_and_fill_equal(out, expected, budget + 1)
+
+
+# The order tree (docs/spec.md §7): updated in place when the given tree is
+# donated and C_out = C; a tree the caller holds is never written.
+
+
+def order_tree_decode(backend, steps, hold):
+    """A slot-layout cache's decode loop through the op, each step given the
+    previous step's tree; the trees' data addresses, and the trees held when
+    hold (each step's input kept alive), with copies taken before."""
+    rng = np.random.default_rng(5)
+    budget, dim = 16, 8
+    config = dict(budget=budget, n_sink=1, recent=3, keep="low", layout="slots")
+    prompt = fill(rng, (3, budget + 1, dim), "normal", "float16")
+    tokens = [fill(rng, (3, 1, dim), "ties", "float16") for _ in range(steps)]
+    with mlx_knorm.use_backend(backend):
+        *state, tree = mlx_knorm.evict_and_fill(
+            mx.zeros((3, 0, dim), mx.float16), mx.zeros((3, 0, dim), mx.float16),
+            mx.zeros((3, 0), mx.float32), mx.zeros((3, 0), mx.int32), prompt, prompt,
+            filled=0, offset=0, capacity=budget + 1, tree=True, **config)
+        mx.eval(state, tree)
+        addresses, held = [data_address(tree)], []
+        for j, token in enumerate(tokens):
+            if hold:
+                held.append((tree, np.array(tree)))
+            *state, tree = mlx_knorm.evict_and_fill(
+                *state, token, token, filled=budget + 1, offset=budget + 1 + j,
+                capacity=budget + 1, tree=tree, **config)
+            mx.eval(state, tree)
+            addresses.append(data_address(tree))
+    return state, tree, addresses, held
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
+def test_evict_and_fill_order_tree_donated_is_updated_in_place(backend):
+    steps = steps_for(backend)
+    state, tree, addresses, _ = order_tree_decode(backend, steps, hold=False)
+    assert len(set(addresses)) == 1, "every step wrote the donated tree"
+    expected_state, expected_tree, _, _ = order_tree_decode("fallback", steps, hold=False)
+    assert_bitwise_equal(tree, expected_tree, "tree")
+    for a, e in zip(state, expected_state):
+        assert_bitwise_equal(a, e, "rows")
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
+def test_evict_and_fill_never_writes_a_held_order_tree(backend):
+    _, tree, addresses, held = order_tree_decode(backend, steps_for(backend), hold=True)
+    assert len(set(addresses)) == len(addresses), "a held tree is copied, never written"
+    for given, before in held:
+        assert np.array_equal(np.array(given), before)
+    _, expected_tree, _, _ = order_tree_decode("fallback", steps_for(backend), hold=False)
+    assert_bitwise_equal(tree, expected_tree, "tree")

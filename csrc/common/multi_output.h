@@ -12,6 +12,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -108,31 +109,36 @@ class LentSiblingInputs {
   std::vector<bool> lent_;
 };
 
-// Output i shares input i's buffer when allowed(i) and nothing else holds
-// that buffer, the shapes and dtypes agree and the buffer holds exactly the
-// array (row-contiguous, no broadcast); otherwise it gets a fresh buffer.
-// The fresh buffers are allocated first, so a failed allocation leaves every
-// input as it was. The caller keep()s the result once nothing can raise.
-template <typename Allowed>
+// Output i shares the buffer of input source(i) (an optional index) when
+// nothing else holds that buffer, the shapes and dtypes agree and the buffer
+// holds exactly the array (row-contiguous, no broadcast); otherwise it gets
+// a fresh buffer. The fresh buffers are allocated first, so a failed
+// allocation leaves every input as it was. The caller keep()s the result
+// once nothing can raise.
+template <typename Source>
 [[nodiscard]] LentSiblingInputs take_over_or_allocate(
     const std::vector<mlx::core::array>& inputs,
     std::vector<mlx::core::array>& outputs,
-    Allowed allowed) {
+    Source source) {
   LentSiblingInputs lent(inputs, outputs);
-  std::vector<bool> take_over(outputs.size(), false);
+  std::vector<std::optional<size_t>> take_over(outputs.size());
   for (size_t i = 0; i < outputs.size(); ++i) {
     const auto& out = outputs[i];
-    take_over[i] = i < inputs.size() && allowed(i) &&
-        inputs[i].is_donatable() && inputs[i].shape() == out.shape() &&
-        inputs[i].dtype() == out.dtype() &&
-        inputs[i].data_size() == inputs[i].size();
+    const std::optional<size_t> from = source(i);
+    if (from && *from < inputs.size()) {
+      const auto& in = inputs[*from];
+      if (in.is_donatable() && in.shape() == out.shape() && in.dtype() == out.dtype() &&
+          in.data_size() == in.size()) {
+        take_over[i] = from;
+      }
+    }
     if (!take_over[i]) {
       allocate_output(outputs[i]);
     }
   }
   for (size_t i = 0; i < outputs.size(); ++i) {
     if (take_over[i]) {
-      outputs[i].copy_shared_buffer(inputs[i]);
+      outputs[i].copy_shared_buffer(inputs[*take_over[i]]);
     }
   }
   return lent;

@@ -19,6 +19,7 @@
 #include "common/parallel.h"
 #include "common/radix_select.h"
 #include "evict_and_fill/evict_and_fill.h"
+#include "evict_and_fill/order_tree.h"
 #include "key_norms/key_norms.h"
 
 namespace mlx_knorm {
@@ -49,6 +50,8 @@ struct EvictAndFillBuffers {
   mx::Dtype key_dtype;     // of payload 0, when the norms are computed
   int64_t key_dim;
   int64_t n_new;
+  const int32_t* tree_in;  // the given order tree [N, 2, C + 1], or null
+  int32_t* tree_out;       // the output's [N, 2, C_out + 1], or null
 
   int buffers() const {
     return payloads + 2;
@@ -61,6 +64,16 @@ struct EvictAndFillBuffers {
   }
   EvictionRank rank(const EvictAndFillConfig& config, int64_t n) const {
     return EvictionRank::of(config.selection, config.offset, valid ? valid + 2 * n : nullptr);
+  }
+  // The rank of the next step, the one the output tree is for.
+  EvictionRank next_rank(const EvictAndFillConfig& config, int64_t n) const {
+    return EvictionRank::of(config.selection, config.offset + n_new, valid ? valid + 2 * n : nullptr);
+  }
+  const float* out_norms(int64_t n) const {
+    return reinterpret_cast<const float*>(norms().out) + n * out_slots;
+  }
+  const int32_t* out_positions(int64_t n) const {
+    return reinterpret_cast<const int32_t*>(positions().out) + n * out_slots;
   }
 };
 
@@ -356,6 +369,124 @@ void fill_head(
   }
 }
 
+
+// docs/spec.md §4 step 4: the output tree of head n, built over its output
+// rows.
+void build_tree(const EvictAndFillBuffers& b, const EvictAndFillConfig& config, int64_t n) {
+  const int64_t slots = b.out_slots;
+  int32_t* eviction = b.tree_out + n * 2 * (slots + 1);
+  const OrderTreeKeys keys{b.out_norms(n), b.out_positions(n), config.kept() + b.n_new,
+                           b.next_rank(config, n)};
+  order_tree_build(eviction, eviction + slots + 1, slots, keys, config.offset + b.n_new);
+}
+
+// More rows than this leaving the window in one step (equal positions,
+// reachable only by calling the op directly) make the head rank every row.
+constexpr int kMaxLeaving = 4;
+
+// A decode step of head n through its given tree (the caller checked S = 1,
+// the slot layout, C_out = C and filled <= budget + 1): the eviction half's
+// winner is evicted; the rows leaving the window are found as the window
+// half's winners before any row moves; then the nodes above every slot
+// whose row or rank changed are recomputed for the next step. Returns false,
+// with no row moved, when the tree's stamps are not this step's or a
+// half's winner is out of range: the caller ranks the rows and builds the
+// tree.
+bool decode_with_tree(
+    const EvictAndFillBuffers& b,
+    const EvictAndFillConfig& config,
+    int64_t n,
+    const float* new_norms) {
+  const int64_t slots = b.out_slots;
+  const int64_t stride = 2 * (slots + 1);
+  const int32_t* given = b.tree_in + n * stride;
+  int32_t* eviction = b.tree_out + n * stride;
+  int32_t* window = eviction + slots + 1;
+  const int64_t filled = config.filled;
+  const int64_t kept = config.kept();
+  if (given[0] != filled || given[slots + 1] != config.offset) {
+    return false;
+  }
+  const bool evicts = filled > kept;
+  const int32_t evicted = evicts ? given[slots] : -1;
+  const int32_t oldest = given[2 * slots + 1];
+  if ((evicts && (evicted < 0 || evicted >= filled)) || oldest < 0 || oldest >= slots) {
+    return false;
+  }
+  if (given != eviction) {
+    std::memcpy(eviction, given, stride * sizeof(int32_t));
+  }
+  const auto* norms = reinterpret_cast<const float*>(b.norms().in) + n * b.in_slots;
+  const auto* positions = reinterpret_cast<const int32_t*>(b.positions().in) + n * b.in_slots;
+  const OrderTreeKeys now{norms, positions, filled, b.rank(config, n)};
+  const EvictionRank next = b.next_rank(config, n);
+  std::array<int32_t, kMaxLeaving> leaving{};
+  int n_leaving = 0;
+  auto left = [&](int32_t s) {
+    for (int i = 0; i < n_leaving; ++i) {
+      if (leaving[i] == s) {
+        return true;
+      }
+    }
+    return false;
+  };
+  // The window half, with the rows found so far taken out of the window.
+  auto still_in_window = [&](int32_t s) { return now.in_window(s) && !left(s); };
+  for (;;) {
+    const int32_t oldest = window[slots];
+    if (!still_in_window(oldest) || positions[oldest] >= next.protect_from) {
+      break;
+    }
+    if (n_leaving == kMaxLeaving) {
+      return false;
+    }
+    leaving[n_leaving++] = oldest;
+    tree_update(window, slots, oldest, [&](int32_t a, int32_t c) {
+      return now.leaves_window_before(a, c, still_in_window(a), still_in_window(c));
+    });
+  }
+  // Steps 2 and 3: the spare slot's row fills the hole.
+  move_rows(b, n, 0, 0, kept);
+  if (evicts && evicted < kept) {
+    move_rows(b, n, kept, evicted, 1);
+  }
+  fill_head(b, config, n, new_norms);
+  std::array<int32_t, kMaxLeaving + 2> changed{};
+  int n_changed = 0;
+  auto change = [&](int32_t s) {
+    for (int i = 0; i < n_changed; ++i) {
+      if (changed[i] == s) {
+        return;
+      }
+    }
+    changed[n_changed++] = s;
+  };
+  change(static_cast<int32_t>(kept));
+  if (evicts && evicted < kept) {
+    change(evicted);
+  }
+  for (int i = 0; i < n_leaving; ++i) {
+    int32_t s = leaving[i];
+    if (s == evicted) {
+      continue;
+    }
+    if (evicts && evicted < kept && s == kept) {
+      s = evicted;
+    }
+    change(s);
+  }
+  const OrderTreeKeys after{b.out_norms(n), b.out_positions(n), kept + 1, next};
+  for (int i = 0; i < n_changed; ++i) {
+    tree_update(eviction, slots, changed[i],
+                [&](int32_t a, int32_t c) { return after.evicts_before(a, c); });
+    tree_update(window, slots, changed[i], [&](int32_t a, int32_t c) {
+      return after.leaves_window_before(a, c, after.in_window(a), after.in_window(c));
+    });
+  }
+  eviction[0] = static_cast<int32_t>(kept + 1);
+  window[0] = static_cast<int32_t>(config.offset + 1);
+  return true;
+}
 } // namespace
 
 void evict_and_fill_cpu(
@@ -373,7 +504,9 @@ void evict_and_fill_cpu(
       .valid = in.valid ? in.valid->data<int32_t>() : nullptr,
       .key_dtype = in.rows[0].dtype(),
       .key_dim = in.rows[0].shape(-1),
-      .n_new = in.n_new()};
+      .n_new = in.n_new(),
+      .tree_in = in.tree ? in.tree->data<int32_t>() : nullptr,
+      .tree_out = config.order_tree ? outputs[m + 2].data<int32_t>() : nullptr};
   for (int i = 0; i < m; ++i) {
     b.rows[i] = {in.rows[i].data<char>(), outputs[i].data<char>(), in.row_bytes(i)};
     b.new_rows[i] = in.new_rows[i].data<char>();
@@ -389,7 +522,12 @@ void evict_and_fill_cpu(
     row_bytes += b.rows[i].row_bytes;
     copies_rows = copies_rows || !b.rows[i].in_place();
   }
-  const size_t bytes_per_head = config.filled * 8 + b.n_new * row_bytes +
+  // A decode step through the given tree reads O(log C) of it instead.
+  const bool through_tree = b.tree_in != nullptr && config.layout == Layout::Slots &&
+      b.n_new == 1 && b.out_slots == b.in_slots && config.filled <= config.selection.budget + 1;
+  const size_t scan_bytes = through_tree ? 256 : config.filled * 8;
+  const size_t tree_bytes = b.tree_out != nullptr && !through_tree ? b.out_slots * 16 : 0;
+  const size_t bytes_per_head = scan_bytes + tree_bytes + b.n_new * row_bytes +
       (copies_rows ? config.kept() * row_bytes : 0);
   parallel_for(in.n_heads(), bytes_per_head, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> computed;
@@ -399,11 +537,17 @@ void evict_and_fill_cpu(
                     (end - begin) * b.n_new, b.key_dim, computed.data());
     }
     for (int64_t n = begin; n < end; ++n) {
-      compact_head(b, config, n);
       const float* new_norms = b.new_norms != nullptr
           ? b.new_norms + n * b.n_new
           : computed.data() + (n - begin) * b.n_new;
+      if (through_tree && decode_with_tree(b, config, n, new_norms)) {
+        continue;
+      }
+      compact_head(b, config, n);
       fill_head(b, config, n, new_norms);
+      if (b.tree_out != nullptr) {
+        build_tree(b, config, n);
+      }
     }
   });
 }

@@ -45,7 +45,8 @@ EvictAndFillInputs EvictAndFillInputs::from(
     const std::vector<mx::array>& inputs,
     const EvictAndFillConfig& config) {
   const int m = config.payloads.count();
-  const size_t expected = 2 * static_cast<size_t>(m) + 2 + config.norms_given + config.has_valid;
+  const size_t expected = 2 * static_cast<size_t>(m) + 2 + config.norms_given + config.has_valid +
+      config.tree_given;
   if (m < 1 || inputs.size() != expected) {
     throw std::invalid_argument(
         "mlx_knorm: EvictAndFill with " + std::to_string(m) + " payloads takes " +
@@ -53,20 +54,23 @@ EvictAndFillInputs EvictAndFillInputs::from(
   }
   auto at = inputs.begin();
   EvictAndFillInputs in{
-      {at, at + m}, inputs[m], inputs[m + 1], {at + m + 2, at + 2 * m + 2}, {}, {}};
+      {at, at + m}, inputs[m], inputs[m + 1], {at + m + 2, at + 2 * m + 2}, {}, {}, {}};
   size_t next = 2 * static_cast<size_t>(m) + 2;
   if (config.norms_given) {
     in.new_norms = inputs[next++];
   }
   if (config.has_valid) {
-    in.valid = inputs[next];
+    in.valid = inputs[next++];
+  }
+  if (config.tree_given) {
+    in.tree = inputs[next];
   }
   return in;
 }
 
 std::vector<mx::array> EvictAndFillInputs::to_vector() const {
   std::vector<mx::array> out;
-  out.reserve(rows.size() + new_rows.size() + 4);
+  out.reserve(rows.size() + new_rows.size() + 5);
   out.insert(out.end(), rows.begin(), rows.end());
   out.push_back(norms);
   out.push_back(positions);
@@ -76,6 +80,9 @@ std::vector<mx::array> EvictAndFillInputs::to_vector() const {
   }
   if (valid) {
     out.push_back(*valid);
+  }
+  if (tree) {
+    out.push_back(*tree);
   }
   return out;
 }
@@ -87,11 +94,14 @@ std::vector<mx::array> evict_and_fill(
     mx::StreamOrDevice s) {
   check_executor(executor);
   if (config.norms_given != inputs.new_norms.has_value() ||
-      config.has_valid != inputs.valid.has_value()) {
+      config.has_valid != inputs.valid.has_value() ||
+      config.tree_given != inputs.tree.has_value()) {
     throw std::invalid_argument(
-        "mlx_knorm: EvictAndFillConfig's norms_given and has_valid must say "
-        "whether new_norms and valid are given");
+        "mlx_knorm: EvictAndFillConfig's norms_given, has_valid and tree_given must say "
+        "whether new_norms, valid and tree are given");
   }
+  // A given tree is updated into the output's.
+  config.order_tree = config.order_tree || config.tree_given;
   auto stream = mx::to_stream(s);
   auto primitive = std::make_shared<EvictAndFill>(stream, config, executor);
   // make_outputs asks the primitive for the output shapes, which checks
@@ -103,6 +113,9 @@ std::vector<mx::array> evict_and_fill(
   }
   dtypes.push_back(mx::float32);
   dtypes.push_back(mx::int32);
+  if (config.order_tree) {
+    dtypes.push_back(mx::int32);
+  }
   return make_outputs(primitive, inputs.to_vector(), std::move(dtypes), stream);
 }
 
@@ -229,6 +242,14 @@ void EvictAndFill::check_inputs(const EvictAndFillInputs& in) {
   if (in.valid && (!leading_equal(*in.valid, keys, heads) || in.valid->shape(-1) != 2)) {
     shape_mismatch("valid must be [N, 2]", "valid", *in.valid, name(0).c_str(), keys);
   }
+  if (in.tree) {
+    check_rank(*in.tree, heads + 2, "tree");
+    check_int32(*in.tree, "tree");
+    if (!leading_equal(*in.tree, keys, heads) || in.tree->shape(-2) != 2 ||
+        in.tree->shape(-1) != in.capacity() + 1) {
+      shape_mismatch("tree must be [N, 2, C + 1]", "tree", *in.tree, name(0).c_str(), keys);
+    }
+  }
   check_selection_config(config_.selection);
   const int64_t filled = config_.filled;
   if (filled < 0) {
@@ -291,6 +312,12 @@ std::vector<mx::Shape> EvictAndFill::output_shapes(
   }
   shapes.push_back(slots);
   shapes.push_back(slots);
+  if (config_.order_tree) {
+    mx::Shape tree = slots;
+    tree.back() = 2;
+    tree.push_back(static_cast<int>(config_.out_capacity) + 1);
+    shapes.push_back(std::move(tree));
+  }
   return shapes;
 }
 
@@ -299,9 +326,20 @@ LentSiblingInputs EvictAndFill::prepare_eval(
     std::vector<mx::array>& outputs) {
   check_inputs(EvictAndFillInputs::from(inputs, config_));
   check_row_contiguous(inputs, name());
-  // Every output may take over its input's buffer; the kernels then write
-  // only the rows that move.
-  return take_over_or_allocate(inputs, outputs, [](size_t) { return true; });
+  // Every output may take over its input's buffer (the order tree the
+  // given tree's, the last input); the kernels then write only the rows
+  // that move.
+  const size_t rows = outputs.size() - config_.order_tree;
+  const bool tree_given = config_.tree_given;
+  return take_over_or_allocate(inputs, outputs, [&](size_t i) -> std::optional<size_t> {
+    if (i < rows) {
+      return i;
+    }
+    if (tree_given) {
+      return inputs.size() - 1;
+    }
+    return std::nullopt;
+  });
 }
 
 void EvictAndFill::eval_cpu(

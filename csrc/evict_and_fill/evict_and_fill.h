@@ -71,6 +71,10 @@ struct EvictAndFillConfig {
   PayloadGroups payloads = {};
   bool norms_given = false;
   bool has_valid = false;
+  // Outputs the order tree (docs/spec.md §4 step 4); tree_given: the
+  // previous step's is an input.
+  bool order_tree = false;
+  bool tree_given = false;
 
   bool operator==(const EvictAndFillConfig&) const = default;
 
@@ -82,10 +86,12 @@ struct EvictAndFillConfig {
 // The primitive's inputs, in its input order: the payload buffers r_i
 // [..., C, W_i] (the keys' then the values'), the norms and positions
 // [..., C], the new payload rows q_i [..., S, W_i], then new_norms [..., S]
-// float32 and valid [..., 2] int32 where the configuration has them. The
-// heads are the axes before C and S ([N], or [B, H] as a model's cache
-// holds them), the same in every array. Outputs: the payloads, norms and
-// positions with C_out slots, output i in place of input i.
+// float32, valid [..., 2] int32 and the order tree [..., 2, C + 1] int32
+// where the configuration has them. The heads are the axes before C and S
+// ([N], or [B, H] as a model's cache holds them), the same in every array.
+// Outputs: the payloads, norms and positions with C_out slots, output i in
+// place of input i, then the order tree [..., 2, C_out + 1] where asked
+// for, in place of the given one.
 // Payload arrays held inline: a step builds and checks its inputs several
 // times, with no allocation for them.
 using PayloadArrays = mx::SmallVector<mx::array, kEvictMaxPayloads>;
@@ -97,6 +103,7 @@ struct EvictAndFillInputs {
   PayloadArrays new_rows;
   std::optional<mx::array> new_norms;
   std::optional<mx::array> valid;
+  std::optional<mx::array> tree;
 
   // From and to the primitive's input vector (the order above).
   static EvictAndFillInputs from(
@@ -132,8 +139,9 @@ struct EvictAndFillInputs {
 
 // Returns the payload buffers [..., C_out, W_i] in their dtypes, norms
 // [..., C_out] float32 and positions [..., C_out] int32, with the inputs'
-// head axes; slots [0, kept + S) defined. config.norms_given and
-// config.has_valid must say whether inputs has new_norms and valid, and
+// head axes; slots [0, kept + S) defined; then, with config.order_tree, the
+// order tree [..., 2, C_out + 1] int32. config.norms_given, has_valid and
+// tree_given must say whether inputs has new_norms, valid and tree, and
 // config.payloads how its rows group into keys and values.
 std::vector<mx::array> evict_and_fill(
     const EvictAndFillInputs& inputs,

@@ -34,7 +34,8 @@ LaunchPlans evict_and_fill_plan(
   const std::vector<mx::array> arrays = inputs.to_vector();
   const int m = inputs.payloads();
   // Input indices (EvictAndFillInputs): payloads, norms, positions, new
-  // payload rows, then new_norms and valid where present.
+  // payload rows, then new_norms, valid and the tree where present (the
+  // tree is rebuilt here, never read).
   const int norms_index = m;
   const int new_rows_index = m + 2;
   const int new_norms_index = 2 * m + 2;
@@ -157,6 +158,25 @@ LaunchPlans evict_and_fill_plan(
     fill.buffers.push_back(BufferSlot::of(Kind::Output, outputs, m + 1));
     fill.buffers.push_back(BufferSlot::block(params));
     plans.push_back(std::move(fill));
+  }
+  if (config.order_tree) {
+    // Over the output's rows, once the dispatches above wrote them; with no
+    // row the norms and positions are never read.
+    const bool rows_written = kept + inputs.n_new() > 0;
+    LaunchPlan tree;
+    tree.source = "evict_and_fill";
+    tree.kernel = "knorm_build_order_tree";
+    tree.group_size = kEvictGroupSize;
+    tree.groups = static_cast<uint32_t>(inputs.n_heads());
+    tree.buffers.push_back(rows_written ? BufferSlot::of(Kind::EarlierOutput, outputs, m)
+                                        : BufferSlot::unused(Kind::Input, mx::float32));
+    tree.buffers.push_back(rows_written ? BufferSlot::of(Kind::EarlierOutput, outputs, m + 1)
+                                        : BufferSlot::unused(Kind::Input, mx::int32));
+    tree.buffers.push_back(config.has_valid ? BufferSlot::of(Kind::Input, arrays, valid_index)
+                                            : BufferSlot::unused(Kind::Input, mx::int32));
+    tree.buffers.push_back(BufferSlot::of(Kind::Output, outputs, m + 2));
+    tree.buffers.push_back(BufferSlot::block(params));
+    plans.push_back(std::move(tree));
   }
   return plans;
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 
 #include "common/cpu_dispatch.h"
@@ -116,7 +117,8 @@ LentSiblingInputs ProtectedTopKGather::prepare_eval(
   // (inputs 0-2) when nothing else holds it and the shape is unchanged (a
   // step from a full cache): the kernels then move only the rows after the
   // first evicted one (docs/spec.md §7).
-  return take_over_or_allocate(inputs, outputs, [](size_t i) { return i < 3; });
+  return take_over_or_allocate(
+      inputs, outputs, [](size_t i) { return i < 3 ? std::optional<size_t>(i) : std::nullopt; });
 }
 
 void ProtectedTopKGather::eval_cpu(

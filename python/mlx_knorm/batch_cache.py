@@ -93,6 +93,8 @@ class BatchL2NormKVCache(_BaseCache):
         self.offset = mx.array([self.timeline - lo for lo in self._lo], dtype=mx.int32)
         pairs = [v for pair in zip(self._lo, self._hi) for v in pair]
         self._ranges = mx.array(pairs, dtype=mx.int32).reshape(-1, 2)
+        # The order tree ranks by the ranges it was built for.
+        self._tree = None
 
     def _valid(self, heads: int) -> mx.array:
         batch = len(self._lo)
@@ -101,8 +103,11 @@ class BatchL2NormKVCache(_BaseCache):
     def _buffers(self) -> list:
         return [self.keys, self.values, self.norms, self.slot_positions]
 
-    def _set_buffers(self, buffers) -> None:
+    def _set_buffers(self, buffers, tree=None) -> None:
+        """The slot buffers and, where a step just made it, their order
+        tree; any other change drops the tree (docs/spec.md §8)."""
         self.keys, self.values, self.norms, self.slot_positions = buffers
+        self._tree = tree
 
     def _padded(self) -> bool:
         """A right-padded prefill is pending (``prepare`` until ``finalize``)."""
@@ -139,6 +144,8 @@ class BatchL2NormKVCache(_BaseCache):
             buffers = self._buffers()
             dtype = self.keys.dtype
         capacity = step_capacity(kept + steps, buffers[2].shape[2], self.budget)
+        previous_tree = self._tree
+        tree = False if self.layout != "slots" else (True if previous_tree is None else previous_tree)
         # The op writes in place only if it holds the buffers' last reference.
         self._set_buffers([None] * 4)
         try:
@@ -146,12 +153,12 @@ class BatchL2NormKVCache(_BaseCache):
                 *buffers, keys.astype(dtype), values.astype(dtype),
                 filled=self.filled, offset=self.timeline, capacity=capacity,
                 budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
-                layout=self.layout, valid=self._valid(heads),
+                layout=self.layout, valid=self._valid(heads), tree=tree,
             )
         except BaseException:
-            self._set_buffers(buffers)
+            self._set_buffers(buffers, previous_tree)
             raise
-        self._set_buffers(out)
+        self._set_buffers(out[:4], out[4] if tree is not False else None)
         start, stop = self.timeline, self.timeline + steps
         self._real = [
             min(real, kept) + max(0, min(stop, hi) - max(start, lo))
@@ -493,10 +500,18 @@ class BatchL2NormKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the buffers: keys, values, norms and positions, every slot."""
+        """Bytes of the buffers: keys, values, norms and positions, every
+        slot, and the order tree."""
         if self.keys is None:
             return 0
-        return sum(b.nbytes for b in self._buffers())
+        return sum(b.nbytes for b in self._buffers()) + (0 if self._tree is None else self._tree.nbytes)
+
+    @property
+    def order_tree(self) -> mx.array | None:
+        """The order tree of the buffers (docs/spec.md §4 step 4), int32
+        ``[B, H, 2, capacity + 1]``, which the next decode step evicts
+        through; None where the next step builds it."""
+        return self._tree
 
 
 __all__ = ["BatchL2NormKVCache"]

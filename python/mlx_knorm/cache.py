@@ -162,6 +162,7 @@ class L2NormCacheBase(_BaseCache):
         self.values = None
         self.norms: mx.array | None = None
         self.slot_positions: mx.array | None = None
+        self._tree = None
         self.filled = 0
         self.offset = checked.offset
         if checked.rows is not None:
@@ -174,8 +175,28 @@ class L2NormCacheBase(_BaseCache):
     def _buffers(self) -> list:
         return [self.keys, self.values, self.norms, self.slot_positions]
 
-    def _set_buffers(self, buffers) -> None:
+    def _set_buffers(self, buffers, tree=None) -> None:
+        """The slot buffers and, where a step just made it, their order
+        tree (docs/spec.md §4 step 4); any other change drops the tree, and
+        the next step builds one again."""
         self.keys, self.values, self.norms, self.slot_positions = buffers
+        self._tree = tree
+
+    @property
+    def order_tree(self) -> mx.array | None:
+        """The order tree of the buffers (docs/spec.md §4 step 4), int32
+        ``[B, H, 2, capacity + 1]``, which the next decode step evicts
+        through; None where the next step builds it."""
+        return getattr(self, "_tree", None)
+
+    def _tree_argument(self):
+        """evict_and_fill's ``tree`` for the next step: the previous step's
+        tree, or True to build one; the slot layout only (the temporal
+        layout's compaction moves rows after the evicted one anyway)."""
+        if self.layout != "slots":
+            return False
+        tree = getattr(self, "_tree", None)
+        return True if tree is None else tree
 
     def _dims(self) -> tuple[int, int, int, int] | None:
         """``(B, H, D_k, D_v)`` of the rows stored (None when empty)."""
@@ -210,16 +231,19 @@ class L2NormCacheBase(_BaseCache):
             dtype = self._storage_dtype()
         capacity = self._capacity(kept + steps, buffers[2].shape[2])
         new_keys, new_values, new_norms = self._new_rows(keys, values, dtype)
+        tree = self._tree_argument()
+        previous_tree = getattr(self, "_tree", None)
         # The op writes in place only if it holds the buffers' last reference.
         self._set_buffers([None] * 4)
         try:
-            out = self._step(buffers, new_keys, new_values, new_norms, self.filled, self.offset, capacity)
+            out = self._step(buffers, new_keys, new_values, new_norms, self.filled, self.offset,
+                             capacity, tree=tree)
             segments = self._segments(out, new_keys, new_values, new_norms, kept) if exact else None
         except BaseException:
-            self._set_buffers(previous)
+            self._set_buffers(previous, previous_tree)
             raise
         evicted = self.filled > self.budget
-        self._set_buffers(out)
+        self._set_buffers(out[:4], out[4] if tree is not False else None)
         self._trimmable = steps + (0 if evicted else self._trimmable)
         self.filled = kept + steps
         self.offset += steps
@@ -227,13 +251,15 @@ class L2NormCacheBase(_BaseCache):
             return segments
         return self._occupied(self.keys), self._occupied(self.values)
 
-    def _step(self, buffers, new_keys, new_values, new_norms, filled: int, offset: int, capacity: int):
-        """One §4 step on ``buffers`` under the cache's configuration."""
+    def _step(self, buffers, new_keys, new_values, new_norms, filled: int, offset: int, capacity: int,
+              tree=False):
+        """One §4 step on ``buffers`` under the cache's configuration (with
+        ``tree``, the order tree a fifth output)."""
         return evict_and_fill_unchecked(
             *buffers, new_keys, new_values,
             filled=filled, offset=offset, capacity=capacity,
             budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
-            layout=self.layout, new_norms=new_norms,
+            layout=self.layout, new_norms=new_norms, tree=tree,
         )
 
     def _planned_block(self, steps: int, kept: int) -> bool:
@@ -260,7 +286,7 @@ class L2NormCacheBase(_BaseCache):
         lengths = segment_lengths(kept, steps, self.budget)
         first = lengths[0]
         segments = [(_each(lambda b: b[:, :, :first], out[0]), _each(lambda b: b[:, :, :first], out[1]))]
-        previous = out
+        previous = out[:4]
         for j in range(1, steps):
             row = lambda b, j=j: b[:, :, j : j + 1]
             previous = self._step(
@@ -377,6 +403,7 @@ class L2NormCacheBase(_BaseCache):
         self.filled -= n
         self.offset -= n
         self._trimmable -= n
+        self._tree = None
         if self.offset == 0:
             # Back to the start: the empty cache, which takes any shape.
             self._set_buffers([None] * 4)
@@ -397,10 +424,13 @@ class L2NormCacheBase(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the buffers: keys, values, norms and positions, every slot."""
+        """Bytes of the buffers: keys, values, norms and positions, every
+        slot, and the order tree."""
         if self.keys is None:
             return 0
-        return sum(a.nbytes for rows in self._buffers() for a in _arrays(rows))
+        tree = getattr(self, "_tree", None)
+        return sum(a.nbytes for rows in self._buffers() for a in _arrays(rows)) + (
+            0 if tree is None else tree.nbytes)
 
     @property
     def state(self):

@@ -40,6 +40,16 @@ class BrokenKernel:
 TSAN_RACE = "ThreadSanitizer: data race"
 
 BROKEN_KERNELS = (
+    # The order tree's build without the barrier between levels: a node
+    # reads its children while other threads still write them.
+    BrokenKernel(
+        "order_tree_level_race",
+        (("order_tree.h",
+          "      // The level above reads these nodes.\n      threadgroup_barrier(mem_flags::mem_device);\n",
+          ""),),
+        "run",
+        {"thread": (TSAN_RACE, "knorm_build_order_tree")},
+    ),
     # The barrier between a wave's reads and its writes (knorm_move_rows):
     # the in-place temporal compaction writes rows that others still read.
     BrokenKernel(

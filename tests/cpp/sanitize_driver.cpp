@@ -33,6 +33,7 @@
 #include "mlx/types/half_types.h"
 
 #include "evict_and_fill/evict_and_fill.h"
+#include "evict_and_fill/order_tree.h"
 #include "key_norms/key_norms.h"
 #include "metal_emulator/run_plan.h"
 #include "protected_topk_gather/protected_topk_gather.h"
@@ -290,6 +291,11 @@ struct EvictAndFillCase {
   bool distinct;    // distinct positions (the cache's) or a few repeated
   // (lo, hi) per head when config.has_valid; drawn at random when empty.
   std::vector<std::array<int32_t, 2>> valid = {};
+  // With config.tree_given: the tree is the one of the inputs (built as the
+  // previous step would have), or, when hostile, random int32 entries with
+  // this step's stamps (the CPU kernel then evicts through garbage: only
+  // the bounds are checked).
+  bool hostile_tree = false;
 };
 
 // Payload dtypes of every element size: the first payload's, when the
@@ -344,7 +350,63 @@ EvictAndFillCase random_evict_and_fill_case(std::mt19937_64& rng) {
   config.has_valid = rng() % 2 == 0;
   const int m = static_cast<int>(payloads.size());
   const unsigned shared = in_place ? static_cast<unsigned>(rng() % (1u << (m + 2))) : 0u;
+  config.order_tree = rng() % 3 == 0;
   return {config, 1 + static_cast<int>(rng() % 2), slots, n_new, payloads, shared, rng() % 2 == 0};
+}
+
+// A decode step through the previous step's order tree (docs/spec.md §4
+// step 4): S = 1, slot layout, C_out = C, filled <= budget + 1, every
+// output (the tree included) in place or none; the tree the inputs' own, or
+// now and then hostile.
+EvictAndFillCase random_tree_decode_case(std::mt19937_64& rng) {
+  EvictAndFillConfig config;
+  config.selection.budget = rng() % 2 ? 1 + static_cast<int>(rng() % 12)
+                                      : 250 + static_cast<int>(rng() % 450);
+  config.selection.n_sink = static_cast<int>(rng() % config.selection.budget);
+  config.selection.recent = static_cast<int>(
+      rng() % (config.selection.budget - config.selection.n_sink));
+  config.selection.keep = rng() % 2 ? Keep::Low : Keep::High;
+  config.layout = Layout::Slots;
+  const int budget = config.selection.budget;
+  config.filled = rng() % 4 == 0 ? static_cast<int>(rng() % (budget + 1)) : budget + 1;
+  const int slots = std::max<int>(config.filled, config.kept() + 1) + static_cast<int>(rng() % 3);
+  config.out_capacity = slots;
+  config.offset = config.filled + static_cast<int>(rng() % 5);
+  const int key_dim = 1 + static_cast<int>(rng() % 40);
+  config.payloads = {1, 1, false, false};
+  config.has_valid = rng() % 2 == 0;
+  config.order_tree = true;
+  config.tree_given = true;
+  const bool in_place = rng() % 2 == 0;
+  EvictAndFillCase ec{config, 1 + static_cast<int>(rng() % 3), slots, 1,
+                      key_value(key_dim, kTypes[rng() % 3], key_dim, kTypes[rng() % 3]),
+                      in_place ? 0xFu : 0u, rng() % 8 != 0};
+  ec.hostile_tree = rng() % 5 == 0;
+  return ec;
+}
+
+// A decode step through its tree over 601 slots (nodes on four levels wider
+// than the threadgroup, so the build's level barrier orders real work), in
+// place and not, with valid ranges and without.
+std::vector<EvictAndFillCase> fixed_tree_cases() {
+  std::vector<EvictAndFillCase> cases;
+  for (const bool in_place : {true, false}) {
+    for (const bool ranges : {false, true}) {
+      EvictAndFillConfig config;
+      config.selection = {600, 4, 50, Keep::Low};
+      config.layout = Layout::Slots;
+      config.filled = 601;
+      config.out_capacity = 601;
+      config.offset = 601;
+      config.payloads = {1, 1, false, false};
+      config.has_valid = ranges;
+      config.order_tree = true;
+      config.tree_given = true;
+      cases.push_back({config, 2, 601, 1, key_value(64, mx::float16, 64, mx::float16),
+                       in_place ? 0xFu : 0u, true});
+    }
+  }
+  return cases;
 }
 
 // Rows a head copies in the fixed cases that split in two dispatches
@@ -565,9 +627,33 @@ void check_evict_and_fill(
     in.push_back(make({n_heads, ec.n_new}, mx::float32));
     fill_norms(*in.back(), rng, 1);
   }
+  const int32_t* valid = nullptr;
   if (config.has_valid) {
     in.push_back(make({n_heads, 2}, mx::int32));
     fill_valid(*in.back(), ec, rng);
+    valid = reinterpret_cast<const int32_t*>(in.back()->bytes());
+  }
+  if (config.tree_given) {
+    in.push_back(make({n_heads, 2, ec.slots + 1}, mx::int32));
+    auto* tree = reinterpret_cast<int32_t*>(in.back()->bytes());
+    const auto* norms = reinterpret_cast<const float*>(in[m]->bytes());
+    for (int n = 0; n < n_heads; ++n) {
+      int32_t* eviction = tree + static_cast<size_t>(n) * 2 * (ec.slots + 1);
+      int32_t* window = eviction + ec.slots + 1;
+      if (ec.hostile_tree) {
+        for (int i = 0; i < 2 * (ec.slots + 1); ++i) {
+          eviction[i] = static_cast<int32_t>(rng());
+        }
+        eviction[0] = static_cast<int32_t>(config.filled);
+        window[0] = static_cast<int32_t>(config.offset);
+        continue;
+      }
+      const size_t row = static_cast<size_t>(n) * ec.slots;
+      const OrderTreeKeys keys{norms + row, positions + row, config.filled,
+                               EvictionRank::of(config.selection, config.offset,
+                                                valid ? valid + 2 * n : nullptr)};
+      order_tree_build(eviction, window, ec.slots, keys, config.offset);
+    }
   }
   std::vector<mx::Shape> shapes;
   std::vector<mx::Dtype> types;
@@ -579,11 +665,20 @@ void check_evict_and_fill(
   types.push_back(mx::float32);
   shapes.push_back({n_heads, capacity});
   types.push_back(mx::int32);
+  if (config.order_tree) {
+    shapes.push_back({n_heads, 2, capacity + 1});
+    types.push_back(mx::int32);
+  }
   auto run = [&](auto kernel) {
-    KernelRun r = kernel_run(in, ec.shared, shapes, types);
+    KernelRun r = kernel_run(in, ec.shared & ((1u << (m + 2)) - 1u), shapes, types);
+    if (config.tree_given && config.order_tree && ec.shared != 0 && capacity == ec.slots) {
+      // The output tree in the given one's buffer.
+      r.outputs[m + 2] = r.inputs.back();
+    }
     kernel(EvictAndFillInputs::from(r.inputs, config), r.outputs, config);
     std::vector<std::vector<uint8_t>> defined;
-    for (const auto& out : r.outputs) {
+    for (size_t i = 0; i < static_cast<size_t>(m + 2); ++i) {
+      const auto& out = r.outputs[i];
       const size_t row = static_cast<size_t>(out.itemsize()) *
           (out.ndim() == 3 ? out.shape(2) : 1);
       std::vector<uint8_t> bytes;
@@ -593,13 +688,22 @@ void check_evict_and_fill(
       }
       defined.push_back(std::move(bytes));
     }
+    if (config.order_tree) {
+      const auto& tree = r.outputs[m + 2];
+      defined.emplace_back(tree.data<uint8_t>(), tree.data<uint8_t>() + tree.nbytes());
+    }
     return defined;
   };
   const auto native = run(&evict_and_fill_cpu);
   const auto emulated = run(&evict_and_fill_emulated);
-  for (int i = 0; i < m + 2; ++i) {
+  if (ec.hostile_tree) {
+    // Unspecified results; the sanitizers check the bounds.
+    return;
+  }
+  for (size_t i = 0; i < native.size(); ++i) {
     if (native[i] != emulated[i]) {
-      const std::string name = i < m ? config.payloads.name(i) : i == m ? "norms" : "positions";
+      const std::string name = static_cast<int>(i) < m ? config.payloads.name(static_cast<int>(i))
+          : static_cast<int>(i) == m ? "norms" : static_cast<int>(i) == m + 1 ? "positions" : "order tree";
       fail("evict_and_fill case " + label + " output " + name + " (of " + std::to_string(m) +
            " payloads) filled=" + std::to_string(config.filled) + " budget=" +
            std::to_string(config.selection.budget) + " S=" + std::to_string(ec.n_new) +
@@ -661,6 +765,9 @@ void fixed_cases(std::mt19937_64& rng) {
   for (const EvictAndFillCase& ec : padding_evict_and_fill_cases()) {
     check_evict_and_fill(ec, rng, "padding");
   }
+  for (const EvictAndFillCase& ec : fixed_tree_cases()) {
+    check_evict_and_fill(ec, rng, "order tree");
+  }
 }
 
 } // namespace
@@ -677,6 +784,7 @@ int main(int argc, char** argv) {
       key_norms_case(rng, c);
       check_gather(random_gather_case(rng), rng, std::to_string(c));
       check_evict_and_fill(random_evict_and_fill_case(rng), rng, std::to_string(c));
+      check_evict_and_fill(random_tree_decode_case(rng), rng, "tree decode " + std::to_string(c));
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "FAILED: %s\n", e.what());

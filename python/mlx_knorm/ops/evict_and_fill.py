@@ -57,8 +57,9 @@ def evict_and_fill(
     layout: str = "slots",
     new_norms: mx.array | None = None,
     valid: mx.array | None = None,
+    tree: bool | mx.array = False,
     stream=None,
-) -> tuple[Rows, Rows, mx.array, mx.array]:
+) -> tuple:
     """One step of the cache's buffers (docs/spec.md §4).
 
     ``keys [N, C, D_k]``, ``values [N, C, D_v]``, float32 ``norms [N, C]``
@@ -86,12 +87,17 @@ def evict_and_fill(
     head's real positions ``[lo, hi)``: other rows are padding, ranked after
     every real row and never protected, so each sequence of a batch keeps
     what it would keep alone.
+
+    ``tree=True``, or the tree the previous step returned (int32
+    ``[N, 2, C + 1]``), adds the order tree (docs/spec.md §4 step 4) as a
+    fifth output: a decode step given it finds the row to evict in
+    ``O(log C)`` instead of ranking every row.
     """
     args = check_evict_and_fill(
         keys, values, norms, positions, new_keys, new_values,
         filled=filled, offset=offset, capacity=capacity, budget=budget,
         n_sink=n_sink, recent=recent, keep=keep, layout=layout,
-        new_norms=new_norms, valid=valid,
+        new_norms=new_norms, valid=valid, tree=tree,
     )
     return _run(resolve(stream, key_dim=args.norm_key_dim()), args, stream)
 
@@ -119,6 +125,9 @@ class EvictAndFillArgs(NamedTuple):
     key_tuple: int | None
     value_tuple: int | None
     config: dict
+    # The given order tree, and whether the outputs include one.
+    tree: mx.array | None = None
+    order_tree: bool = False
 
     @property
     def n_keys(self) -> int:
@@ -129,9 +138,11 @@ class EvictAndFillArgs(NamedTuple):
         backend's choice (``backend.resolve``); None when they are given."""
         return self.payloads[0].shape[-1] if self.new_norms is None else None
 
-    def grouped(self, flat) -> tuple[Rows, Rows, mx.array, mx.array]:
-        """Flat outputs ``[*payloads, norms, positions]`` in the structure
-        of the inputs."""
+    def grouped(self, flat) -> tuple:
+        """Flat outputs ``[*payloads, norms, positions]`` (and the tree) in
+        the structure of the inputs."""
+        flat = list(flat)
+        tree = [flat.pop()] if self.order_tree else []
         *rows, norms, positions = flat
         keys, values = rows[: self.n_keys], rows[self.n_keys :]
         return (
@@ -139,6 +150,7 @@ class EvictAndFillArgs(NamedTuple):
             values[0] if self.value_tuple is None else tuple(values),
             norms,
             positions,
+            *tree,
         )
 
 
@@ -173,7 +185,7 @@ def _check_structure(new_len, new_name: str, stored_len, stored_name: str) -> No
 def check_evict_and_fill(
     keys, values, norms, positions, new_keys, new_values,
     *, filled, offset, capacity, budget, n_sink, recent, keep, layout,
-    new_norms=None, valid=None,
+    new_norms=None, valid=None, tree=False,
 ) -> EvictAndFillArgs:
     """Every check of docs/spec.md §6 for one call, in the primitive's order
     (csrc/evict_and_fill/evict_and_fill.cpp); returns the arguments with
@@ -196,6 +208,7 @@ def check_evict_and_fill(
         check_array(new_norms, "new_norms")
     if valid is not None:
         check_array(valid, "valid")
+    given_tree = _check_tree_argument(tree)
     rows = key_rows + value_rows
     new_rows = new_key_rows + new_value_rows
     names = key_names + value_names
@@ -255,6 +268,11 @@ def check_evict_and_fill(
         raise shape_mismatch("new_norms must be [N, S]", "new_norms", new_norms, new_names[0], new_rows[0])
     if valid is not None and tuple(valid.shape) != (*first.shape[:heads], 2):
         raise shape_mismatch("valid must be [N, 2]", "valid", valid, names[0], first)
+    if given_tree is not None:
+        check_rank(given_tree, heads + 2, "tree")
+        check_int32(given_tree, "tree")
+        if tuple(given_tree.shape) != (*first.shape[:heads], 2, first.shape[-2] + 1):
+            raise shape_mismatch("tree must be [N, 2, C + 1]", "tree", given_tree, names[0], first)
     slots = first.shape[-2]
     n_new = new_rows[0].shape[-2]
     if filled < 0:
@@ -274,19 +292,36 @@ def check_evict_and_fill(
         filled=filled, offset=offset, capacity=capacity, budget=budget,
         n_sink=n_sink, recent=recent, keep=keep, layout=layout,
     )
-    return EvictAndFillArgs(rows, norms, positions, new_rows, new_norms, valid, key_tuple, value_tuple, config)
+    return EvictAndFillArgs(
+        rows, norms, positions, new_rows, new_norms, valid, key_tuple, value_tuple, config,
+        given_tree, given_tree is not None or tree is True,
+    )
+
+
+def _check_tree_argument(tree) -> mx.array | None:
+    """``tree``: False, True or an array (checked with the other shapes);
+    the array, or None."""
+    if tree is True or tree is False:
+        return None
+    if not isinstance(tree, mx.array):
+        raise TypeError(
+            f"mlx_knorm: tree must be a bool or an mlx.core.array, got {type(tree).__name__}"
+        )
+    return tree
 
 
 def evict_and_fill_unchecked(
     keys, values, norms, positions, new_keys, new_values,
     *, filled, offset, capacity, budget, n_sink, recent, keep, layout="slots",
-    new_norms=None, valid=None, stream=None,
-) -> tuple[Rows, Rows, mx.array, mx.array]:
+    new_norms=None, valid=None, tree=False, stream=None,
+) -> tuple:
     """``evict_and_fill`` for callers that checked their arguments already
     (the cache): the native op checks every relation it relies on again in
     C++, so only the fallback runs ``check_evict_and_fill``, and every backend refuses
     the same calls (docs/spec.md §6)."""
     one_keys = type(keys) is mx.array
+    if tree is not True and tree is not False and type(tree) is not mx.array:
+        _check_tree_argument(tree)
     key_dim = keys.shape[-1] if new_norms is None and one_keys and keys.ndim else None
     backend = resolve(stream, key_dim=key_dim)
     if (backend == "kernel" and one_keys and type(values) is mx.array and type(norms) is mx.array
@@ -295,9 +330,16 @@ def evict_and_fill_unchecked(
         # The float cache's decode step, on every layer of every token: the
         # binding itself, positional arguments (it matches keywords by
         # name), the fewest Python operations.
+        if type(tree) is mx.array:
+            return tuple(_native.ext.evict_and_fill(
+                keys, values, norms, positions, new_keys, new_values,
+                filled, offset, capacity, budget, n_sink, recent, keep, layout,
+                tree=tree, stream=stream,
+            ))
         return tuple(_native.ext.evict_and_fill(
             keys, values, norms, positions, new_keys, new_values,
-            filled, offset, capacity, budget, n_sink, recent, keep, layout, stream=stream,
+            filled, offset, capacity, budget, n_sink, recent, keep, layout,
+            order_tree=tree is True, stream=stream,
         ))
     config = dict(
         filled=filled, offset=offset, capacity=capacity, budget=budget,
@@ -305,7 +347,8 @@ def evict_and_fill_unchecked(
     )
     arrays = keys, values, norms, positions, new_keys, new_values
     if backend == "fallback":
-        return _run(backend, check_evict_and_fill(*arrays, **config, new_norms=new_norms, valid=valid), stream)
+        args = check_evict_and_fill(*arrays, **config, new_norms=new_norms, valid=valid, tree=tree)
+        return _run(backend, args, stream)
     # The primitive checks every relation; what it cannot name is an
     # argument that is no array at all.
     for x, name in ((keys, "keys"), (values, "values"), (new_keys, "new_keys"), (new_values, "new_values")):
@@ -313,17 +356,18 @@ def evict_and_fill_unchecked(
     for x, name in ((norms, "norms"), (positions, "positions"), (new_norms, "new_norms"), (valid, "valid")):
         if x is not None or name in ("norms", "positions"):
             check_array(x, name)
-    return _run_native(backend, arrays, config, new_norms, valid, stream)
+    _check_tree_argument(tree)
+    return _run_native(backend, arrays, config, new_norms, valid, tree, stream)
 
 
-def _run(backend: str, args: EvictAndFillArgs, stream) -> tuple[Rows, Rows, mx.array, mx.array]:
+def _run(backend: str, args: EvictAndFillArgs, stream) -> tuple:
     if backend == "fallback":
         arrays = [*args.payloads, args.norms, args.positions, *args.new_payloads]
         arrays += [x for x in (args.new_norms, args.valid) if x is not None]
         with on_stream(stream):
             flat = fallback(
                 *arrays, payloads=len(args.payloads), norms_given=args.new_norms is not None,
-                has_valid=args.valid is not None, **args.config,
+                has_valid=args.valid is not None, order_tree=args.order_tree, **args.config,
             )
         return args.grouped(flat)
     keys = args.payloads[: args.n_keys]
@@ -338,14 +382,20 @@ def _run(backend: str, args: EvictAndFillArgs, stream) -> tuple[Rows, Rows, mx.a
         new_keys[0] if args.key_tuple is None else tuple(new_keys),
         new_values[0] if args.value_tuple is None else tuple(new_values),
     )
-    return _run_native(backend, arrays, args.config, args.new_norms, args.valid, stream)
+    tree = args.tree if args.tree is not None else args.order_tree
+    return _run_native(backend, arrays, args.config, args.new_norms, args.valid, tree, stream)
 
 
-def _run_native(backend: str, arrays, config: dict, new_norms, valid, stream):
+def _run_native(backend: str, arrays, config: dict, new_norms, valid, tree, stream):
     """The extension's op on the structured arguments; its flat outputs in
     their structure."""
     given = {name: x for name, x in (("new_norms", new_norms), ("valid", valid)) if x is not None}
+    if type(tree) is mx.array:
+        given["tree"] = tree
+    elif tree is True:
+        given["order_tree"] = True
     flat = run_native(backend, "evict_and_fill", *arrays, **config, **given, stream=stream)
+    out_tree = [flat.pop()] if tree is not False else []
     keys, values = arrays[0], arrays[1]
     n_keys = len(keys) if isinstance(keys, (tuple, list)) else 1
     rows = flat[:-2]
@@ -354,6 +404,7 @@ def _run_native(backend: str, arrays, config: dict, new_norms, valid, stream):
         tuple(rows[n_keys:]) if isinstance(values, (tuple, list)) else rows[n_keys],
         flat[-2],
         flat[-1],
+        *out_tree,
     )
 
 
@@ -368,25 +419,9 @@ def kept_slots(
     n_rows = norms.shape[0]
     if filled <= budget:
         return mx.ones((n_rows, filled), dtype=mx.bool_)
-    norms = norms[:, :filled]
-    positions = positions[:, :filled]
-    if valid is None:
-        protected = (positions < n_sink) | (positions >= offset - recent)
-        real = None
-    else:
-        # Bounds past int32 (lo + n_sink, min(offset, hi) - recent) in int64.
-        p = positions.astype(mx.int64)
-        lo = valid[:, 0:1].astype(mx.int64)
-        hi = valid[:, 1:2].astype(mx.int64)
-        real = (p >= lo) & (p < hi)
-        protected = (p < lo + n_sink) | (p >= mx.minimum(hi, offset) - recent)
-    scores = norms if keep == "low" else -norms
-    # No score key is 0, so protected rows rank before every evictable row;
-    # every score key is below the padding's.
-    score_key = mx.where(protected, mx.array(0, mx.uint32), score_order_key(scores))
-    if real is not None:
-        score_key = mx.where(real, score_key, mx.array(PADDING_SCORE_KEY, mx.uint32))
-    rank = (score_key.astype(mx.uint64) << 32) | position_order_key(positions).astype(mx.uint64)
+    rank, _ = eviction_rank(
+        norms[:, :filled], positions[:, :filled], offset, n_sink, recent, keep, valid
+    )
     # The budget-th smallest rank; of the rows equal to it (equal positions)
     # the lowest slots are kept.
     threshold = mx.partition(rank, kth=budget - 1, axis=1)[:, budget - 1 : budget]
@@ -394,6 +429,103 @@ def kept_slots(
     at = rank == threshold
     room = budget - below.sum(axis=1, keepdims=True)
     return below | (at & (mx.cumsum(at.astype(mx.int32), axis=1) <= room))
+
+
+def eviction_rank(
+    norms: mx.array, positions: mx.array,
+    offset: int, n_sink: int, recent: int, keep: str, valid: mx.array | None,
+) -> tuple[mx.array, mx.array]:
+    """docs/spec.md §4 step 1 for rows ``[N, k]`` at ``offset``: each
+    row's place in the rank as uint64 (later evicted first; equal ranks by
+    slot), and whether it is a real row protected as one of the latest
+    ``recent`` (the order tree's window)."""
+    if valid is None:
+        window = positions >= offset - recent
+        protected = (positions < n_sink) | window
+        real = None
+    else:
+        # Bounds past int32 (lo + n_sink, min(offset, hi) - recent) in int64.
+        p = positions.astype(mx.int64)
+        lo = valid[:, 0:1].astype(mx.int64)
+        hi = valid[:, 1:2].astype(mx.int64)
+        real = (p >= lo) & (p < hi)
+        window = real & (p >= mx.minimum(hi, offset) - recent)
+        protected = (p < lo + n_sink) | window
+    scores = norms if keep == "low" else -norms
+    # No score key is 0, so protected rows rank before every evictable row;
+    # every score key is below the padding's.
+    score_key = mx.where(protected, mx.array(0, mx.uint32), score_order_key(scores))
+    if real is not None:
+        score_key = mx.where(real, score_key, mx.array(PADDING_SCORE_KEY, mx.uint32))
+    rank = (score_key.astype(mx.uint64) << 32) | position_order_key(positions).astype(mx.uint64)
+    return rank, window
+
+
+def build_order_tree(
+    norms: mx.array, positions: mx.array, count: int,
+    next_offset: int, n_sink: int, recent: int, keep: str, valid: mx.array | None,
+) -> mx.array:
+    """docs/spec.md §4 step 4: int32 ``[N, 2, n + 1]``, the order tree
+    over the ``n`` slots of ``norms`` and ``positions`` ``[N, n]``, of
+    which ``[0, count)`` are occupied, for the step at ``next_offset``."""
+    n_heads, n = norms.shape
+    rank, window = eviction_rank(norms, positions, next_offset, n_sink, recent, keep, valid)
+    slot = mx.arange(n, dtype=mx.int32)
+    occupied = mx.broadcast_to(slot < count, (n_heads, n))
+    # Unoccupied slots compare by index alone: their keys are zeros.
+    rank = mx.where(occupied, rank, mx.array(0, mx.uint64))
+    window = window & occupied
+    window_position = mx.where(window, positions, 0)
+
+    def evicts_before(a, b):
+        oa, ob = (mx.take_along_axis(occupied, x, axis=1) for x in (a, b))
+        ra, rb = (mx.take_along_axis(rank, x, axis=1) for x in (a, b))
+        return (oa & ~ob) | ((oa == ob) & ((ra > rb) | ((ra == rb) & (a > b))))
+
+    def leaves_window_before(a, b):
+        wa, wb = (mx.take_along_axis(window, x, axis=1) for x in (a, b))
+        pa, pb = (mx.take_along_axis(window_position, x, axis=1) for x in (a, b))
+        return (wa & ~wb) | ((wa == wb) & ((pa < pb) | ((pa == pb) & (a < b))))
+
+    halves = []
+    for beats, stamp in ((evicts_before, count), (leaves_window_before, next_offset)):
+        nodes = _tournament(n, n_heads, beats)
+        if n >= 2:
+            winner = [nodes[:, :1]]
+        elif n == 1:
+            winner = [mx.zeros((n_heads, 1), mx.int32)]
+        else:
+            winner = []
+        stamp = mx.full((n_heads, 1), stamp, dtype=mx.int32)
+        halves.append(mx.concatenate([stamp, nodes, *winner], axis=1))
+    return mx.stack(halves, axis=1)
+
+
+def _tournament(n: int, n_heads: int, beats) -> mx.array:
+    """int32 ``[N, n - 1]``: the winners of nodes ``1 .. n - 1`` of a
+    tournament over ``n`` slots (node ``i``'s children ``2i``, ``2i + 1``;
+    node ``n + s`` is slot ``s``), level by level from the deepest."""
+    if n < 2:
+        return mx.zeros((n_heads, 0), mx.int32)
+    depth = (n - 1).bit_length() - 1
+    levels = {}
+    for level in range(depth, -1, -1):
+        first = 1 << level
+        end = min(first << 1, n)
+        # The children, nodes [2 first, 2 end): the level below, then slots.
+        child_first, child_end = 2 * first, 2 * end
+        parts = []
+        inner_end = min(child_end, n)
+        if inner_end > child_first:
+            parts.append(levels[level + 1][:, : inner_end - child_first])
+        leaf_first = max(child_first, n)
+        if child_end > leaf_first:
+            leaves = mx.arange(leaf_first - n, child_end - n, dtype=mx.int32)
+            parts.append(mx.broadcast_to(leaves, (n_heads, child_end - leaf_first)))
+        children = mx.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+        a, b = children[:, 0::2], children[:, 1::2]
+        levels[level] = mx.where(beats(a, b), a, b)
+    return mx.concatenate([levels[level] for level in range(depth + 1)], axis=1)
 
 
 def source_slots(keep: mx.array, kept: int, layout: str) -> mx.array:
@@ -417,14 +549,16 @@ def source_slots(keep: mx.array, kept: int, layout: str) -> mx.array:
 @without_transforms("evict_and_fill")
 def fallback(
     *arrays,
-    payloads, norms_given, has_valid,
+    payloads, norms_given, has_valid, order_tree=False,
     filled, offset, capacity, budget, n_sink, recent, keep, layout,
 ) -> tuple[mx.array, ...]:
     """The pure-MLX op, bit-identical to the kernels on slots
     ``[0, kept + S)``; later slots are zeros here. ``arrays`` in the
     primitive's order: the ``payloads`` buffers, norms, positions, the new
     payload rows, then new_norms and valid where given; returns the
-    payloads, norms and positions. Runs on one head axis."""
+    payloads, norms and positions, and with ``order_tree`` the tree (built:
+    a given tree is the previous step's, the one this builds, so the
+    fallback never reads it). Runs on one head axis."""
     m = payloads
     heads = arrays[m].shape[:-1]
     n_heads = math.prod(heads)
@@ -437,6 +571,12 @@ def fallback(
         stored, norms, positions, new, new_norms, valid,
         filled, offset, capacity, budget, n_sink, recent, keep, layout,
     )
+    if order_tree:
+        n_new = new[0].shape[1]
+        out.append(build_order_tree(
+            out[m], out[m + 1], min(filled, budget) + n_new, offset + n_new,
+            n_sink, recent, keep, valid,
+        ))
     return tuple(x.reshape(*heads, *x.shape[1:]) for x in out)
 
 
