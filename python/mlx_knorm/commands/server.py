@@ -30,7 +30,9 @@ wrappers for the duration of ``main``:
   Hugging Face cache directory exists (mlx-lm's handler would fail there).
 
 - ``BatchGenerator``: mlx-lm's, timing each request it serves so that a
-  batched request's statistics are logged as a single one's are.
+  batched request's statistics are logged as a single one's are (the peak
+  memory is reset when a request joins an idle batch, as ``_serve_single``
+  resets it per request).
 
 mlx-lm's batch loop splits a prompt's last token off into a segment of its
 own (``BatchGenerator.insert_segments``), and the server stores a cache at
@@ -263,6 +265,8 @@ class ServerSession(Session):
                 # fourth parameter), then its segments: its whole prompt.
                 cached = kwargs.get("all_tokens", args[2] if len(args) > 2 else None) or [[]] * len(segments)
                 prompts = [[*c, *(t for s in seq for t in s)] for c, seq in zip(cached, segments)]
+                if not self._mlx_knorm_timing:
+                    mx.reset_peak_memory()  # the peak of a lone request is its own
                 uids = super().insert_segments(segments, *args, **kwargs)
                 now = time.perf_counter()
                 for uid, seq, prompt in zip(uids, segments, prompts):
