@@ -18,14 +18,17 @@ mlx-lm's ``Peak memory``, unrounded), reset before each call, so it holds
 the weights the call loads, the cache and the prefill's activations.
 ``server``: two server processes, ``mlx-knorm server`` and the same server
 with the ``RotatingKVCache`` factory (``python bench/commands.py
-serve-baseline ...``), both serving one request at a time through mlx-lm's
-``_serve_single`` (mlx-lm would batch a RotatingKVCache; with one client
-that only changes the loop around the same steps), one client sending each
-the same streaming ``/v1/completions`` requests in turn. Decode tokens/s
-and peak memory are what each server logs for the request: mlx-lm's
-``Generation: ... tokens-per-sec`` and ``Peak memory`` of its
-``stream_generate`` (the client's own view of a stream is distorted by how
-the threads are scheduled on a busy machine).
+serve-baseline ...``), both serving through mlx-lm's batch loop
+(``BatchGenerator``), as each batches its caches (``L2NormKVCache.merge``;
+mlx-lm's ``BatchRotatingKVCache``), a batch of one here: one client sends
+each the same streaming ``/v1/completions`` requests in turn. Each round
+checks that both served the request the same way (batched or alone).
+Decode tokens/s and peak memory are what each server logs for the request:
+``Generation: ... tokens-per-sec`` and ``Peak memory`` as ``mlx_lm.generate``
+prints them, from the request's insertion into the batch (the client's own
+view of a stream is distorted by how the threads are scheduled on a busy
+machine); the bytes the server's prompt store holds after the request are
+its ``mlx-knorm: prompt cache`` line.
 
 The two sides alternate in rounds, the order swapping each round, after an
 untimed warm-up round, in one warm process (no buffer-cache clearing);
@@ -75,7 +78,6 @@ from mlx_knorm.bench.report import machine, markdown_table, now, verdict
 from mlx_knorm.bench.timing import minor_faults, warm_up
 from mlx_knorm.commands import generate as generate_command
 from mlx_knorm.commands import server as server_command
-from mlx_knorm.commands.server import mlx_lm_server
 from mlx_knorm.commands.loading import load_model, model_cache
 from mlx_knorm.quality import MODEL_DIR
 
@@ -305,6 +307,8 @@ def draft_report(args, texts) -> dict:
 
 LOGGED = re.compile(r"Prompt: (\d+) tokens, ([0-9.]+) tokens-per-sec; "
                     r"Generation: (\d+) tokens, ([0-9.]+) tokens-per-sec; Peak memory: ([0-9.]+) GB")
+STORE = re.compile(r"mlx-knorm: prompt cache: (\d+) sequences, (\d+) bytes")
+BATCHED = re.compile(r"mlx-knorm: batching \d+ requests")
 
 
 def free_port() -> int:
@@ -338,13 +342,15 @@ class Server:
         """The server process's minor page faults so far (/proc/PID/stat field 10)."""
         return int(Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
 
-    def logged(self) -> list[tuple]:
-        """Every request's statistics the server has logged."""
+    def logged(self, pattern=LOGGED) -> list:
+        """Every match of ``pattern`` in the server's log: by default each
+        request's statistics."""
         self.log.flush()
-        return LOGGED.findall(self.log_path.read_text())
+        return pattern.findall(self.log_path.read_text())
 
     def request(self, prompt: str, max_tokens: int) -> dict:
         before = len(self.logged())
+        stored, batched = len(self.logged(STORE)), len(self.logged(BATCHED))
         body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions",
                                          data=json.dumps(body).encode(),
@@ -353,12 +359,16 @@ class Server:
         with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
             response.read()
         deadline = time.monotonic() + 30
-        while len(self.logged()) <= before and time.monotonic() < deadline:
+        while ((len(self.logged()) <= before or len(self.logged(STORE)) <= stored)
+               and time.monotonic() < deadline):
             time.sleep(0.05)
         prompt_tokens, prompt_tps, tokens, tps, peak = self.logged()[-1]
+        sequences, store_bytes = self.logged(STORE)[-1]
         return {"prompt_tokens": int(prompt_tokens), "prompt_tokens_per_s": float(prompt_tps),
                 "generation_tokens": int(tokens), "tokens_per_s": float(tps),
-                "peak_memory_bytes": float(peak) * 1e9, "faults": self.faults() - faults}
+                "peak_memory_bytes": float(peak) * 1e9, "faults": self.faults() - faults,
+                "batched": len(self.logged(BATCHED)) > batched,
+                "prompt_store_sequences": int(sequences), "prompt_store_bytes": int(store_bytes)}
 
     def stop(self) -> None:
         self.process.terminate()
@@ -452,7 +462,11 @@ def run(args) -> dict:
         finally:
             for s in servers.values():
                 s.stop()
+        served = {side: {r["batched"] for r in runs} for side, runs in serve.items()}
+        if len(set.union(*served.values())) != 1:
+            raise RuntimeError(f"the two servers served the requests differently (batched: {served})")
         report["server"] = compare(serve)
+        report["server"]["batched"] = served["mlx-knorm"].pop()
     return report
 
 
@@ -515,6 +529,13 @@ def print_report(report: dict) -> None:
                          f"{s['prompt_tokens_per_s']:.4g}", f"{s['faults_per_call']:.0f}"])
         targets += [(part, name, v) for name, v in report[part]["targets"].items()]
     print(markdown_table(header, rows))
+    if "server" in report:
+        sides = report["server"]["sides"]
+        stores = ", ".join(f"{side} {s['rounds'][-1]['prompt_store_sequences']} caches, "
+                           f"{s['rounds'][-1]['prompt_store_bytes'] / 1e6:.1f} MB"
+                           for side, s in sides.items())
+        print(f"\nserver: {'batched' if report['server'].get('batched') else 'served alone'}; "
+              f"prompt store after the last round: {stores}")
     print("\nTargets (this run):")
     for part, name, v in targets:
         print(f"  {part} {name} {v['measured']:.3f} (target {v['target']}): {'met' if v['met'] else 'MISSED'}")
@@ -523,8 +544,7 @@ def print_report(report: dict) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve-baseline"]:
-        # One request at a time, as mlx-knorm's server serves (see the docstring).
-        mlx_lm_server.ResponseGenerator._is_batchable = lambda self, args: False
+        # Batched as mlx-knorm's server batches (see the docstring).
         return server_command.main(argv[1:], cache_factory=rotating_cache)
     parser = argparse.ArgumentParser(prog="bench/commands.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -7,6 +7,7 @@ servers are stopped by their process ids."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import threading
@@ -277,10 +278,12 @@ def test_a_prompt_that_leaves_a_cached_conversation_gets_a_fresh_cache_s_answer(
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A 2-layer tiny random llama (a draft sharing the shipped model's
-    tokenizer) and the tiny llama with heads wide enough for --kv-bits."""
+    tokenizer), the tiny llama with heads wide enough for --kv-bits, and
+    the tiny llama itself (it has a chat template)."""
     where = tmp_path_factory.mktemp("models")
     return {"draft": write_tiny_llama(where / "draft", num_hidden_layers=2),
-            "wide": write_tiny_llama(where / "wide", head_dim=WIDE_HEAD_DIM)}
+            "wide": write_tiny_llama(where / "wide", head_dim=WIDE_HEAD_DIM),
+            "tiny": write_tiny_llama(where / "tiny")}
 
 
 @pytest.mark.parametrize("recent", [None, 0])
@@ -346,3 +349,55 @@ def test_kv_bits_on_the_server_keeps_budget_quantized_rows(tmp_path_factory, env
     assert answer == generate(model, tokenizer, LONG_PROMPT[:200], max_tokens=40,
                               sampler=make_sampler(0.8, 0.9), prompt_cache=make_knorm_cache(model, budget=48),
                               kv_bits=4, kv_group_size=32, quantized_kv_start=0)
+
+
+STORE_LINE = re.compile(r"mlx-knorm: prompt cache: (\d+) sequences, (\d+) bytes")
+
+
+def store_after(server: Server, count: int) -> tuple[int, int]:
+    """What the server's prompt store holds after its ``count``-th stored
+    request (its log line: sequences, bytes)."""
+    deadline = time.monotonic() + 10
+    while len(STORE_LINE.findall(server.log_text())) < count and time.monotonic() < deadline:
+        time.sleep(0.1)
+    lines = STORE_LINE.findall(server.log_text())
+    assert len(lines) == count, server.log_text()
+    return tuple(map(int, lines[-1]))
+
+
+def test_the_prompt_store_holds_one_cache_a_conversation(tmp_path_factory, env, models):
+    """mlx-lm's batch loop also stores each request's cache after all of its
+    prompt but the last token; past the budget the finished cache cannot be
+    trimmed back to it, so mlx-lm's store would keep both, twice the bytes a
+    conversation. The server drops that checkpoint once the request's cache
+    is stored: one cache of at most the budget's slots a conversation, as
+    when it is served alone; a follow-up continues it, and a chat's system
+    prompt checkpoint stays for the next chat with that system prompt."""
+    budget = 48
+    s = Server([*MLX_KNORM, "server", "--model", models["tiny"], "--budget", budget], env,
+               tmp_path_factory.mktemp("logs") / "store-server.log")
+    try:
+        prompts = [f"# part {i}\n" + LONG_PROMPT for i in range(3)]  # none a prefix of another
+        for i, prompt in enumerate(prompts):
+            answer = text_of(s.complete("/v1/completions", {"prompt": prompt, "max_tokens": 8}))
+            # mlx-lm's count of what its store held at the request's start.
+            assert re.findall(r"Prompt Cache: (\d+) sequences", s.log_text())[-1] == str(i)
+        assert "mlx-knorm: batching 1 requests" in s.log_text(), "the requests were not batched"
+        store_after(s, len(prompts))
+        for i, (sequences, held) in enumerate(STORE_LINE.findall(s.log_text()), 1):
+            assert int(sequences) == i and int(held) <= i * tiny_kv_bytes(budget), (sequences, held)
+        # A follow-up continues the conversation.
+        follow_up = prompts[-1] + answer + "\n\ndef main():\n"
+        again = s.complete("/v1/completions", {"prompt": follow_up, "max_tokens": 8})
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompts[-1]) + 8
+        assert store_after(s, 4)[0] == 4
+        # A chat with a system prompt: its checkpoint and the chat's cache.
+        system = {"role": "system", "content": "You answer in Python."}
+        chat = {"messages": [system, {"role": "user", "content": LONG_PROMPT}], "max_tokens": 8}
+        s.complete("/v1/chat/completions", chat)
+        assert store_after(s, 5)[0] == 6
+        other = {"messages": [system, {"role": "user", "content": "# other\n" + LONG_PROMPT}], "max_tokens": 8}
+        reused = s.complete("/v1/chat/completions", other)["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert reused == len(f"<system>{system['content']}\n<user>")
+    finally:
+        s.stop()

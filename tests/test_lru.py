@@ -137,3 +137,20 @@ def test_an_exact_hit_leaves_the_prompt_s_last_token_to_process(trimmable):
     theirs = mlx_lm_cache.LRUPromptCache()
     theirs.insert_cache(MODEL, PROMPT, prompt_cache(PROMPT, [39, 1], 16))
     assert theirs.fetch_nearest_cache(MODEL, PROMPT)[1] == []
+
+
+def test_remove_drops_one_entry_and_its_bytes():
+    store = LRUPromptCache()
+    short, long = PROMPT[:20], PROMPT
+    store.insert_cache(MODEL, short, prompt_cache(short, [20], 16), cache_type="user")
+    store.insert_cache(MODEL, long, prompt_cache(long, [39, 1], 16))
+    assert len(store) == 2 and store.entry(MODEL, PROMPT[:10]) is None
+    kept = store.entry(MODEL, long).nbytes
+    assert store.remove(MODEL, short) and not store.remove(MODEL, short)
+    assert len(store) == 1 and store.nbytes == kept and store.entry(MODEL, short) is None
+    assert store.stats_by_type()["user"] == {"n_sequences": 0, "n_bytes": 0}
+    # The longer entry still answers, and the store evicts it as before.
+    cache, rest = store.fetch_nearest_cache(MODEL, long + [5])
+    assert check_answer(long + [5], cache, rest) == 40
+    store.trim_to(n_sequences=0)
+    assert len(store) == 0 and store.nbytes == 0

@@ -34,7 +34,10 @@ are not in its prompt.
 
 Layers without ``trimmable()`` (mlx-lm's own caches) answer by
 ``is_trimmable()``, as in mlx-lm, so for them the class behaves as mlx-lm's
-but for exact hits.
+but for exact hits. Two look-ups are added: ``entry`` (the entry stored
+under exactly some tokens) and ``remove`` (drop it, its bytes with it), for
+the server, which drops the checkpoints that mlx-lm's batch loop leaves
+(``mlx_knorm.commands.server``).
 """
 
 from __future__ import annotations
@@ -124,6 +127,26 @@ class LRUPromptCache(mlx_lm_cache.LRUPromptCache):
             super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         finally:
             self._trie.replaceable = None
+
+    def entry(self, model: Any, tokens: list[int]):
+        """The entry (``prompt_cache``, ``nbytes``, ``cache_type``) stored
+        under exactly ``tokens``, or None."""
+        try:
+            return self._trie.get(model, tokens)
+        except KeyError:
+            return None
+
+    def remove(self, model: Any, tokens: list[int]) -> bool:
+        """Drop the entry stored under exactly ``tokens``, as the store drops
+        one it evicts; False when there is none."""
+        entry = self.entry(model, tokens)
+        if entry is None:
+            return False
+        self._trie.pop(model, tokens)
+        self._n_bytes -= entry.nbytes
+        self._n_bytes_by_type[entry.cache_type] -= entry.nbytes
+        self._lru.remove(model, list(tokens))
+        return True
 
 
 __all__ = ["LRUPromptCache", "can_trim_prompt_cache", "tokens_held"]

@@ -22,12 +22,34 @@ wrappers for the duration of ``main``:
   its ``trimmable()`` allows). Each request's
   cache is inserted once it is done, and then its statistics are logged as
   ``mlx_lm.generate`` prints them (from the last ``GenerationResponse``,
-  which a wrapped ``stream_generate`` keeps), with the KV memory line.
+  which a wrapped ``stream_generate`` keeps), with the KV memory line, and
+  what the store then holds (``mlx-knorm: prompt cache: N sequences, B
+  bytes``). A batched request's checkpoint of its prompt without the last
+  token is dropped once the request's own cache is stored (below).
 - ``scan_cache_dir``: ``/v1/models`` lists the served model even where no
   Hugging Face cache directory exists (mlx-lm's handler would fail there).
 
 - ``BatchGenerator``: mlx-lm's, timing each request it serves so that a
-  batched request's statistics are logged as a single one's are.
+  batched request's statistics are logged as a single one's are (the peak
+  memory is reset when a request joins an idle batch, as ``_serve_single``
+  resets it per request).
+
+mlx-lm's batch loop splits a prompt's last token off into a segment of its
+own (``BatchGenerator.insert_segments``), and the server stores a cache at
+the end of every segment but the last that has a type left: so each
+batched request also stores its cache after all of its prompt but the last
+token, next to the cache it stores when it is done (prompt and answer).
+mlx-lm's store drops that checkpoint for a cache that can trim back to it
+(a ``KVCache``); a cache that has evicted past it (ours, or a wrapped
+``RotatingKVCache``) cannot, so every conversation would be held twice
+(a ``RotatingKVCache``'s checkpoint, taken mid-prefill, even holds the
+whole last prefill block). Here a request's own end-of-prompt checkpoint is
+dropped once its finished cache is stored, so the store holds one cache a
+conversation, as when it is served alone; a follow-up continues the
+finished cache. The checkpoints of earlier segments (a chat's system
+prompt, its user turn before a thinking tail) stay, as in mlx-lm, and a
+request that ends without its cache stored (a client that disconnects)
+keeps its checkpoint.
 
 A cached conversation is reused for a prompt that continues it (a
 follow-up turn: the conversation so far is the stored prompt plus its
@@ -60,6 +82,7 @@ from huggingface_hub.utils import CacheNotFound
 
 from ..cache import L2NormCacheBase, L2NormKVCache
 from ..lru import LRUPromptCache as TrimAwareLRUPromptCache
+from ..lru import tokens_held
 from .memory import kv_memory_line
 from .session import BUDGET_ALIAS, CACHE_FIELDS, Session, cache_config
 
@@ -101,6 +124,9 @@ class ServerSession(Session):
         self.last_response = None  # of the request being served alone
         self.batch_config = None  # the cache settings of the batch being served
         self.batch_statistics: dict[int, str] = {}  # id(finished prompt cache) -> its statistics
+        # id(finished prompt cache) -> its prompt but the last token: the key
+        # of the checkpoint mlx-lm's batch loop stored for the request.
+        self.batch_checkpoints: dict[int, list] = {}
         self._batchable: dict = {}  # config -> whether it batches, for the model below
         self._batchable_model = lambda: None
 
@@ -190,15 +216,30 @@ class ServerSession(Session):
                 return super().fetch_nearest_cache((model, session.current_config()), tokens)
 
             def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
+                key = (model, session.current_config())
                 # A finished request's cache (a batch also stores the caches
                 # of its prompts' segments, which are not logged); the
                 # target's layers (a draft model's follow them; drafts are
                 # never batched).
-                if id(prompt_cache) in session.batch_statistics or session.batch_config is None:
+                finished = id(prompt_cache) in session.batch_statistics or session.batch_config is None
+                checkpoint = session.batch_checkpoints.pop(id(prompt_cache), None)
+                if finished:
                     target = prompt_cache[: len(session.last_cache or prompt_cache)]
                     logging.info(f"{session.statistics(prompt_cache)}; {kv_memory_line(target)}")
-                super().insert_cache((model, session.current_config()), tokens, prompt_cache,
-                                     cache_type=cache_type)
+                super().insert_cache(key, tokens, prompt_cache, cache_type=cache_type)
+                if not finished:
+                    # A segment's checkpoint (under the tokens it holds, as stored).
+                    entry = self.entry(key, tokens[: tokens_held(prompt_cache, len(tokens))])
+                    if entry is not None and entry.prompt_cache is prompt_cache:
+                        entry.mlx_knorm_checkpoint = True
+                    return
+                if checkpoint is not None:
+                    # The request's end-of-prompt checkpoint, where it is still
+                    # the one stored there (module docstring).
+                    entry = self.entry(key, checkpoint)
+                    if entry is not None and getattr(entry, "mlx_knorm_checkpoint", False):
+                        self.remove(key, checkpoint)
+                logging.info(f"mlx-knorm: prompt cache: {len(self)} sequences, {self.nbytes} bytes")
 
         generate = mlx_lm_server.stream_generate
 
@@ -215,13 +256,21 @@ class ServerSession(Session):
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
                 session.batch_config = None
-                self._mlx_knorm_timing = {}  # uid -> [prompt tokens, inserted, first token, tokens]
+                # uid -> [prompt tokens, inserted, first token, tokens, the
+                # prompt but its last token (its checkpoint's key)]
+                self._mlx_knorm_timing = {}
 
             def insert_segments(self, segments, *args, **kwargs):
+                # The tokens each sequence's cache holds already (insert_segments'
+                # fourth parameter), then its segments: its whole prompt.
+                cached = kwargs.get("all_tokens", args[2] if len(args) > 2 else None) or [[]] * len(segments)
+                prompts = [[*c, *(t for s in seq for t in s)] for c, seq in zip(cached, segments)]
+                if not self._mlx_knorm_timing:
+                    mx.reset_peak_memory()  # the peak of a lone request is its own
                 uids = super().insert_segments(segments, *args, **kwargs)
                 now = time.perf_counter()
-                for uid, seq in zip(uids, segments):
-                    self._mlx_knorm_timing[uid] = [sum(len(s) for s in seq), now, None, 0]
+                for uid, seq, prompt in zip(uids, segments, prompts):
+                    self._mlx_knorm_timing[uid] = [sum(len(s) for s in seq), now, None, 0, prompt[:-1]]
                 logging.info(f"mlx-knorm: batching {len(self._mlx_knorm_timing)} requests "
                              f"({session.current_config().describe()})")
                 return uids
@@ -237,10 +286,11 @@ class ServerSession(Session):
                         timing[2] = now
                     timing[3] += 1
                     if r.finish_reason is not None:
-                        prompt_tokens, inserted, first, tokens = self._mlx_knorm_timing.pop(r.uid)
+                        prompt_tokens, inserted, first, tokens, checkpoint = self._mlx_knorm_timing.pop(r.uid)
                         session.batch_statistics[id(r.prompt_cache)] = session.statistics_line(
                             prompt_tokens, prompt_tokens / max(first - inserted, 1e-9),
                             tokens, (tokens - 1) / (now - first) if tokens > 1 else 0.0)
+                        session.batch_checkpoints[id(r.prompt_cache)] = checkpoint
                 return prompt_responses, generation_responses
 
             def remove(self, uids, *args, **kwargs):
