@@ -154,6 +154,17 @@ def test_cache_step_program_refuses_schedules_with_nothing_timed(flag, value, ca
     assert f"{flag} must be >= " in capsys.readouterr().err
 
 
+def test_order_tree_program_times_both_sides(tmp_path):
+    """bench/order_tree.py on a tiny grid: both sides, both windows."""
+    _, report = run_program("order_tree.py", ["--budget", "16", "--heads", "2", "--rounds", "2", "--steps", "2"],
+                            tmp_path)
+    assert report["benchmark"] == "order_tree"
+    assert [(r["budget"], r["heads"], r["recent"]) for r in report["results"]] == [(16, 2, 0), (16, 2, 8)]
+    for row in report["results"]:
+        assert row["tree_ms"] > 0 and row["scan_ms"] > 0
+        assert row["tree_over_scan"] == row["tree_ms"] / row["scan_ms"]
+
+
 def check_decode_e2e(report, budgets):
     assert report["benchmark"] == "decode_e2e" and report["warm_process"] is True
     assert list(report["budgets"]) == [str(b) for b in budgets]

@@ -15,7 +15,8 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, sav
 
 import mlx_knorm
 from mlx_knorm.cache import L2NormKVCache, make_knorm_cache
-from mlx_knorm.defaults import DEFAULT_RECENT, DEFAULT_RECENT_SHARE, default_recent
+from mlx_knorm.defaults import (DEFAULT_RECENT, DEFAULT_RECENT_SHARE, ORDER_TREE_MIN_BUDGET, default_recent,
+                                uses_order_tree)
 
 from tiny_models import HEAD_DIM, KV_HEADS, VOCAB, teacher_forced, tiny_model, tokens
 
@@ -44,7 +45,7 @@ def check_accounting(cache: L2NormKVCache, batch: int, seen: int, budget: int) -
     assert cache.full_seq_bytes == batch * KV_HEADS * seen * HEAD_DIM * 4
     assert cache.compression_ratio == seen / kept
     tree = cache.order_tree
-    assert (tree is None) == (cache.layout == "temporal")
+    assert (tree is None) == (not uses_order_tree(cache.layout, cache.budget, cache.recent))
     assert cache.nbytes == sum(b.nbytes for b in buffers(cache)) + (0 if tree is None else tree.nbytes)
     capacity = cache.keys.shape[2]
     assert [b.shape[:3] for b in buffers(cache)] == [(batch, KV_HEADS, capacity)] * 4
@@ -449,3 +450,27 @@ def test_layout_is_validated():
         L2NormKVCache(layout=None)
     with pytest.raises(ValueError, match="layout"):
         make_knorm_cache(tiny_model("llama", layers=1), layout="rows")
+
+
+@pytest.mark.parametrize("recent, layout", [(0, "slots"), (1, "slots"), (0, "temporal")])
+def test_a_cache_keeps_the_order_tree_where_its_configuration_gains(recent, layout):
+    """From ORDER_TREE_MIN_BUDGET on, without a recent window, in the slot
+    layout, the cache keeps the order tree and decodes through it: the same
+    rows and tree as the fallback, which ranks every row; elsewhere none."""
+    budget = ORDER_TREE_MIN_BUDGET
+    keys = mx.random.normal((1, 2, budget + 8, 4), key=mx.random.key(3)).astype(mx.float16)
+    states = {}
+    for backend in ("kernel", "fallback"):
+        with mlx_knorm.use_backend(backend):
+            cache = L2NormKVCache(budget=budget, n_sink=2, recent=recent, layout=layout)
+            mx.eval(cache.update_and_fetch(keys[:, :, : budget + 2], keys[:, :, : budget + 2]))
+            for j in range(budget + 2, budget + 8):
+                mx.eval(cache.update_and_fetch(keys[:, :, j : j + 1], keys[:, :, j : j + 1]))
+            states[backend] = cache
+    kernel, fallback = states["kernel"], states["fallback"]
+    assert (kernel.order_tree is not None) == uses_order_tree(layout, budget, recent) == (recent == 0 and layout == "slots")
+    filled = kernel.filled
+    for a, e in zip(buffers(kernel), buffers(fallback)):
+        assert np.array_equal(np.array(a[:, :, :filled]), np.array(e[:, :, :filled]))
+    if kernel.order_tree is not None:
+        assert np.array_equal(np.array(kernel.order_tree), np.array(fallback.order_tree))

@@ -255,18 +255,18 @@ def test_trim_and_copies():
 
 
 def test_memory_at_4_bits_group_64():
-    """Per row and head: the float cache's 2 * 64 float16 plus a norm, a
-    position and the order tree's two entries (and its two stamps per head)
-    against 2 * (32 bytes packed + a float16 scale and bias)."""
+    """Per row and head: the float cache's 2 * 64 float16 plus a norm and a
+    position against 2 * (32 bytes packed + a float16 scale and bias); at
+    this budget neither keeps an order tree."""
     keys, values = stream((1, 3, 40, WIDTH), 2)
     ours, quantized = L2NormKVCache(budget=32), QuantizedL2NormKVCache(budget=32, group_size=64, bits=4)
     for cache in (ours, quantized):
         cache.update_and_fetch(keys, values)
         cache.update_and_fetch(keys[:, :, :1], values[:, :, :1])
     assert ours.keys.shape[2] == quantized.keys[0].shape[2] == 33
-    tree = 3 * 2 * (33 + 1) * 4
-    assert ours.nbytes == 33 * 3 * (2 * 64 * 2 + 8) + tree
-    assert quantized.nbytes == 33 * 3 * (2 * (32 + 4) + 8) + tree
+    assert ours.order_tree is None and quantized.order_tree is None
+    assert ours.nbytes == 33 * 3 * (2 * 64 * 2 + 8)
+    assert quantized.nbytes == 33 * 3 * (2 * (32 + 4) + 8)
 
 
 def saved_and_loaded(caches):

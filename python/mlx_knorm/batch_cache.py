@@ -25,6 +25,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from .cache import L2NormKVCache, _storage_dtype, step_capacity
 from .cache_state import check_block, decimal_int
+from .defaults import uses_order_tree
 from .ops.evict_and_fill import check_layout, evict_and_fill_unchecked
 from .validation import INT32_MAX, check_config, check_int
 
@@ -145,7 +146,8 @@ class BatchL2NormKVCache(_BaseCache):
             dtype = self.keys.dtype
         capacity = step_capacity(kept + steps, buffers[2].shape[2], self.budget)
         previous_tree = self._tree
-        tree = False if self.layout != "slots" else (True if previous_tree is None else previous_tree)
+        tree = (False if not uses_order_tree(self.layout, self.budget, self.recent)
+                else True if previous_tree is None else previous_tree)
         # The op writes in place only if it holds the buffers' last reference.
         self._set_buffers([None] * 4)
         try:

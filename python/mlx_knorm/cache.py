@@ -70,7 +70,7 @@ from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
 from .cache_state import StateError, check_block, check_state, parse_meta_state
 from .defaults import (DEFAULT_BUDGET, DEFAULT_KEEP, DEFAULT_KV_GROUP_SIZE, DEFAULT_LAYOUT, DEFAULT_N_SINK,
-                       DEFAULT_RECENT, DEFAULT_SKIP_LAYERS, default_recent)
+                       DEFAULT_RECENT, DEFAULT_SKIP_LAYERS, default_recent, uses_order_tree)
 from .ops.evict_and_fill import check_layout, evict_and_fill_unchecked
 from .ops.key_norms import key_norms_unchecked
 from .validation import check_config, check_int
@@ -191,9 +191,9 @@ class L2NormCacheBase(_BaseCache):
 
     def _tree_argument(self):
         """evict_and_fill's ``tree`` for the next step: the previous step's
-        tree, or True to build one; the slot layout only (the temporal
-        layout's compaction moves rows after the evicted one anyway)."""
-        if self.layout != "slots":
+        tree, or True to build one, where the configuration keeps one
+        (``defaults.uses_order_tree``); else False."""
+        if not uses_order_tree(self.layout, self.budget, self.recent):
             return False
         tree = getattr(self, "_tree", None)
         return True if tree is None else tree

@@ -13,6 +13,21 @@ DEFAULT_RECENT = 0  # no recent window: the paper's pure keep-low
 DEFAULT_KEEP = "low"
 DEFAULT_LAYOUT = "slots"
 
+# The caches evict through the order tree (docs/spec.md §4 step 4, §8) from
+# this budget on, and only without a recent window. Measured by
+# bench/order_tree.py (bench/results/order-tree-cpu.json): without a window
+# the tree's decode step takes 1.04x-1.06x of ranking every row at 2048,
+# 0.76x-0.97x at 4096 and 0.73x-0.82x at 8192; with a window of half the
+# budget each step also updates the leaving row's random path in both
+# halves, 1.03x-1.30x below 8192.
+ORDER_TREE_MIN_BUDGET = 4096
+
+
+def uses_order_tree(layout: str, budget: int, recent: int) -> bool:
+    """Whether a cache of this configuration keeps the order tree."""
+    return layout == "slots" and recent == 0 and budget >= ORDER_TREE_MIN_BUDGET
+
+
 # make_knorm_cache's recent window when none is given, as a share of the
 # budget (docs/quality.md has the evidence, measured on SmolLM2-135M).
 DEFAULT_RECENT_SHARE = Fraction(1, 2)

@@ -28,6 +28,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..cache import DEFAULT_RECENT, L2NormCacheBase, L2NormKVCache
+from ..defaults import uses_order_tree
 from ..ops.evict_and_fill import evict_and_fill_unchecked
 from ..ops.key_norms import key_norms
 from ..validation import FLOAT_DTYPES
@@ -150,9 +151,9 @@ class SlotsOp:
     """The op of the slot layout's decode step alone: ``evict_and_fill`` on
     slot buffers ``[B, H, budget + 1, *]`` holding the kept rows and the
     previous step's new row, donated (the previous buffers dropped first),
-    with the cache's configuration and, as the cache gives it, the previous
-    step's order tree (the first step builds it); the L2NormKVCache around
-    it adds its Python and the views it returns."""
+    with the cache's configuration and, where the cache keeps one, the
+    previous step's order tree (the first step builds it); the
+    L2NormKVCache around it adds its Python and the views it returns."""
 
     def __init__(self, config: StepConfig):
         self.budget = config.budget
@@ -164,18 +165,21 @@ class SlotsOp:
         positions = mx.argsort(order, axis=-1).astype(mx.int32)
         self.buffers = [keys, values, key_norms(keys), positions]
         mx.eval(self.buffers)
-        self.tree = True
+        self.tree = uses_order_tree("slots", config.budget, DEFAULT_RECENT)
         self.offset = slots
 
     def step(self, keys: mx.array, values: mx.array) -> None:
         inputs = [*self.buffers, keys, values]
-        tree, self.buffers, self.tree = self.tree, None, None
-        *self.buffers, self.tree = evict_and_fill_unchecked(
+        tree, self.buffers, self.tree = self.tree, None, False
+        out = evict_and_fill_unchecked(
             *inputs, filled=self.budget + 1, offset=self.offset, capacity=self.budget + 1,
             budget=self.budget, n_sink=N_SINK, recent=DEFAULT_RECENT, keep="low", tree=tree,
         )
-        del inputs, tree  # the last references: the op may now update the buffers in place
-        mx.eval(self.buffers, self.tree)
+        self.buffers = list(out[:4])
+        if tree is not False:
+            self.tree = out[4]
+        del inputs, tree, out  # the last references: the op may now update the buffers in place
+        mx.eval(self.buffers, *([] if self.tree is False else [self.tree]))
         self.offset += 1
 
 
