@@ -25,6 +25,26 @@ def kept_rows(norms: list[float], budget: int, n_sink: int, recent: int, keep: s
     return sorted([*range(sinks), *chosen, *range(n_total - tail, n_total)])
 
 
+def eviction_rank(norms, positions, offset, n_sink, recent, keep, valid):
+    """docs/spec.md §4 step 1 at ``offset``: a slot's key in the rank, first
+    kept to first evicted (protected rows, then evictable ones by score,
+    NaN last, then padding; equal keys by position, then slot)."""
+    lo, hi = (0, math.inf) if valid is None else valid
+    end = min(offset, hi)
+
+    def rank(s: int):
+        p = positions[s]
+        if valid is not None and not lo <= p < hi:
+            return (2, False, 0.0, p, s)
+        if p < lo + n_sink or p >= end - recent:
+            return (0, False, 0.0, p, s)
+        score = norms[s] if keep == "low" else -norms[s]
+        nan = math.isnan(score)
+        return (1, nan, 0.0 if nan else score, p, s)
+
+    return rank
+
+
 def evict_and_fill_sources(
     norms: list[float],
     positions: list[int],
@@ -41,19 +61,7 @@ def evict_and_fill_sources(
     that lands in each output slot of ``[0, kept)``. ``valid``: the head's
     ``(lo, hi)``; None, every row real."""
     slots = range(filled)
-    lo, hi = (0, math.inf) if valid is None else valid
-    end = min(offset, hi)
-
-    def rank(s: int):
-        p = positions[s]
-        if valid is not None and not lo <= p < hi:
-            return (2, False, 0.0, p, s)
-        if p < lo + n_sink or p >= end - recent:
-            return (0, False, 0.0, p, s)
-        score = norms[s] if keep == "low" else -norms[s]
-        nan = math.isnan(score)
-        return (1, nan, 0.0 if nan else score, p, s)
-
+    rank = eviction_rank(norms, positions, offset, n_sink, recent, keep, valid)
     kept_set = set(sorted(slots, key=rank)[:budget])
     kept_in_order = [s for s in slots if s in kept_set]
     if layout == "temporal":
@@ -79,19 +87,10 @@ def order_tree(
     are occupied, for the step at ``next_offset``."""
     lo, hi = (0, math.inf) if valid is None else valid
     end = min(next_offset, hi)
+    rank = eviction_rank(norms, positions, next_offset, n_sink, recent, keep, valid)
 
     def real(s):
         return valid is None or lo <= positions[s] < hi
-
-    def rank(s: int):
-        p = positions[s]
-        if not real(s):
-            return (2, False, 0.0, p, s)
-        if p < lo + n_sink or p >= end - recent:
-            return (0, False, 0.0, p, s)
-        score = norms[s] if keep == "low" else -norms[s]
-        nan = math.isnan(score)
-        return (1, nan, 0.0 if nan else score, p, s)
 
     def window(s: int) -> bool:
         return s < count and real(s) and positions[s] >= end - recent
