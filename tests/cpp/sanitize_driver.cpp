@@ -784,7 +784,10 @@ int main(int argc, char** argv) {
       key_norms_case(rng, c);
       check_gather(random_gather_case(rng), rng, std::to_string(c));
       check_evict_and_fill(random_evict_and_fill_case(rng), rng, std::to_string(c));
-      check_evict_and_fill(random_tree_decode_case(rng), rng, "tree decode " + std::to_string(c));
+      if (c % 2 == 0) {
+        // Every other case: under the sanitizers a 700-slot decode is slow.
+        check_evict_and_fill(random_tree_decode_case(rng), rng, "tree decode " + std::to_string(c));
+      }
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "FAILED: %s\n", e.what());
