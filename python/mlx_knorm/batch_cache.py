@@ -23,9 +23,8 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from .cache import L2NormKVCache, _storage_dtype, step_capacity
+from .cache import L2NormKVCache, _storage_dtype, order_tree_argument, step_capacity
 from .cache_state import check_block, decimal_int
-from .defaults import uses_order_tree
 from .ops.evict_and_fill import check_layout, evict_and_fill_unchecked
 from .validation import INT32_MAX, check_config, check_int
 
@@ -146,8 +145,7 @@ class BatchL2NormKVCache(_BaseCache):
             dtype = self.keys.dtype
         capacity = step_capacity(kept + steps, buffers[2].shape[2], self.budget)
         previous_tree = self._tree
-        tree = (False if not uses_order_tree(self.layout, self.budget, self.recent)
-                else True if previous_tree is None else previous_tree)
+        tree = order_tree_argument(self.layout, self.budget, self.recent, previous_tree)
         # The op writes in place only if it holds the buffers' last reference.
         self._set_buffers([None] * 4)
         try:

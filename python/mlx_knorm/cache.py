@@ -118,6 +118,15 @@ def step_capacity(needed: int, current: int, budget: int) -> int:
     return min(-(-needed // GROWTH_STEP) * GROWTH_STEP, most)
 
 
+def order_tree_argument(layout: str, budget: int, recent: int, tree: mx.array | None):
+    """evict_and_fill's ``tree`` for a cache's next step: the previous
+    step's tree, or True to build one, where the configuration keeps one
+    (``defaults.uses_order_tree``); else False."""
+    if not uses_order_tree(layout, budget, recent):
+        return False
+    return True if tree is None else tree
+
+
 def _storage_dtype(keys: mx.array, values: mx.array) -> mx.Dtype:
     """The model's own dtype, as ``KVCache`` stores it (a float32 model's
     attention then runs on float32 rows, not on a mixed-dtype pair); keys and
@@ -190,13 +199,7 @@ class L2NormCacheBase(_BaseCache):
         return getattr(self, "_tree", None)
 
     def _tree_argument(self):
-        """evict_and_fill's ``tree`` for the next step: the previous step's
-        tree, or True to build one, where the configuration keeps one
-        (``defaults.uses_order_tree``); else False."""
-        if not uses_order_tree(self.layout, self.budget, self.recent):
-            return False
-        tree = getattr(self, "_tree", None)
-        return True if tree is None else tree
+        return order_tree_argument(self.layout, self.budget, self.recent, getattr(self, "_tree", None))
 
     def _dims(self) -> tuple[int, int, int, int] | None:
         """``(B, H, D_k, D_v)`` of the rows stored (None when empty)."""

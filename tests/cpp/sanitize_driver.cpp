@@ -308,14 +308,21 @@ std::vector<Payload> key_value(int key_dim, mx::Dtype key_type, int value_dim, m
   return {{key_dim, key_type}, {value_dim, value_type}};
 }
 
+// A step's eviction configuration: a small budget or one of a few hundred
+// rows, any sinks and window that fit, either keep.
+SelectionConfig random_selection(std::mt19937_64& rng) {
+  SelectionConfig selection;
+  selection.budget = rng() % 2 ? 1 + static_cast<int>(rng() % 12)
+                               : 250 + static_cast<int>(rng() % 450);
+  selection.n_sink = static_cast<int>(rng() % selection.budget);
+  selection.recent = static_cast<int>(rng() % (selection.budget - selection.n_sink));
+  selection.keep = rng() % 2 ? Keep::Low : Keep::High;
+  return selection;
+}
+
 EvictAndFillCase random_evict_and_fill_case(std::mt19937_64& rng) {
   EvictAndFillConfig config;
-  config.selection.budget = rng() % 2 ? 1 + static_cast<int>(rng() % 12)
-                                      : 250 + static_cast<int>(rng() % 450);
-  config.selection.n_sink = static_cast<int>(rng() % config.selection.budget);
-  config.selection.recent = static_cast<int>(
-      rng() % (config.selection.budget - config.selection.n_sink));
-  config.selection.keep = rng() % 2 ? Keep::Low : Keep::High;
+  config.selection = random_selection(rng);
   config.layout = rng() % 2 ? Layout::Slots : Layout::Temporal;
   const int budget = config.selection.budget;
   const int excess[] = {0, 1, 1, 2, 40, 300};
@@ -360,12 +367,7 @@ EvictAndFillCase random_evict_and_fill_case(std::mt19937_64& rng) {
 // now and then hostile.
 EvictAndFillCase random_tree_decode_case(std::mt19937_64& rng) {
   EvictAndFillConfig config;
-  config.selection.budget = rng() % 2 ? 1 + static_cast<int>(rng() % 12)
-                                      : 250 + static_cast<int>(rng() % 450);
-  config.selection.n_sink = static_cast<int>(rng() % config.selection.budget);
-  config.selection.recent = static_cast<int>(
-      rng() % (config.selection.budget - config.selection.n_sink));
-  config.selection.keep = rng() % 2 ? Keep::Low : Keep::High;
+  config.selection = random_selection(rng);
   config.layout = Layout::Slots;
   const int budget = config.selection.budget;
   config.filled = rng() % 4 == 0 ? static_cast<int>(rng() % (budget + 1)) : budget + 1;
