@@ -40,14 +40,6 @@
 #include "knorm_kernels.h"
 
 constant constexpr uint kEvictSimdGroups = kEvictGroupSize / kSimdWidth;
-// Entries of each queue of the slot layout's pairing: a chunk is scanned
-// only while fewer than kEvictGroupSize wait, so a queue never holds more.
-constant constexpr uint kEvictQueue = 2 * kEvictGroupSize;
-// Slots of a head whose ranks are kept in threadgroup memory when several
-// rows leave (the radix select reads them in eight passes, the compaction
-// again): 24 KiB, with the kernel's other threadgroup arrays within the
-// 32 KiB a threadgroup may have.
-constant constexpr uint kEvictCachedRanks = 3072;
 
 // How many rows leave.
 constant constexpr uint kKeepAll = 0;
@@ -569,6 +561,10 @@ inline KnormFillBuffers knorm_fill_buffers_at(
   return f;
 }
 
+// cached_ranks and lists are sized by the launch plan for this
+// dispatch: the ranks of slots [0, filled) where cache_ranks is set, and
+// the queues of the slot layout's pairing (2 kEvictQueue entries) when
+// several rows leave, or a temporal chunk's kept slots (kEvictGroupSize).
 template <typename K>
 [[kernel]] void knorm_evict_and_fill(
     device const uchar* rows_0 KNORM_BUFFER(0),
@@ -596,6 +592,8 @@ template <typename K>
     device float* out_norms KNORM_BUFFER(22),
     device int* out_positions KNORM_BUFFER(23),
     constant KnormEvictParams& params KNORM_BUFFER(24),
+    threadgroup ulong* cached_ranks KNORM_THREADGROUP_BUFFER(0),
+    threadgroup uint* lists KNORM_THREADGROUP_BUFFER(1),
     uint head KNORM_ATTRIBUTE(threadgroup_position_in_grid),
     uint tid KNORM_ATTRIBUTE(thread_position_in_threadgroup),
     uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
@@ -604,11 +602,6 @@ template <typename K>
   KNORM_THREADGROUP_ARRAY(uint, simd_totals, kEvictSimdGroups);
   KNORM_THREADGROUP_ARRAY(uint, picked, 3);
   KNORM_THREADGROUP_ARRAY(uint, worst, 3 * kEvictSimdGroups);
-  // Holes and movers (slot layout), or a chunk's kept slots in first_list
-  // (temporal layout).
-  KNORM_THREADGROUP_ARRAY(uint, first_list, kEvictQueue);
-  KNORM_THREADGROUP_ARRAY(uint, second_list, kEvictQueue);
-  KNORM_THREADGROUP_ARRAY(ulong, cached_ranks, kEvictCachedRanks);
 
   const uint filled = params.filled;
   const uint kept = params.kept;
@@ -631,7 +624,7 @@ template <typename K>
     ev.mode = kEvictMany;
     // Read before any row moves, so the scans below see the ranks as they
     // were even where the outputs are the inputs.
-    if (filled <= kEvictCachedRanks) {
+    if (params.cache_ranks != 0) {
       for (uint s = tid; s < filled; s += kEvictGroupSize) {
         cached_ranks[s] = knorm_rank_of(stored, s);
       }
@@ -647,7 +640,7 @@ template <typename K>
   if (params.temporal != 0) {
     // With kept_copied nothing leaves, and the copy was the whole compaction.
     if (params.kept_copied == 0) {
-      knorm_compact_temporal(stored, ev, b, first_list, simd_totals, tid, lane, simd_group);
+      knorm_compact_temporal(stored, ev, b, lists, simd_totals, tid, lane, simd_group);
     }
   } else {
     // Outputs not updated in place start as a copy of the rows below kept,
@@ -664,7 +657,9 @@ template <typename K>
         knorm_move_row(b, kept, ev.evicted, lane);
       }
     } else if (ev.mode == kEvictMany) {
-      knorm_fill_holes(stored, ev, b, first_list, second_list, simd_totals, tid, lane, simd_group);
+      // The holes' queue, then the movers'.
+      knorm_fill_holes(stored, ev, b, lists, lists + kEvictQueue, simd_totals, tid, lane,
+                       simd_group);
     }
   }
   // The new rows may overwrite the sources of moved rows (in place).
@@ -678,9 +673,9 @@ template <typename K>
         {out_rows_0, out_rows_1, out_rows_2, out_rows_3, out_rows_4, out_rows_5},
         out_norms,
         out_positions};
-    knorm_fill_rows<K>(params, knorm_fill_buffers_at(params, base, ulong(head) * params.n_new,
-                                                     out_row),
-                       0u, params.n_new, lane, simd_group);
+    knorm_fill_rows<K>(
+        params, knorm_fill_buffers_at(params, base, ulong(head) * params.n_new, out_row), 0u,
+        params.n_new, lane, simd_group);
   }
 }
 
