@@ -483,23 +483,23 @@ inline void knorm_fill_holes(
 // bfloat16 or float32: knorm_row_norm), or are given: KnormGivenNorms.
 struct KnormGivenNorms {};
 
-// A new row's norm as float32 bits: computed from its key, or given (moved
-// as bits, docs/spec.md section 5).
-template <typename K>
-inline uint knorm_new_norm(device const uchar* key, uint key_bytes, device const float*, uint,
-                           uint lane) {
-  // Sized for the widest key the kernel takes: the padding past P leaves
-  // the pinned sum as it is (knorm_row_norm), and a new row's norm is a
-  // small part of a step.
-  return as_type<uint>(knorm_row_norm<kKeyNormsMaxDim / kSimdWidth>(
-      reinterpret_cast<device const K*>(key), key_bytes / uint(sizeof(K)), lane));
-}
+// A new row's norm as float32 bits: computed from its key with kPerLane
+// squares per lane (the launch plan's count for D, as the key-norm
+// kernel's), or given (moved as bits, docs/spec.md section 5).
+template <typename K, uint kPerLane>
+struct KnormNewNorm {
+  static uint of(device const uchar* key, uint key_bytes, device const float*, uint, uint lane) {
+    return as_type<uint>(knorm_row_norm<kPerLane>(
+        reinterpret_cast<device const K*>(key), key_bytes / uint(sizeof(K)), lane));
+  }
+};
 
-template <>
-inline uint knorm_new_norm<KnormGivenNorms>(device const uchar*, uint, device const float* given,
-                                            uint j, uint) {
-  return ((device const uint*)given)[j];
-}
+template <uint kPerLane>
+struct KnormNewNorm<KnormGivenNorms, kPerLane> {
+  static uint of(device const uchar*, uint, device const float* given, uint j, uint) {
+    return ((device const uint*)given)[j];
+  }
+};
 
 // One head's new rows and where they go: the outputs start at the head's
 // slots, new_rows and new_norms at its new rows.
@@ -513,7 +513,7 @@ struct KnormFillBuffers {
 
 // Step 3 for new rows [begin, end) of one head: one SIMD group per row, its
 // payloads' bits, its norm and its position; row j goes to slot kept + j.
-template <typename K>
+template <typename K, uint kPerLane>
 inline void knorm_fill_rows(
     constant KnormEvictParams& params,
     KnormFillBuffers f,
@@ -530,8 +530,8 @@ inline void knorm_fill_rows(
                          params.row_bytes[i], params.row_unit[i], lane, kSimdWidth);
       }
     }
-    const uint norm = knorm_new_norm<K>(f.new_rows[0] + j * ulong(params.row_bytes[0]),
-                                         params.row_bytes[0], f.new_norms, j, lane);
+    const uint norm = KnormNewNorm<K, kPerLane>::of(
+        f.new_rows[0] + j * ulong(params.row_bytes[0]), params.row_bytes[0], f.new_norms, j, lane);
     if (lane == 0) {
       ((device uint*)f.out_norms)[dst] = norm;
       f.out_positions[dst] = int(params.offset + j);
@@ -561,11 +561,12 @@ inline KnormFillBuffers knorm_fill_buffers_at(
   return f;
 }
 
-// cached_ranks and lists are sized by the launch plan for this
+// The new rows' norms from K with kPerLane squares per lane (1 for given
+// norms). cached_ranks and lists are sized by the launch plan for this
 // dispatch: the ranks of slots [0, filled) where cache_ranks is set, and
 // the queues of the slot layout's pairing (2 kEvictQueue entries) when
 // several rows leave, or a temporal chunk's kept slots (kEvictGroupSize).
-template <typename K>
+template <typename K, uint kPerLane>
 [[kernel]] void knorm_evict_and_fill(
     device const uchar* rows_0 KNORM_BUFFER(0),
     device const uchar* rows_1 KNORM_BUFFER(1),
@@ -673,7 +674,7 @@ template <typename K>
         {out_rows_0, out_rows_1, out_rows_2, out_rows_3, out_rows_4, out_rows_5},
         out_norms,
         out_positions};
-    knorm_fill_rows<K>(
+    knorm_fill_rows<K, kPerLane>(
         params, knorm_fill_buffers_at(params, base, ulong(head) * params.n_new, out_row), 0u,
         params.n_new, lane, simd_group);
   }
@@ -723,7 +724,7 @@ template <uint kGroupSize>
 // Step 3 of a cache step whose steps 1-2 ran before (knorm_evict_and_fill
 // with fill_new = 0): threadgroup g writes new rows [b * kSplitRows, +
 // kSplitRows) of head g / groups_per_head, b = g % groups_per_head.
-template <typename K>
+template <typename K, uint kPerLane>
 [[kernel]] void knorm_fill_new_rows(
     device const uchar* new_rows_0 KNORM_BUFFER(0),
     device const uchar* new_rows_1 KNORM_BUFFER(1),
@@ -755,7 +756,7 @@ template <typename K>
       {out_rows_0, out_rows_1, out_rows_2, out_rows_3, out_rows_4, out_rows_5},
       out_norms,
       out_positions};
-  knorm_fill_rows<K>(
+  knorm_fill_rows<K, kPerLane>(
       params,
       knorm_fill_buffers_at(params, base, ulong(head) * n_new, ulong(head) * params.out_slots),
       begin, end, lane, simd_group);

@@ -421,3 +421,17 @@ def test_undersized_threadgroup_buffers_are_caught():
         with pytest.raises(RuntimeError, match=r"wrote past the end of \[\[threadgroup\(0\)\]\]"):
             emulator_log(run, threadgroup_shortfall=16)
         emulator_log(run)  # the plan's own lengths pass
+
+
+@pytest.mark.parametrize("key_dim", [1, 32, 33, 64, 128, 512])
+def test_evict_and_fill_computes_norms_with_the_key_norm_kernels_count(key_dim):
+    """A step that computes its new rows' norms holds the squares per lane
+    that the key-norm kernel takes for the same D (launch_plan.h's
+    squares_per_lane), not the widest count for every D."""
+    args = evict_and_fill_args(40, 9, "distinct", "special", key_dim=key_dim)
+    config = dict(filled=40, offset=40, capacity=40, budget=30, n_sink=1, recent=2, keep="low", layout="slots")
+    keys = mx.zeros((2, 9, key_dim), mx.float16)
+    (norms,) = emulator_log(lambda: mx.eval(_native.ext.key_norms(keys, emulate_metal=True, stream=mx.cpu)))
+    per_lane = norms["kernel"].rsplit("_", 1)[1]
+    (step,) = [d for d in emulator_log(emulated_step(args, config)) if "evict_and_fill" in d["kernel"]]
+    assert step["kernel"] == f"knorm_evict_and_fill_float16_{per_lane}"

@@ -163,6 +163,18 @@ inline uint32_t split_blocks(int64_t n_heads, int64_t rows) {
   return split ? static_cast<uint32_t>(blocks) : 0;
 }
 
+// Squares each lane holds in knorm_row_norm (metal/knorm_kernels.h) for
+// rows of `dim` elements: P / 32 for P, the next power of two >= D, and 1
+// for D <= 32; a kernel that computes norms is instantiated per count and
+// its host name ends in it.
+inline uint32_t squares_per_lane(int64_t dim) {
+  uint32_t width = 1;
+  while (width < dim) {
+    width <<= 1;
+  }
+  return width > kSimdWidth ? width / kSimdWidth : 1;
+}
+
 // The length to set for a [[threadgroup(i)]] argument whose dispatch uses
 // `bytes` of it: rounded up to Metal's unit, and one unit where the
 // dispatch uses none (the argument is declared all the same).

@@ -87,8 +87,11 @@ LaunchPlans evict_and_fill_plan(
         static_cast<int64_t>(inputs.row_bytes(i)));
   }
   // The new rows' norms: given, or computed from the first payload's keys.
-  const std::string norms_from =
-      config.norms_given ? std::string("given") : dtype_name(inputs.rows[0].dtype());
+  // Computed norms take the key-norm kernel's squares per lane for D.
+  const std::string norms_from = config.norms_given
+      ? std::string("given")
+      : dtype_name(inputs.rows[0].dtype()) + "_" +
+          std::to_string(squares_per_lane(inputs.rows[0].shape(-1)));
   LaunchPlans plans;
 
   if (copy_groups_per_head != 0) {
