@@ -435,3 +435,23 @@ def test_evict_and_fill_computes_norms_with_the_key_norm_kernels_count(key_dim):
     per_lane = norms["kernel"].rsplit("_", 1)[1]
     (step,) = [d for d in emulator_log(emulated_step(args, config)) if "evict_and_fill" in d["kernel"]]
     assert step["kernel"] == f"knorm_evict_and_fill_float16_{per_lane}"
+
+
+def test_launch_plans_program_prints_each_dispatch(capsys):
+    """bench/launch_plans.py on a small shape: one row per dispatch, with
+    the threadgroup memory of its plan."""
+    import runpy
+    from pathlib import Path
+
+    program = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "launch_plans.py"))
+    names = program["main"].__globals__
+    names.update(MODELS=(("tiny", 2, 64),), BATCHES=(1,), BUDGET=64, PROMPT=128)
+    names["main"]()
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
+    by_step = {(row[2], row[3]): row for row in rows}
+    decode = by_step["evict_and_fill decode at budget", "knorm_evict_and_fill_float16_2"]
+    assert decode[4:7] == ["2", "256", "16, 16"]
+    first = by_step["evict_and_fill decode after prefill", "knorm_evict_and_fill_float16_2"]
+    assert first[6] == f"{rounded(128 * 8)}, {2 * 512 * 4}"
+    select = by_step["gather decode S=1", "knorm_protected_topk_gather_float16_float16"]
+    assert select[6].startswith(f"{rounded(65 * 4)}, ")
