@@ -25,7 +25,8 @@ namespace metal_emu {
 // Throws unless the launch sets a length for exactly the kernel's
 // [[threadgroup(i)]], each a multiple of 16 bytes (as Metal requires) and
 // none zero; returns the guards after them, laid out from offset 0 in
-// index order, each argument aligned to its elements and to 16 bytes.
+// index order (so each argument starts at a multiple of 16 bytes), and
+// sets each argument's offset and where the layout ends.
 inline std::vector<Guard> threadgroup_layout(
     const std::string& kernel,
     const RegisteredKernel& k,

@@ -103,11 +103,9 @@ std::string element_name() {
   }
 }
 
-// A kernel parameter declared [[threadgroup(index)]], of elements aligned
-// to `alignment` bytes.
+// A kernel parameter declared [[threadgroup(index)]].
 struct ThreadgroupParameter {
   uint32_t index;
-  size_t alignment;
 };
 
 // A kernel parameter declared [[buffer(index)]].
@@ -209,7 +207,10 @@ struct Signature {
     static_assert(std::is_pointer_v<P> && std::is_volatile_v<std::remove_pointer_t<P>>,
                   "a [[threadgroup(i)]] parameter is a threadgroup pointer");
     static_assert(I < kMaxThreadgroupArguments, "more [[threadgroup(i)]] than the emulator holds");
-    out.push_back({I, alignof(std::remove_cv_t<std::remove_pointer_t<P>>)});
+    // Arguments start at multiples of 16 bytes (grid.h's layout).
+    static_assert(alignof(std::remove_cv_t<std::remove_pointer_t<P>>) <= 16,
+                  "[[threadgroup(i)]] elements aligned to at most 16 bytes");
+    out.push_back({I});
   }
 };
 
