@@ -420,6 +420,10 @@ def test_undersized_threadgroup_buffers_are_caught():
     for run in runs:
         with pytest.raises(RuntimeError, match=r"wrote past the end of \[\[threadgroup\(0\)\]\]"):
             emulator_log(run, threadgroup_shortfall=16)
+        # As Metal, lengths in 16-byte units only.
+        with pytest.raises(RuntimeError, match=r"at \[\[threadgroup\(0\)\]\]: Metal takes threadgroup memory "
+                                               r"lengths in nonzero multiples of 16 bytes"):
+            emulator_log(run, threadgroup_shortfall=8)
         emulator_log(run)  # the plan's own lengths pass
 
 
