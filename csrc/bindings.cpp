@@ -19,6 +19,9 @@
 #ifdef MLX_KNORM_METAL
 #include "common/metal_dispatch.h"
 #endif
+#ifdef MLX_KNORM_EMULATOR
+#include "metal_emulator/run_plan.h"
+#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -108,6 +111,32 @@ NB_MODULE(_ext, m) {
 #endif
 #ifdef MLX_KNORM_EMULATOR
   m.attr("has_metal_emulator") = true;
+  m.def(
+      "_emulator_debug",
+      [](bool record, bool first_group_only, uint32_t threadgroup_shortfall) {
+        mlx_knorm::EmulatorDebug& debug = mlx_knorm::emulator_debug();
+        std::vector<nb::dict> log;
+        for (const mlx_knorm::EmulatedDispatch& d : debug.log) {
+          nb::dict entry;
+          entry["kernel"] = d.kernel;
+          entry["groups"] = d.groups;
+          entry["group_size"] = d.group_size;
+          entry["threadgroup_bytes"] = d.threadgroup_bytes;
+          entry["threadgroup_memory"] = d.threadgroup_memory;
+          log.push_back(entry);
+        }
+        debug.log.clear();
+        debug.record = record;
+        debug.first_group_only = first_group_only;
+        debug.threadgroup_shortfall = threadgroup_shortfall;
+        return log;
+      },
+      "record"_a = false,
+      "first_group_only"_a = false,
+      "threadgroup_shortfall"_a = 0,
+      "Testing and bench/launch_plans.py only: sets the emulator's debugging "
+      "knobs (metal_emulator/run_plan.h) and returns, then clears, the dispatches "
+      "recorded since the last call.");
 #else
   m.attr("has_metal_emulator") = false;
 #endif

@@ -40,14 +40,6 @@
 #include "knorm_kernels.h"
 
 constant constexpr uint kEvictSimdGroups = kEvictGroupSize / kSimdWidth;
-// Entries of each queue of the slot layout's pairing: a chunk is scanned
-// only while fewer than kEvictGroupSize wait, so a queue never holds more.
-constant constexpr uint kEvictQueue = 2 * kEvictGroupSize;
-// Slots of a head whose ranks are kept in threadgroup memory when several
-// rows leave (the radix select reads them in eight passes, the compaction
-// again): 24 KiB, with the kernel's other threadgroup arrays within the
-// 32 KiB a threadgroup may have.
-constant constexpr uint kEvictCachedRanks = 3072;
 
 // How many rows leave.
 constant constexpr uint kKeepAll = 0;
@@ -491,23 +483,23 @@ inline void knorm_fill_holes(
 // bfloat16 or float32: knorm_row_norm), or are given: KnormGivenNorms.
 struct KnormGivenNorms {};
 
-// A new row's norm as float32 bits: computed from its key, or given (moved
-// as bits, docs/spec.md section 5).
-template <typename K>
-inline uint knorm_new_norm(device const uchar* key, uint key_bytes, device const float*, uint,
-                           uint lane) {
-  // Sized for the widest key the kernel takes: the padding past P leaves
-  // the pinned sum as it is (knorm_row_norm), and a new row's norm is a
-  // small part of a step.
-  return as_type<uint>(knorm_row_norm<kKeyNormsMaxDim / kSimdWidth>(
-      reinterpret_cast<device const K*>(key), key_bytes / uint(sizeof(K)), lane));
-}
+// A new row's norm as float32 bits: computed from its key with kPerLane
+// squares per lane (the launch plan's count for D, as the key-norm
+// kernel's), or given (moved as bits, docs/spec.md section 5).
+template <typename K, uint kPerLane>
+struct KnormNewNorm {
+  static uint of(device const uchar* key, uint key_bytes, device const float*, uint, uint lane) {
+    return as_type<uint>(knorm_row_norm<kPerLane>(
+        reinterpret_cast<device const K*>(key), key_bytes / uint(sizeof(K)), lane));
+  }
+};
 
-template <>
-inline uint knorm_new_norm<KnormGivenNorms>(device const uchar*, uint, device const float* given,
-                                            uint j, uint) {
-  return ((device const uint*)given)[j];
-}
+template <uint kPerLane>
+struct KnormNewNorm<KnormGivenNorms, kPerLane> {
+  static uint of(device const uchar*, uint, device const float* given, uint j, uint) {
+    return ((device const uint*)given)[j];
+  }
+};
 
 // One head's new rows and where they go: the outputs start at the head's
 // slots, new_rows and new_norms at its new rows.
@@ -521,7 +513,7 @@ struct KnormFillBuffers {
 
 // Step 3 for new rows [begin, end) of one head: one SIMD group per row, its
 // payloads' bits, its norm and its position; row j goes to slot kept + j.
-template <typename K>
+template <typename K, uint kPerLane>
 inline void knorm_fill_rows(
     constant KnormEvictParams& params,
     KnormFillBuffers f,
@@ -538,8 +530,8 @@ inline void knorm_fill_rows(
                          params.row_bytes[i], params.row_unit[i], lane, kSimdWidth);
       }
     }
-    const uint norm = knorm_new_norm<K>(f.new_rows[0] + j * ulong(params.row_bytes[0]),
-                                         params.row_bytes[0], f.new_norms, j, lane);
+    const uint norm = KnormNewNorm<K, kPerLane>::of(
+        f.new_rows[0] + j * ulong(params.row_bytes[0]), params.row_bytes[0], f.new_norms, j, lane);
     if (lane == 0) {
       ((device uint*)f.out_norms)[dst] = norm;
       f.out_positions[dst] = int(params.offset + j);
@@ -569,7 +561,12 @@ inline KnormFillBuffers knorm_fill_buffers_at(
   return f;
 }
 
-template <typename K>
+// The new rows' norms from K with kPerLane squares per lane (1 for given
+// norms). cached_ranks and lists are sized by the launch plan for this
+// dispatch: the ranks of slots [0, filled) where cache_ranks is set, and
+// the queues of the slot layout's pairing (2 kEvictQueue entries) when
+// several rows leave, or a temporal chunk's kept slots (kEvictGroupSize).
+template <typename K, uint kPerLane>
 [[kernel]] void knorm_evict_and_fill(
     device const uchar* rows_0 KNORM_BUFFER(0),
     device const uchar* rows_1 KNORM_BUFFER(1),
@@ -596,6 +593,8 @@ template <typename K>
     device float* out_norms KNORM_BUFFER(22),
     device int* out_positions KNORM_BUFFER(23),
     constant KnormEvictParams& params KNORM_BUFFER(24),
+    threadgroup ulong* cached_ranks KNORM_THREADGROUP_BUFFER(0),
+    threadgroup uint* lists KNORM_THREADGROUP_BUFFER(1),
     uint head KNORM_ATTRIBUTE(threadgroup_position_in_grid),
     uint tid KNORM_ATTRIBUTE(thread_position_in_threadgroup),
     uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
@@ -604,11 +603,6 @@ template <typename K>
   KNORM_THREADGROUP_ARRAY(uint, simd_totals, kEvictSimdGroups);
   KNORM_THREADGROUP_ARRAY(uint, picked, 3);
   KNORM_THREADGROUP_ARRAY(uint, worst, 3 * kEvictSimdGroups);
-  // Holes and movers (slot layout), or a chunk's kept slots in first_list
-  // (temporal layout).
-  KNORM_THREADGROUP_ARRAY(uint, first_list, kEvictQueue);
-  KNORM_THREADGROUP_ARRAY(uint, second_list, kEvictQueue);
-  KNORM_THREADGROUP_ARRAY(ulong, cached_ranks, kEvictCachedRanks);
 
   const uint filled = params.filled;
   const uint kept = params.kept;
@@ -631,7 +625,7 @@ template <typename K>
     ev.mode = kEvictMany;
     // Read before any row moves, so the scans below see the ranks as they
     // were even where the outputs are the inputs.
-    if (filled <= kEvictCachedRanks) {
+    if (params.cache_ranks != 0) {
       for (uint s = tid; s < filled; s += kEvictGroupSize) {
         cached_ranks[s] = knorm_rank_of(stored, s);
       }
@@ -647,7 +641,7 @@ template <typename K>
   if (params.temporal != 0) {
     // With kept_copied nothing leaves, and the copy was the whole compaction.
     if (params.kept_copied == 0) {
-      knorm_compact_temporal(stored, ev, b, first_list, simd_totals, tid, lane, simd_group);
+      knorm_compact_temporal(stored, ev, b, lists, simd_totals, tid, lane, simd_group);
     }
   } else {
     // Outputs not updated in place start as a copy of the rows below kept,
@@ -664,7 +658,9 @@ template <typename K>
         knorm_move_row(b, kept, ev.evicted, lane);
       }
     } else if (ev.mode == kEvictMany) {
-      knorm_fill_holes(stored, ev, b, first_list, second_list, simd_totals, tid, lane, simd_group);
+      // The holes' queue, then the movers'.
+      knorm_fill_holes(stored, ev, b, lists, lists + kEvictQueue, simd_totals, tid, lane,
+                       simd_group);
     }
   }
   // The new rows may overwrite the sources of moved rows (in place).
@@ -678,9 +674,9 @@ template <typename K>
         {out_rows_0, out_rows_1, out_rows_2, out_rows_3, out_rows_4, out_rows_5},
         out_norms,
         out_positions};
-    knorm_fill_rows<K>(params, knorm_fill_buffers_at(params, base, ulong(head) * params.n_new,
-                                                     out_row),
-                       0u, params.n_new, lane, simd_group);
+    knorm_fill_rows<K, kPerLane>(
+        params, knorm_fill_buffers_at(params, base, ulong(head) * params.n_new, out_row), 0u,
+        params.n_new, lane, simd_group);
   }
 }
 
@@ -728,7 +724,7 @@ template <uint kGroupSize>
 // Step 3 of a cache step whose steps 1-2 ran before (knorm_evict_and_fill
 // with fill_new = 0): threadgroup g writes new rows [b * kSplitRows, +
 // kSplitRows) of head g / groups_per_head, b = g % groups_per_head.
-template <typename K>
+template <typename K, uint kPerLane>
 [[kernel]] void knorm_fill_new_rows(
     device const uchar* new_rows_0 KNORM_BUFFER(0),
     device const uchar* new_rows_1 KNORM_BUFFER(1),
@@ -760,7 +756,7 @@ template <typename K>
       {out_rows_0, out_rows_1, out_rows_2, out_rows_3, out_rows_4, out_rows_5},
       out_norms,
       out_positions};
-  knorm_fill_rows<K>(
+  knorm_fill_rows<K, kPerLane>(
       params,
       knorm_fill_buffers_at(params, base, ulong(head) * n_new, ulong(head) * params.out_slots),
       begin, end, lane, simd_group);

@@ -29,13 +29,17 @@ using namespace metal;
 // thread attribute such as [[thread_position_in_threadgroup]].
 #define KNORM_BUFFER(index) [[buffer(index)]]
 #define KNORM_ATTRIBUTE(name) [[name]]
+// KNORM_THREADGROUP_BUFFER(i) is [[threadgroup(i)]]: threadgroup memory whose
+// length the launch plan sets per dispatch (setThreadgroupMemoryLength).
+#define KNORM_THREADGROUP_BUFFER(index) [[threadgroup(index)]]
 // Instantiates a kernel template under the host name its launch plan uses.
 #define KNORM_KERNEL_INSTANCE(name, ...) \
   template [[host_name(name)]] [[kernel]] decltype(__VA_ARGS__) __VA_ARGS__;
 #elif defined(KNORM_METAL_EMULATOR)
 // metal_emulator.h defines the Metal language surface, the address-space
 // qualifiers, and its own KNORM_BUFFER, KNORM_ATTRIBUTE,
-// KNORM_THREADGROUP_ARRAY and KNORM_KERNEL_INSTANCE.
+// KNORM_THREADGROUP_BUFFER, KNORM_THREADGROUP_ARRAY and
+// KNORM_KERNEL_INSTANCE.
 using namespace metal;
 #define KNORM_CONSTANT static constant constexpr
 #else
@@ -65,6 +69,16 @@ KNORM_CONSTANT uint32_t kRowUnitNarrow = 8;
 // Threads per threadgroup of the gather kernels (the selection: one
 // threadgroup per head).
 KNORM_CONSTANT uint32_t kGatherGroupSize = 256;
+// Rows of a head whose norms the selection keeps in threadgroup memory
+// (28 KiB, within the 32 KiB a threadgroup may have with the kernel's other
+// threadgroup memory), when it evicts: it reads them five times (four radix
+// passes and the compaction).
+KNORM_CONSTANT uint32_t kGatherCachedNorms = 7168;
+
+// Metal sets threadgroup memory lengths in multiples of this many bytes
+// (setThreadgroupMemoryLength); a launch plan rounds each up, and binds
+// this much to a [[threadgroup(i)]] its dispatch never touches.
+KNORM_CONSTANT uint32_t kThreadgroupLengthUnit = 16;
 
 // An op whose heads each have more than kSplitRows rows to copy, with fewer
 // than kSplitHeads heads, leaves the copy to a dispatch of its own, in
@@ -79,6 +93,14 @@ KNORM_CONSTANT uint32_t kSplitHeads = 256;
 // Threads per threadgroup of the evict-and-fill kernel (one threadgroup per
 // head).
 KNORM_CONSTANT uint32_t kEvictGroupSize = 256;
+// Entries of each queue of the slot layout's pairing: a chunk is scanned
+// only while fewer than kEvictGroupSize wait, so a queue never holds more.
+KNORM_CONSTANT uint32_t kEvictQueue = 2 * kEvictGroupSize;
+// Slots of a head whose ranks are kept in threadgroup memory when several
+// rows leave (the radix select reads them in eight passes, the compaction
+// again): 24 KiB, with the kernel's other threadgroup memory within the
+// 32 KiB a threadgroup may have.
+KNORM_CONSTANT uint32_t kEvictCachedRanks = 3072;
 
 // Order keys of docs/spec.md section 4's rank (the high 32 bits of a row's
 // 64-bit rank; the position's order key is the low 32): 0 for a protected
@@ -124,6 +146,9 @@ struct KnormEvictParams {
   // knorm_evict_and_fill runs; 0: knorm_evict_and_fill copies them.
   uint32_t kept_copied;
   uint32_t copy_groups_per_head;
+  // 1: several rows leave and the ranks of slots [0, filled) fit the
+  // threadgroup buffer the plan sized for them (at most kEvictCachedRanks).
+  uint32_t cache_ranks;
   uint32_t row_bytes[kEvictMaxPayloads];  // bytes of one row of payload i
   // Bytes of the units payload i's rows move in (knorm_copy_bytes).
   uint32_t row_unit[kEvictMaxPayloads];
@@ -155,6 +180,10 @@ struct KnormGatherParams {
   uint32_t copy_rows;
   uint32_t first_row;
   uint32_t groups_per_head;
+  // 1: the selection evicts and the norms of all n_prior + n_new rows fit
+  // the threadgroup buffer the plan sized for them (at most
+  // kGatherCachedNorms).
+  uint32_t cache_norms;
 };
 
 #if !defined(__METAL_VERSION__) && !defined(KNORM_METAL_EMULATOR)

@@ -28,10 +28,6 @@
 #include "knorm_kernels.h"
 
 constant constexpr uint kGatherSimdGroups = kGatherGroupSize / kSimdWidth;
-// Rows of a head whose norms are copied to threadgroup memory: 28 KiB, with
-// the histogram and the scan's scratch within the 32 KiB a threadgroup may
-// have.
-constant constexpr uint kGatherCachedNorms = 7168;
 
 // One head: where its rows are and the plan's selection constants, computed
 // on the host from the shapes. Rows [0, sink_end) and [mid_end, n_total)
@@ -217,6 +213,9 @@ inline uint knorm_compact_in_place(
   return prior_kept;
 }
 
+// cached_norms and sources are sized by the launch plan for this dispatch:
+// the norms of rows [0, n_prior + n_new) where cache_norms is set, and a
+// chunk's sources (kGatherGroupSize) where an output is in place.
 template <typename K, typename V>
 [[kernel]] void knorm_protected_topk_gather(
     device const K* prior_keys KNORM_BUFFER(0),
@@ -230,6 +229,8 @@ template <typename K, typename V>
     device float* out_norms KNORM_BUFFER(8),
     device uint* out_indices KNORM_BUFFER(9),
     constant KnormGatherParams& params KNORM_BUFFER(10),
+    threadgroup float* cached_norms KNORM_THREADGROUP_BUFFER(0),
+    threadgroup uint* sources KNORM_THREADGROUP_BUFFER(1),
     uint row KNORM_ATTRIBUTE(threadgroup_position_in_grid),
     uint tid KNORM_ATTRIBUTE(thread_position_in_threadgroup),
     uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
@@ -248,9 +249,6 @@ template <typename K, typename V>
   KNORM_THREADGROUP_ARRAY(atomic_uint, histogram, kRadixBins);
   KNORM_THREADGROUP_ARRAY(uint, simd_totals, kGatherSimdGroups);
   KNORM_THREADGROUP_ARRAY(uint, picked, 3);
-  KNORM_THREADGROUP_ARRAY(float, cached_norms, kGatherCachedNorms);
-  // A chunk's sources in an in-place compaction.
-  KNORM_THREADGROUP_ARRAY(uint, sources, kGatherGroupSize);
 
   const uint n_total = n_prior + n_new;
   KnormHead head = {
@@ -260,7 +258,7 @@ template <typename K, typename V>
   // Radix select of the mid_keep-th smallest middle key.
   KnormCut<uint> cut = {0u, 0u, 0u};
   if (mid_keep > 0) {
-    if (n_total <= kGatherCachedNorms) {
+    if (params.cache_norms != 0) {
       for (uint j = tid; j < n_total; j += kGatherGroupSize) {
         cached_norms[j] = knorm_norm_at(head, j);
       }

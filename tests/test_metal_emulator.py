@@ -340,3 +340,122 @@ def test_evict_and_fill_copies_kept_slots_over_many_threadgroups(slots, filled, 
         defined = min(filled, budget) + n_new
         for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
             assert_bitwise_equal(b[:, :defined], a[:, :defined], f"{name} donate={donate}")
+
+
+def emulator_log(run, **knobs):
+    """The dispatches the emulator ran in ``run()``, with its debugging
+    knobs (csrc/metal_emulator/run_plan.h) set meanwhile."""
+    ext = _native.ext
+    ext._emulator_debug(record=True, **knobs)
+    try:
+        run()
+    finally:
+        log = ext._emulator_debug()
+    return log
+
+
+def rounded(n_bytes):
+    """A [[threadgroup(i)]] length: 16-byte units, at least one."""
+    return max(16, -(-n_bytes // 16) * 16)
+
+
+def emulated_step(args, config):
+    return lambda: mx.eval(_native.ext.evict_and_fill(*args, **config, emulate_metal=True, stream=mx.cpu))
+
+
+@pytest.mark.parametrize(
+    "filled, budget, layout, ranks, lists",
+    [
+        (301, 300, "slots", 0, 0),              # a decode step: neither
+        (600, 300, "slots", 600 * 8, 2 * 512 * 4),  # many leave: the ranks and both queues
+        (600, 300, "temporal", 600 * 8, 256 * 4),   # the temporal compaction's chunk
+        (3073, 300, "slots", 0, 2 * 512 * 4),   # past kEvictCachedRanks: ranks read from the rows
+    ],
+)
+def test_evict_and_fill_sizes_threadgroup_memory_per_dispatch(filled, budget, layout, ranks, lists):
+    """The step's threadgroup buffers as the plan sizes them for what the
+    dispatch uses, the rows unchanged (bit-identical to the CPU kernel)."""
+    args = evict_and_fill_args(filled, 1, "distinct", "ties", seed=filled)
+    config = dict(filled=filled, offset=filled, capacity=filled, budget=budget, n_sink=1, recent=2,
+                  keep="low", layout=layout)
+    log = emulator_log(emulated_step(args, config))
+    (step,) = [d for d in log if d["kernel"].startswith("knorm_evict_and_fill_")]
+    assert step["threadgroup_bytes"] == [rounded(ranks), rounded(lists)]
+    assert sum(step["threadgroup_bytes"]) < step["threadgroup_memory"] <= 32 * 1024
+    assert all(d["threadgroup_bytes"] == [] for d in log if d is not step)
+    native, emulated = evict_and_fill_native_and_emulated(args, config, donate=False)
+    defined = budget + 1
+    for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
+        assert_bitwise_equal(b[:, :defined], a[:, :defined], name)
+
+
+@pytest.mark.parametrize(
+    "n_prior, n_new, budget, norms",
+    [
+        (600, 7, 300, 607 * 4),   # evicts: every row's norm cached
+        (600, 7, 700, 0),         # keeps every row: nothing selected
+        (7000, 169, 300, 0),      # past kGatherCachedNorms: norms read from the rows
+    ],
+)
+def test_protected_topk_gather_sizes_threadgroup_memory_per_dispatch(n_prior, n_new, budget, norms):
+    args = protected_topk_gather_args(n_prior, n_new, budget, 1, 2, "normal")
+    log = emulator_log(lambda: mx.eval(
+        _native.ext.protected_topk_gather(*args, emulate_metal=True, stream=mx.cpu)))
+    select = log[0]
+    assert select["kernel"].startswith("knorm_protected_topk_gather_")
+    # The arrays stay referenced here, so no output is in place: no sources.
+    assert select["threadgroup_bytes"] == [rounded(norms), 16]
+    assert sum(select["threadgroup_bytes"]) < select["threadgroup_memory"] <= 32 * 1024
+
+
+def test_undersized_threadgroup_buffers_are_caught():
+    """A plan that sets a [[threadgroup(i)]] length short of what its kernel
+    writes fails the dispatch, naming the argument, in either op."""
+    step_args = evict_and_fill_args(600, 1, "distinct", "ties")
+    config = dict(filled=600, offset=600, capacity=600, budget=300, n_sink=1, recent=2, keep="low",
+                  layout="slots")
+    gather_args = protected_topk_gather_args(600, 7, 300, 1, 2, "normal")
+    runs = [emulated_step(step_args, config),
+            lambda: mx.eval(_native.ext.protected_topk_gather(*gather_args, emulate_metal=True, stream=mx.cpu))]
+    for run in runs:
+        with pytest.raises(RuntimeError, match=r"wrote past the end of \[\[threadgroup\(0\)\]\]"):
+            emulator_log(run, threadgroup_shortfall=16)
+        # As Metal, lengths in 16-byte units only.
+        with pytest.raises(RuntimeError, match=r"at \[\[threadgroup\(0\)\]\]: Metal takes threadgroup memory "
+                                               r"lengths in nonzero multiples of 16 bytes"):
+            emulator_log(run, threadgroup_shortfall=8)
+        emulator_log(run)  # the plan's own lengths pass
+
+
+@pytest.mark.parametrize("key_dim", [1, 32, 33, 64, 128, 512])
+def test_evict_and_fill_computes_norms_with_the_key_norm_kernels_count(key_dim):
+    """A step that computes its new rows' norms holds the squares per lane
+    that the key-norm kernel takes for the same D (launch_plan.h's
+    squares_per_lane), not the widest count for every D."""
+    args = evict_and_fill_args(40, 9, "distinct", "special", key_dim=key_dim)
+    config = dict(filled=40, offset=40, capacity=40, budget=30, n_sink=1, recent=2, keep="low", layout="slots")
+    keys = mx.zeros((2, 9, key_dim), mx.float16)
+    (norms,) = emulator_log(lambda: mx.eval(_native.ext.key_norms(keys, emulate_metal=True, stream=mx.cpu)))
+    per_lane = norms["kernel"].rsplit("_", 1)[1]
+    (step,) = [d for d in emulator_log(emulated_step(args, config)) if "evict_and_fill" in d["kernel"]]
+    assert step["kernel"] == f"knorm_evict_and_fill_float16_{per_lane}"
+
+
+def test_launch_plans_program_prints_each_dispatch(capsys):
+    """bench/launch_plans.py on a small shape: one row per dispatch, with
+    the threadgroup memory of its plan."""
+    import runpy
+    from pathlib import Path
+
+    program = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "launch_plans.py"))
+    names = program["main"].__globals__
+    names.update(MODELS=(("tiny", 2, 64),), BATCHES=(1,), BUDGET=64, PROMPT=128)
+    names["main"]()
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
+    by_step = {(row[2], row[3]): row for row in rows}
+    decode = by_step["evict_and_fill decode at budget", "knorm_evict_and_fill_float16_2"]
+    assert decode[4:7] == ["2", "256", "16, 16"]
+    first = by_step["evict_and_fill decode after prefill", "knorm_evict_and_fill_float16_2"]
+    assert first[6] == f"{rounded(128 * 8)}, {2 * 512 * 4}"
+    select = by_step["gather decode S=1", "knorm_protected_topk_gather_float16_float16"]
+    assert select[6].startswith(f"{rounded(65 * 4)}, ")

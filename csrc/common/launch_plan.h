@@ -163,12 +163,36 @@ inline uint32_t split_blocks(int64_t n_heads, int64_t rows) {
   return split ? static_cast<uint32_t>(blocks) : 0;
 }
 
+// Squares each lane holds in knorm_row_norm (metal/knorm_kernels.h) for
+// rows of `dim` elements: P / 32 for P, the next power of two >= D, and 1
+// for D <= 32; a kernel that computes norms is instantiated per count and
+// its host name ends in it.
+inline uint32_t squares_per_lane(int64_t dim) {
+  uint32_t width = 1;
+  while (width < dim) {
+    width <<= 1;
+  }
+  return width > kSimdWidth ? width / kSimdWidth : 1;
+}
+
+// The length to set for a [[threadgroup(i)]] argument whose dispatch uses
+// `bytes` of it: rounded up to Metal's unit, and one unit where the
+// dispatch uses none (the argument is declared all the same).
+inline uint32_t threadgroup_length(uint64_t bytes) {
+  const uint64_t units = (bytes + kThreadgroupLengthUnit - 1) / kThreadgroupLengthUnit;
+  return static_cast<uint32_t>((units == 0 ? 1 : units) * kThreadgroupLengthUnit);
+}
+
 struct LaunchPlan {
   std::string source;       // metal/<source>.metal instantiates the kernel
   std::string kernel;       // host name of the instantiation
   uint32_t groups;          // threadgroups along x; nothing to do when 0
   uint32_t group_size;      // threads per threadgroup along x
   std::vector<BufferSlot> buffers;  // slot i is [[buffer(i)]]
+  // Entry i: the bytes of [[threadgroup(i)]] (threadgroup_length), which
+  // eval_gpu sets with setThreadgroupMemoryLength and the emulator gives
+  // the kernel, no more.
+  std::vector<uint32_t> threadgroup_bytes;
 };
 
 // What a GPU reports of the pipeline compiled from a plan's kernel

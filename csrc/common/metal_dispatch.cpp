@@ -131,6 +131,9 @@ void dispatch_on_gpu(
     encoder.set_compute_pipeline_state(kernels[i]);
     EncoderBinder binder{encoder};
     bind_slots(plan, inputs, outputs, binder);
+    for (size_t t = 0; t < plan.threadgroup_bytes.size(); ++t) {
+      encoder.set_threadgroup_memory_length(plan.threadgroup_bytes[t], static_cast<int>(t));
+    }
     encoder.dispatch_threadgroups(
         MTL::Size(plan.groups, 1, 1), MTL::Size(plan.group_size, 1, 1));
     encoded = true;

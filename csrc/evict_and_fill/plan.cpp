@@ -76,6 +76,10 @@ LaunchPlans evict_and_fill_plan(
   params.groups_per_head = groups_per_head;
   params.kept_copied = copy_groups_per_head != 0 ? 1 : 0;
   params.copy_groups_per_head = copy_groups_per_head;
+  // Several rows leave: the radix select reads every rank eight times and
+  // the compaction again, from threadgroup memory where they fit.
+  const bool evicts_many = config.filled > kept + 1;
+  params.cache_ranks = evicts_many && config.filled <= kEvictCachedRanks ? 1 : 0;
   for (int i = 0; i < m; ++i) {
     params.row_bytes[i] = static_cast<uint32_t>(inputs.row_bytes(i));
     params.row_unit[i] = row_unit_bytes(
@@ -83,8 +87,11 @@ LaunchPlans evict_and_fill_plan(
         static_cast<int64_t>(inputs.row_bytes(i)));
   }
   // The new rows' norms: given, or computed from the first payload's keys.
-  const std::string norms_from =
-      config.norms_given ? std::string("given") : dtype_name(inputs.rows[0].dtype());
+  // Computed norms take the key-norm kernel's squares per lane for D.
+  const std::string norms_from = config.norms_given
+      ? std::string("given")
+      : dtype_name(inputs.rows[0].dtype()) + "_" +
+          std::to_string(squares_per_lane(inputs.rows[0].shape(-1)));
   LaunchPlans plans;
 
   if (copy_groups_per_head != 0) {
@@ -137,6 +144,18 @@ LaunchPlans evict_and_fill_plan(
     evict.buffers.push_back(BufferSlot::of(Kind::Output, outputs, m));
     evict.buffers.push_back(BufferSlot::of(Kind::Output, outputs, m + 1));
     evict.buffers.push_back(BufferSlot::block(params));
+    // [[threadgroup(0)]]: the cached ranks; [[threadgroup(1)]]: the slot
+    // layout's two queues when several rows leave, or the temporal
+    // compaction's chunk of kept slots (which runs unless the copy of the
+    // kept rows was the whole of it).
+    const bool temporal_compaction = config.layout == Layout::Temporal &&
+        copy_groups_per_head == 0 && config.filled > 0;
+    const uint64_t list_entries = config.layout == Layout::Slots
+        ? (evicts_many ? 2 * kEvictQueue : 0)
+        : (temporal_compaction ? kEvictGroupSize : 0);
+    evict.threadgroup_bytes = {
+        threadgroup_length(params.cache_ranks != 0 ? config.filled * sizeof(uint64_t) : 0),
+        threadgroup_length(list_entries * sizeof(uint32_t))};
     plans.push_back(std::move(evict));
   }
   if (groups_per_head != 0) {

@@ -23,16 +23,6 @@ int64_t key_rows(const mx::array& keys) {
   return rows;
 }
 
-// Squares each lane holds (the kernel's kPerLane): P / 32 for P, the next
-// power of two >= D, and 1 for D <= 32.
-uint32_t squares_per_lane(int64_t dim) {
-  uint32_t width = 1;
-  while (width < dim) {
-    width <<= 1;
-  }
-  return width > kSimdWidth ? width / kSimdWidth : 1;
-}
-
 } // namespace
 
 void check_metal_key_norms_shape(const mx::array& keys, const char* name) {

@@ -1,6 +1,7 @@
 // A dispatch: the grid's threadgroups one after another, each thread of a
-// group a real std::thread, with the binding checked first and divergent
-// barriers and conflicting threadgroup writes reported after.
+// group a real std::thread, with the binding and the threadgroup memory
+// lengths checked first, and divergent barriers, conflicting threadgroup
+// writes and writes past a [[threadgroup(i)]] argument reported after.
 #pragma once
 
 #include <cstdint>
@@ -21,30 +22,88 @@
 
 namespace metal_emu {
 
+// Throws unless the launch sets a length for exactly the kernel's
+// [[threadgroup(i)]], each a multiple of 16 bytes (as Metal requires) and
+// none zero; returns the guards after them, laid out from offset 0 in
+// index order (so each argument starts at a multiple of 16 bytes), and
+// sets each argument's offset and where the layout ends.
+inline std::vector<Guard> threadgroup_layout(
+    const std::string& kernel,
+    const RegisteredKernel& k,
+    const std::vector<uint32_t>& lengths,
+    std::vector<size_t>& offsets,
+    size_t& end) {
+  const std::string prefix = "metal emulator: " + kernel + " ";
+  std::vector<bool> declared(lengths.size(), false);
+  for (const ThreadgroupParameter& p : k.threadgroups) {
+    if (p.index >= lengths.size()) {
+      throw std::runtime_error(prefix + "takes [[threadgroup(" + std::to_string(p.index) +
+                               ")]], whose length the launch does not set");
+    }
+    declared[p.index] = true;
+  }
+  offsets.assign(lengths.size(), 0);
+  std::vector<Guard> guards;
+  size_t offset = 0;
+  size_t counted = 0;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    const std::string slot = "[[threadgroup(" + std::to_string(i) + ")]]";
+    if (!declared[i]) {
+      throw std::runtime_error(prefix + "declares no " + slot + ", whose length the launch sets");
+    }
+    if (lengths[i] == 0 || lengths[i] % 16 != 0) {
+      throw std::runtime_error(prefix + "gets " + std::to_string(lengths[i]) + " bytes at " +
+                               slot + ": Metal takes threadgroup memory lengths in nonzero multiples of 16 bytes");
+    }
+    offsets[i] = offset;
+    offset += lengths[i];
+    counted += lengths[i];
+    guards.push_back({offset, static_cast<uint32_t>(i)});
+    offset += kGuardBytes;
+  }
+  if (counted > kThreadgroupMemoryBytes) {
+    throw std::runtime_error(prefix + "gets " + std::to_string(counted) +
+                             " bytes of threadgroup memory, past the 32 KiB a threadgroup may have");
+  }
+  end = offset;
+  return guards;
+}
+
 // Runs n_groups threadgroups of group_size threads, one threadgroup at a
 // time, all threads of a group concurrently. Throws on an unknown kernel, a
 // binding that does not match the kernel's signature, divergent barriers,
 // conflicting threadgroup writes, or threads that cannot be started (after
 // joining those that were).
-inline void dispatch(
+// Returns the threadgroup memory the kernel had: the lengths set, and what
+// it declared in kernel scope.
+inline size_t dispatch(
     const std::string& kernel,
     uint32_t n_groups,
     uint32_t group_size,
-    const std::vector<mlx_knorm::EmulatedBuffer>& buffers) {
+    const std::vector<mlx_knorm::EmulatedBuffer>& buffers,
+    const std::vector<uint32_t>& threadgroup_lengths) {
   auto it = kernel_registry().find(kernel);
   if (it == kernel_registry().end()) {
     throw std::runtime_error("metal emulator: no kernel named " + kernel);
   }
   const RegisteredKernel& k = it->second;
   check_binding(kernel, k, buffers);
+  std::vector<size_t> argument_offsets;
+  size_t arguments_end = 0;
+  std::vector<Guard> guards =
+      threadgroup_layout(kernel, k, threadgroup_lengths, argument_offsets, arguments_end);
+  const size_t guard_bytes = guards.size() * kGuardBytes;
   if (group_size == 0 || group_size % kSimdWidth != 0 || group_size > 1024) {
     throw std::runtime_error(
         "metal emulator: threadgroup size must be a multiple of 32 up to 1024");
   }
   if (n_groups == 0) {
-    return;
+    return 0;
   }
   auto group = std::make_unique<ThreadgroupState>(group_size);
+  group->memory.set_guards(std::move(guards));
+  // Thread 0's extent of the last group, guards taken off.
+  size_t memory_used = 0;
   // Separates threadgroups; never left early. No thread enters the kernel
   // before all group_size threads have reached it, so when one cannot be
   // started, abandoning it releases every thread that was.
@@ -78,13 +137,22 @@ inline void dispatch(
         break;
       }
       context.group_index = g;
-      context.memory_offset = 0;
       context.barriers_passed = 0;
       context.device_order = &device_order[g];
+      for (size_t i = 0; i < threadgroup_lengths.size(); ++i) {
+        context.threadgroup_arguments[i] = group->memory.declare(
+            thread, argument_offsets[i], threadgroup_lengths[i] + kGuardBytes);
+      }
+      context.memory_offset = arguments_end;
+      context.guard_bytes = guard_bytes;
       k.invoke(buffers, ThreadPosition{g, thread, context.lane, context.simd_group});
+      check_threadgroup_arguments(context);
       {
         HiddenFromTsan hidden;
         barrier_counts[thread] = context.barriers_passed;
+        if (thread == 0) {
+          memory_used = context.memory_offset - context.guard_bytes;
+        }
       }
       group->simd_groups[context.simd_group]->barrier.leave();
       group->barrier.leave();
@@ -127,6 +195,7 @@ inline void dispatch(
   if (!errors.first().empty()) {
     throw std::runtime_error(errors.first());
   }
+  return memory_used;
 }
 
 } // namespace metal_emu

@@ -16,12 +16,13 @@ namespace mlx_knorm_metal {
 
 namespace mlx_knorm {
 
-void run_emulated_kernel(
+size_t run_emulated_kernel(
     const std::string& kernel,
     uint32_t groups,
     uint32_t group_size,
-    const std::vector<EmulatedBuffer>& buffers) {
-  metal_emu::dispatch(kernel, groups, group_size, buffers);
+    const std::vector<EmulatedBuffer>& buffers,
+    const std::vector<uint32_t>& threadgroup_bytes) {
+  return metal_emu::dispatch(kernel, groups, group_size, buffers, threadgroup_bytes);
 }
 
 } // namespace mlx_knorm

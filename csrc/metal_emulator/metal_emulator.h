@@ -5,9 +5,11 @@
 // barrier orders too little, reads stale data or races here as it may on a
 // GPU, and ThreadSanitizer reports it (memory ordering, below).
 //
-// Modelled: the kernel signature (each parameter's [[buffer(i)]] or thread
-// attribute, through KNORM_BUFFER and KNORM_ATTRIBUTE), half and bfloat with
-// bit-exact conversions, threadgroup memory (declared in kernel scope only,
+// Modelled: the kernel signature (each parameter's [[buffer(i)]],
+// [[threadgroup(i)]] or thread attribute, through KNORM_BUFFER,
+// KNORM_THREADGROUP_BUFFER and KNORM_ATTRIBUTE), half and bfloat with
+// bit-exact conversions, threadgroup memory (declared in kernel scope only
+// or given as [[threadgroup(i)]] arguments of the lengths the launch sets,
 // filled with garbage so that reads of unwritten memory show, and made
 // visible to other threads only by the barriers that order it, below),
 // threadgroup_barrier and its mem_flags, SIMD groups of width 32
@@ -34,7 +36,11 @@
 //
 // The binding is checked before a dispatch: the launch must bind exactly the
 // [[buffer(i)]] the kernel declares, each with the access (input, output or
-// constant) and element type of its parameter.
+// constant) and element type of its parameter, and set a length (a nonzero
+// multiple of 16 bytes) for exactly its [[threadgroup(i)]]. Each argument is
+// followed by guard bytes: a thread that writes past the length set fails
+// the dispatch, at its next barrier ordering threadgroup memory or when it
+// leaves the kernel (a write that skips the guards is not seen).
 //
 // The parts, one header each:
 //   tsan.h                the ThreadSanitizer hooks
@@ -81,6 +87,7 @@
 #define KNORM_BUFFER(index) , ::metal_emu::buffer_index<index>
 #define KNORM_ATTRIBUTE(name) \
   , ::metal_emu::thread_attribute<::metal_emu::ThreadAttribute::name>
+#define KNORM_THREADGROUP_BUFFER(index) , ::metal_emu::threadgroup_index<index>
 #define KNORM_THREADGROUP_ARRAY(type, name, count) \
   threadgroup type* name = ::metal_emu::threadgroup_array<type>(count, __func__)
 #define KNORM_CONCAT_(a, b) a##b

@@ -153,10 +153,27 @@ void run_dispatch(
     Staging& staging) {
   EmulatorBinder binder(plan.kernel, staging, plan.buffers.size());
   bind_slots(plan, inputs, outputs, binder);
-  run_emulated_kernel(plan.kernel, plan.groups, plan.group_size, binder.buffers);
+  EmulatorDebug& debug = emulator_debug();
+  std::vector<uint32_t> lengths = plan.threadgroup_bytes;
+  for (uint32_t& length : lengths) {
+    if (length > debug.threadgroup_shortfall) {
+      length -= debug.threadgroup_shortfall;
+    }
+  }
+  const uint32_t groups = debug.first_group_only && plan.groups > 0 ? 1 : plan.groups;
+  const size_t memory =
+      run_emulated_kernel(plan.kernel, groups, plan.group_size, binder.buffers, lengths);
+  if (debug.record) {
+    debug.log.push_back({plan.kernel, plan.groups, plan.group_size, lengths, memory});
+  }
 }
 
 } // namespace
+
+EmulatorDebug& emulator_debug() {
+  static EmulatorDebug debug;
+  return debug;
+}
 
 void run_emulated_plan(
     const LaunchPlan& plan,

@@ -4,6 +4,9 @@
 // on machines without an Apple GPU.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+#include <string>
 #include <vector>
 
 #include "mlx/array.h"
@@ -20,5 +23,31 @@ void run_emulated_plan(
     const LaunchPlans& plans,
     const std::vector<mlx::core::array>& inputs,
     std::vector<mlx::core::array>& outputs);
+
+// A dispatch the emulator ran: its plan's launch and the threadgroup memory
+// each threadgroup had (the plan's lengths and what the kernel declares).
+struct EmulatedDispatch {
+  std::string kernel;
+  uint32_t groups;
+  uint32_t group_size;
+  std::vector<uint32_t> threadgroup_bytes;
+  size_t threadgroup_memory;
+};
+
+// Debugging knobs of run_emulated_plan, for tests and
+// bench/launch_plans.py (not thread-safe: set them around single-threaded
+// evaluations): `record` appends each dispatch to `log`; `first_group_only`
+// runs one threadgroup of each dispatch (the outputs are then wrong: for
+// reading the plans of large shapes); `threadgroup_shortfall` takes that
+// many bytes off each [[threadgroup(i)]] length above it (a broken plan,
+// which the emulator must catch).
+struct EmulatorDebug {
+  bool record = false;
+  bool first_group_only = false;
+  uint32_t threadgroup_shortfall = 0;
+  std::vector<EmulatedDispatch> log;
+};
+
+EmulatorDebug& emulator_debug();
 
 } // namespace mlx_knorm

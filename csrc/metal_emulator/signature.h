@@ -1,6 +1,6 @@
 // A kernel's signature as the emulator reads it (each parameter's
-// [[buffer(i)]] or thread attribute, through the tags that KNORM_BUFFER and
-// KNORM_ATTRIBUTE add), how a call binds buffers and thread positions to
+// [[buffer(i)]], [[threadgroup(i)]] or thread attribute, through the tags
+// that KNORM_BUFFER, KNORM_THREADGROUP_BUFFER and KNORM_ATTRIBUTE add), how a call binds buffers and thread positions to
 // the parameters, and the registry of instantiations by host name
 // (KNORM_KERNEL_INSTANCE).
 #pragma once
@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "metal_emulator/dispatch.h"
+#include "metal_emulator/threads.h"
 
 namespace metal {
 struct half;
@@ -30,6 +31,10 @@ namespace metal_emu {
 // parameter is bound to.
 template <uint32_t I>
 struct buffer_index {};
+
+// What KNORM_THREADGROUP_BUFFER(i) adds: [[threadgroup(i)]].
+template <uint32_t I>
+struct threadgroup_index {};
 
 enum class ThreadAttribute {
   threadgroup_position_in_grid,
@@ -45,6 +50,8 @@ template <typename T>
 struct is_signature_tag : std::false_type {};
 template <uint32_t I>
 struct is_signature_tag<buffer_index<I>> : std::true_type {};
+template <uint32_t I>
+struct is_signature_tag<threadgroup_index<I>> : std::true_type {};
 template <ThreadAttribute A>
 struct is_signature_tag<thread_attribute<A>> : std::true_type {};
 
@@ -96,6 +103,11 @@ std::string element_name() {
   }
 }
 
+// A kernel parameter declared [[threadgroup(index)]].
+struct ThreadgroupParameter {
+  uint32_t index;
+};
+
 // A kernel parameter declared [[buffer(index)]].
 struct BufferParameter {
   uint32_t index;
@@ -137,10 +149,15 @@ struct Signature {
     return ((!is_signature_tag<Param<K>>::value && is_signature_tag<Tag<K>>::value) && ...);
   }
 
-  // Tags as numbers: buffer indices, then thread attributes from 1 << 16.
+  // Tags as numbers: buffer indices, thread attributes from 1 << 16,
+  // threadgroup indices from 2 << 16.
   template <uint32_t I>
   static constexpr uint32_t tag_number(buffer_index<I>) {
     return I;
+  }
+  template <uint32_t I>
+  static constexpr uint32_t tag_number(threadgroup_index<I>) {
+    return (2u << 16) + I;
   }
   template <ThreadAttribute A>
   static constexpr uint32_t tag_number(thread_attribute<A>) {
@@ -173,6 +190,28 @@ struct Signature {
   }
   template <typename P, ThreadAttribute A>
   static void add_buffer(std::vector<BufferParameter>&, thread_attribute<A>) {}
+  template <typename P, uint32_t I>
+  static void add_buffer(std::vector<BufferParameter>&, threadgroup_index<I>) {}
+
+  template <size_t... K>
+  static std::vector<ThreadgroupParameter> threadgroups(std::index_sequence<K...>) {
+    std::vector<ThreadgroupParameter> out;
+    (add_threadgroup<Param<K>>(out, Tag<K>{}), ...);
+    return out;
+  }
+
+  template <typename P, typename Tag>
+  static void add_threadgroup(std::vector<ThreadgroupParameter>&, Tag) {}
+  template <typename P, uint32_t I>
+  static void add_threadgroup(std::vector<ThreadgroupParameter>& out, threadgroup_index<I>) {
+    static_assert(std::is_pointer_v<P> && std::is_volatile_v<std::remove_pointer_t<P>>,
+                  "a [[threadgroup(i)]] parameter is a threadgroup pointer");
+    static_assert(I < kMaxThreadgroupArguments, "more [[threadgroup(i)]] than the emulator holds");
+    // Arguments start at multiples of 16 bytes (grid.h's layout).
+    static_assert(alignof(std::remove_cv_t<std::remove_pointer_t<P>>) <= 16,
+                  "[[threadgroup(i)]] elements aligned to at most 16 bytes");
+    out.push_back({I});
+  }
 };
 
 template <typename Param, uint32_t I>
@@ -182,6 +221,13 @@ Param bind_argument(buffer_index<I>, const std::vector<mlx_knorm::EmulatedBuffer
   } else {
     return *static_cast<std::remove_reference_t<Param>*>(buffers[I].data);
   }
+}
+
+// This thread's storage of the argument, which the dispatch declared
+// (grid.h) before the kernel runs.
+template <typename Param, uint32_t I>
+Param bind_argument(threadgroup_index<I>, const std::vector<mlx_knorm::EmulatedBuffer>&, const ThreadPosition&) {
+  return reinterpret_cast<Param>(current_thread()->threadgroup_arguments[I]);
 }
 
 template <typename Param, ThreadAttribute A>
@@ -218,6 +264,7 @@ using Invoker = std::function<void(const std::vector<mlx_knorm::EmulatedBuffer>&
 struct RegisteredKernel {
   std::string function;                  // the kernel function's name
   std::vector<BufferParameter> buffers;  // its [[buffer(i)]] parameters
+  std::vector<ThreadgroupParameter> threadgroups;  // its [[threadgroup(i)]]
   Invoker invoke;
 };
 
@@ -235,11 +282,11 @@ struct KernelRegistration {
     static_assert(S::tagged(params),
                   "every kernel parameter takes KNORM_BUFFER(i) or KNORM_ATTRIBUTE(name)");
     static_assert(S::distinct(params),
-                  "two kernel parameters take the same [[buffer(i)]] or thread attribute");
+                  "two kernel parameters take the same [[buffer(i)]], [[threadgroup(i)]] or thread attribute");
     std::string function(instance);
     function = function.substr(0, function.find_first_of("< "));
     kernel_registry()[host_name] = RegisteredKernel{
-        function, S::buffers(params),
+        function, S::buffers(params), S::threadgroups(params),
         [fn](const std::vector<mlx_knorm::EmulatedBuffer>& buffers, const ThreadPosition& position) {
           call_kernel(fn, buffers, position, std::make_index_sequence<sizeof...(Args)>());
         }};

@@ -1,7 +1,7 @@
 // Threadgroup memory as metal_emulator.h describes it: garbage at the start
 // of each threadgroup, a view per thread that only barriers ordering
-// threadgroup memory publish and refresh, and the write conflicts between
-// two such barriers.
+// threadgroup memory publish and refresh, the write conflicts between two
+// such barriers, and guard bytes after each [[threadgroup(i)]] argument.
 #pragma once
 
 #include <cstddef>
@@ -21,6 +21,21 @@ namespace metal_emu {
 
 // Apple GPUs give a threadgroup at most 32 KiB of threadgroup memory.
 constexpr size_t kThreadgroupMemoryBytes = 32 * 1024;
+// [[threadgroup(i)]] arguments a kernel may take here, and the guard bytes
+// after each: they hold kGuardPattern, and a thread that changes one wrote
+// past the length the launch set. Guards are not counted against the
+// 32 KiB, so the memory holds them on top.
+constexpr size_t kMaxThreadgroupArguments = 4;
+constexpr size_t kGuardBytes = 256;
+constexpr unsigned char kGuardPattern = 0xA5;
+constexpr size_t kMemoryBytes =
+    kThreadgroupMemoryBytes + kMaxThreadgroupArguments * (kGuardBytes + 16);
+
+// The guard bytes [begin, begin + kGuardBytes) after argument `index`.
+struct Guard {
+  size_t begin;
+  uint32_t index;
+};
 
 // A byte two threads changed between two barriers that order threadgroup
 // memory.
@@ -39,26 +54,34 @@ class ThreadgroupMemory {
   explicit ThreadgroupMemory(uint32_t group_size) : shared_(map_pages(nullptr)) {
     if constexpr (!kThreadSanitizer) {
       views_ = std::make_unique_for_overwrite<unsigned char[]>(
-          size_t(group_size) * kThreadgroupMemoryBytes);
-      writers_ = std::make_unique<uint64_t[]>(kThreadgroupMemoryBytes);
+          size_t(group_size) * kMemoryBytes);
+      writers_ = std::make_unique<uint64_t[]>(kMemoryBytes);
     }
   }
 
   ~ThreadgroupMemory() {
-    munmap(shared_, kThreadgroupMemoryBytes);
+    munmap(shared_, kMemoryBytes);
   }
 
   ThreadgroupMemory(const ThreadgroupMemory&) = delete;
   ThreadgroupMemory& operator=(const ThreadgroupMemory&) = delete;
 
+  // Before a dispatch's first threadgroup: where its guards lie.
+  void set_guards(std::vector<Guard> guards) {
+    guards_ = std::move(guards);
+  }
+
   // Thread 0, every other thread waiting. Threadgroup memory starts
   // undefined on a GPU: a pattern that is a NaN as float and huge as uint.
   void start_group() {
-    std::memset(shared_, 0xFF, kThreadgroupMemoryBytes);
+    std::memset(shared_, 0xFF, kMemoryBytes);
+    for (const Guard& g : guards_) {
+      std::memset(shared_ + g.begin, kGuardPattern, kGuardBytes);
+    }
     if constexpr (kThreadSanitizer) {
       forget_accesses();
     } else {
-      std::memcpy(baseline_, shared_, kThreadgroupMemoryBytes);
+      std::memcpy(baseline_, shared_, kMemoryBytes);
     }
   }
 
@@ -113,7 +136,7 @@ class ThreadgroupMemory {
       forget_accesses();
     } else {
       changed_.clear();
-      for (size_t w = 0; w < kThreadgroupMemoryBytes; w += kWord) {
+      for (size_t w = 0; w < kMemoryBytes; w += kWord) {
         if (std::memcmp(shared_ + w, baseline_ + w, kWord) == 0) {
           continue;
         }
@@ -140,13 +163,29 @@ class ThreadgroupMemory {
     }
   }
 
+  // The first guard byte that `thread`'s storage (its view, or the shared
+  // memory under ThreadSanitizer) no longer holds the pattern in, with the
+  // argument it follows. The guards must have been declared.
+  std::optional<std::pair<uint32_t, size_t>> overrun(uint32_t thread) {
+    HiddenFromTsan hidden;
+    const unsigned char* storage = kThreadSanitizer ? shared_ : view_of(thread);
+    for (const Guard& g : guards_) {
+      for (size_t b = g.begin; b < g.begin + kGuardBytes; ++b) {
+        if (storage[b] != kGuardPattern) {
+          return std::make_pair(g.index, b - g.begin);
+        }
+      }
+    }
+    return std::nullopt;
+  }
+
   // Where an atomic on `p` acts: the shared memory, for a location in
   // `thread`'s view.
   volatile void* shared_location(uint32_t thread, volatile void* p) {
     if constexpr (!kThreadSanitizer) {
       auto* byte = const_cast<unsigned char*>(static_cast<volatile unsigned char*>(p));
       unsigned char* view = view_of(thread);
-      if (byte >= view && byte < view + kThreadgroupMemoryBytes) {
+      if (byte >= view && byte < view + kMemoryBytes) {
         return shared_ + (byte - view);
       }
     } else {
@@ -163,11 +202,11 @@ class ThreadgroupMemory {
   }
 
   unsigned char* view_of(uint32_t thread) {
-    return views_.get() + size_t(thread) * kThreadgroupMemoryBytes;
+    return views_.get() + size_t(thread) * kMemoryBytes;
   }
 
   static unsigned char* map_pages(void* at) {
-    void* p = mmap(at, kThreadgroupMemoryBytes, PROT_READ | PROT_WRITE,
+    void* p = mmap(at, kMemoryBytes, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS | (at != nullptr ? MAP_FIXED : 0), -1, 0);
     if (p == MAP_FAILED) {
       fatal("cannot map threadgroup memory");
@@ -181,13 +220,13 @@ class ThreadgroupMemory {
   // ThreadSanitizer, keeps the contents meanwhile.
   void forget_accesses() {
     HiddenFromTsan hidden;
-    std::memcpy(baseline_, shared_, kThreadgroupMemoryBytes);
+    std::memcpy(baseline_, shared_, kMemoryBytes);
     map_pages(shared_);
-    std::memcpy(shared_, baseline_, kThreadgroupMemoryBytes);
+    std::memcpy(shared_, baseline_, kMemoryBytes);
   }
 
   unsigned char* const shared_;
-  alignas(64) unsigned char baseline_[kThreadgroupMemoryBytes];
+  alignas(64) unsigned char baseline_[kMemoryBytes];
   std::unique_ptr<unsigned char[]> views_;
   // Per byte: epoch << 16 | (thread + 1) of its last published change.
   std::unique_ptr<uint64_t[]> writers_;
@@ -195,6 +234,7 @@ class ThreadgroupMemory {
   uint64_t epoch_ = 1;
   // The word ranges [begin, end) that the last such barrier changed.
   std::vector<std::pair<size_t, size_t>> changed_;
+  std::vector<Guard> guards_;
 };
 
 } // namespace metal_emu

@@ -46,6 +46,9 @@ struct ThreadContext {
   uint32_t lane = 0;
   uint32_t simd_group = 0;
   size_t memory_offset = 0;    // bump pointer into the threadgroup memory
+  size_t guard_bytes = 0;      // of it, guards (not counted against 32 KiB)
+  // This thread's storage of each [[threadgroup(i)]] argument.
+  volatile unsigned char* threadgroup_arguments[kMaxThreadgroupArguments] = {};
   // Threadgroup barriers passed in the current threadgroup. SIMD groups may
   // leave together early (e.g. past the last row), so only threadgroup
   // barriers must match across the whole group.
@@ -58,6 +61,18 @@ struct ThreadContext {
 inline ThreadContext*& current_thread() {
   thread_local ThreadContext* context = nullptr;
   return context;
+}
+
+// A write past a [[threadgroup(i)]] argument's length, found in `t`'s
+// storage: reported as the dispatch's error.
+inline void check_threadgroup_arguments(ThreadContext& t) {
+  if (const auto overrun = t.group->memory.overrun(t.thread)) {
+    t.errors->fail(
+        t.group_index,
+        "thread " + std::to_string(t.thread) + " wrote past the end of [[threadgroup(" +
+        std::to_string(overrun->first) + ")]] (byte " + std::to_string(overrun->second) +
+        " after the length the launch set)");
+  }
 }
 
 // Storage of one threadgroup-memory declaration, made in `function`. Every
@@ -73,7 +88,7 @@ volatile T* threadgroup_array(size_t count, const char* function) {
           "(): Metal allows threadgroup declarations in kernel scope only");
   }
   size_t offset = (t->memory_offset + alignof(T) - 1) / alignof(T) * alignof(T);
-  if (offset + count * sizeof(T) > kThreadgroupMemoryBytes) {
+  if (offset + count * sizeof(T) - t->guard_bytes > kThreadgroupMemoryBytes) {
     fatal("threadgroup memory exceeds 32 KiB");
   }
   t->memory_offset = offset + count * sizeof(T);
@@ -86,6 +101,7 @@ inline void threadgroup_barrier(ThreadContext& t, unsigned flags) {
   const bool orders_device = (flags & kOrdersDevice) != 0;
   ThreadgroupMemory& memory = t.group->memory;
   if (orders_threadgroup) {
+    check_threadgroup_arguments(t);
     if (const auto conflict = memory.publish(t.thread, t.memory_offset)) {
       t.errors->fail(
           t.group_index,

@@ -62,8 +62,15 @@ LaunchPlans protected_topk_gather_plan(
   params.copy_rows = split ? 0 : 1;
   params.first_row = static_cast<uint32_t>(first_row);
   params.groups_per_head = groups_per_head;
+  const int64_t n_total = sel.n_total;
+  params.cache_norms = mid_keep > 0 && n_total <= kGatherCachedNorms ? 1 : 0;
   select.buffers = array_slots(arrays, outputs);
   select.buffers.push_back(BufferSlot::block(params));
+  // [[threadgroup(0)]]: the cached norms; [[threadgroup(1)]]: a chunk's
+  // sources, used only by an output in place.
+  select.threadgroup_bytes = {
+      threadgroup_length(params.cache_norms != 0 ? n_total * sizeof(float) : 0),
+      threadgroup_length(in_place != 0 ? kGatherGroupSize * sizeof(uint32_t) : 0)};
   if (!split) {
     return {select};
   }

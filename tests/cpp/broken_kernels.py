@@ -159,6 +159,19 @@ BROKEN_KERNELS = (
         "run",
         {"thread": (TSAN_RACE, "knorm_gather_rows")},
     ),
+    # The cached ranks of a step where several rows leave written two slots
+    # past the filled ones: past the [[threadgroup(0)]] length its plan set.
+    BrokenKernel(
+        "threadgroup_buffer_overrun",
+        (("evict_and_fill.h",
+          "      for (uint s = tid; s < filled; s += kEvictGroupSize) {\n"
+          "        cached_ranks[s] = knorm_rank_of(stored, s);\n",
+          "      for (uint s = tid; s < filled + 2; s += kEvictGroupSize) {\n"
+          "        cached_ranks[s] = s < filled ? knorm_rank_of(stored, s) : ulong(0);\n"),),
+        "run",
+        {"thread": ("wrote past the end of [[threadgroup(0)]]", "knorm_evict_and_fill"),
+         "address": ("wrote past the end of [[threadgroup(0)]]",)},
+    ),
     # The decode step's reduction scratch declared in its helper rather than
     # in the kernel function.
     BrokenKernel(
@@ -179,7 +192,7 @@ BROKEN_KERNELS = (
         (("protected_topk_gather.h", "KnormGatherParams& params KNORM_BUFFER(10)",
           "KnormGatherParams& params KNORM_BUFFER(9)"),),
         "compile",
-        {"thread": ("two kernel parameters take the same [[buffer(i)]] or thread attribute",)},
+        {"thread": ("two kernel parameters take the same [[buffer(i)]], [[threadgroup(i)]] or thread attribute",)},
     ),
     # Threadgroup memory where the kernel's helper takes a device pointer.
     BrokenKernel(
