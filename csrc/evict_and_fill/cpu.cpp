@@ -441,8 +441,9 @@ bool decode_with_tree(
       return false;
     }
     leaving[n_leaving++] = oldest;
-    tree_update(window, slots, &oldest, 1,
-                [&](int32_t s) { return now.window_key(s, still_in_window(s)); });
+    tree_update(window, slots, oldest, [&](int32_t a, int32_t c) {
+      return now.leaves_window_before(a, c, still_in_window(a), still_in_window(c));
+    });
   }
   // Steps 2 and 3: the spare slot's row fills the hole.
   move_rows(b, n, 0, 0, kept);
@@ -475,10 +476,13 @@ bool decode_with_tree(
     change(s);
   }
   const OrderTreeKeys after{b.out_norms(n), b.out_positions(n), kept + 1, next};
-  tree_update(eviction, slots, changed.data(), n_changed,
-              [&](int32_t s) { return after.eviction_key(s); });
-  tree_update(window, slots, changed.data(), n_changed,
-              [&](int32_t s) { return after.window_key(s); });
+  for (int i = 0; i < n_changed; ++i) {
+    tree_update(eviction, slots, changed[i],
+                [&](int32_t a, int32_t c) { return after.evicts_before(a, c); });
+    tree_update(window, slots, changed[i], [&](int32_t a, int32_t c) {
+      return after.leaves_window_before(a, c, after.in_window(a), after.in_window(c));
+    });
+  }
   eviction[0] = static_cast<int32_t>(kept + 1);
   window[0] = static_cast<int32_t>(config.offset + 1);
   return true;
