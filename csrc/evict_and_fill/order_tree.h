@@ -97,6 +97,17 @@ inline void tree_update(int32_t* half, int64_t n, int64_t s, const Beats& beats)
   tree_set_winner(half, n);
 }
 
+// Asks for the nodes an update above slot s reads that are not on its
+// path (the other children), so that their misses overlap with each other
+// and with whatever the caller does before the update.
+inline void tree_prefetch_path(const int32_t* half, int64_t n, int64_t s) {
+  for (int64_t child = n + s; child > 1; child /= 2) {
+    if ((child ^ 1) < n) {
+      __builtin_prefetch(half + (child ^ 1));
+    }
+  }
+}
+
 // Both halves of one head for the rank and rows of `keys`.
 inline void order_tree_build(
     int32_t* eviction,

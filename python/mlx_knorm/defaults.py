@@ -16,11 +16,11 @@ DEFAULT_LAYOUT = "slots"
 # The caches evict through the order tree (docs/spec.md §4 step 4, §8) from
 # this budget on, and only without a recent window. Measured by
 # bench/order_tree.py (bench/results/order-tree-cpu.json): without a window
-# the tree's decode step takes 1.04x-1.06x of ranking every row at 2048,
-# 0.76x-0.97x at 4096 and 0.73x-0.82x at 8192; with a window of half the
-# budget each step also updates the leaving row's random path in both
-# halves, 1.03x-1.30x below 8192.
-ORDER_TREE_MIN_BUDGET = 4096
+# the tree's decode step takes 0.96x-1.01x of ranking every row at 1024,
+# 0.92x (32 heads) to 0.99x (8 heads) at 2048 and 0.48x-0.93x from 4096 on;
+# with a window of half the budget each step also updates the leaving row's
+# random path in both halves, 0.92x-1.04x below 4096.
+ORDER_TREE_MIN_BUDGET = 2048
 
 
 def uses_order_tree(layout: str, budget: int, recent: int) -> bool:
