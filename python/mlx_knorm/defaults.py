@@ -19,7 +19,9 @@ DEFAULT_LAYOUT = "slots"
 # the tree's decode step takes 0.96x-1.01x of ranking every row at 1024,
 # 0.92x (32 heads) to 0.99x (8 heads) at 2048 and 0.48x-0.93x from 4096 on;
 # with a window of half the budget each step also updates the leaving row's
-# random path in both halves, 0.92x-1.04x below 4096.
+# random path in both halves, 0.92x-1.04x below 4096. These are the CPU
+# kernel's figures: on Metal the step rebuilds the tree in a dispatch of its
+# own (a given tree is not read), a cost no Mac has measured.
 ORDER_TREE_MIN_BUDGET = 2048
 
 
