@@ -94,6 +94,13 @@ def evict_and_fill_args(slots, n_new, positions, palette, key_dim=8, seed=0):
                                  key_palette="special", norm_palette=palette)
 
 
+def assert_slots_equal(emulated, native, defined: int, what: str = "") -> None:
+    """The step's keys, values, norms and positions of both kernels, bit for
+    bit over the slots ``[0, defined)`` (the rest is unspecified)."""
+    for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
+        assert_bitwise_equal(b[:, :defined], a[:, :defined], f"{name} {what}".strip())
+
+
 def evict_and_fill_native_and_emulated(args, config, donate):
     """Both kernels from copies of ``args``; with ``donate`` the copies are
     referenced by the op alone, so outputs take over their buffers."""
@@ -132,8 +139,7 @@ def test_evict_and_fill_edges(slots, filled, budget, n_new, positions, layout, d
                   keep="low" if positions == "distinct" else "high", layout=layout)
     native, emulated = evict_and_fill_native_and_emulated(args, config, donate)
     defined = min(filled, budget) + n_new
-    for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
-        assert_bitwise_equal(b[:, :defined], a[:, :defined], name)
+    assert_slots_equal(emulated, native, defined)
 
 
 @pytest.mark.parametrize("donate", [False, True])
@@ -148,8 +154,7 @@ def test_protected_topk_gather_and_evict_and_fill_second_dispatch_over_three_hea
     config = dict(filled=400, offset=600, capacity=600, budget=300, n_sink=2, recent=4,
                   keep="low", layout="slots")
     native, emulated = evict_and_fill_native_and_emulated(arrays, config, donate)
-    for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
-        assert_bitwise_equal(b[:, :500], a[:, :500], name)
+    assert_slots_equal(emulated, native, 500)
 
 
 @pytest.mark.parametrize("key_dim", [0, 1, 33, 512])
@@ -157,8 +162,7 @@ def test_evict_and_fill_new_row_norms_at_every_width(key_dim):
     args = evict_and_fill_args(40, 9, "distinct", "special", key_dim=key_dim)
     config = dict(filled=40, offset=40, capacity=40, budget=30, n_sink=1, recent=2, keep="low", layout="slots")
     native, emulated = evict_and_fill_native_and_emulated(args, config, donate=False)
-    for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
-        assert_bitwise_equal(b[:, :39], a[:, :39], name)
+    assert_slots_equal(emulated, native, 39)
 
 
 def at_offset(a: mx.array, elements: int) -> mx.array:
@@ -202,8 +206,7 @@ def test_evict_and_fill_moves_rows_at_any_alignment(dtype, dim, shift, layout):
                   keep="low", layout=layout)
     native = _native.ext.evict_and_fill(*args, **config, stream=mx.cpu)
     emulated = _native.ext.evict_and_fill(*args, **config, emulate_metal=True, stream=mx.cpu)
-    for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
-        assert_bitwise_equal(b[:, :33], a[:, :33], name)
+    assert_slots_equal(emulated, native, 33)
 
 
 def test_evict_and_fill_rejects_key_widths_past_the_norm_kernel():
@@ -312,8 +315,7 @@ def test_evict_and_fill_cut_at_and_near_a_radix_bin_boundary(extra, layout):
                   n_sink=0, recent=0, keep="low", layout=layout)
     native, emulated = evict_and_fill_native_and_emulated(args, config, donate=False)
     defined = budget + 2
-    for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
-        assert_bitwise_equal(b[:, :defined], a[:, :defined], name)
+    assert_slots_equal(emulated, native, defined)
 
 
 @pytest.mark.parametrize(
@@ -338,8 +340,7 @@ def test_evict_and_fill_copies_kept_slots_over_many_threadgroups(slots, filled, 
     for donate in (False, True):
         native, emulated = evict_and_fill_native_and_emulated(args, config, donate)
         defined = min(filled, budget) + n_new
-        for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
-            assert_bitwise_equal(b[:, :defined], a[:, :defined], f"{name} donate={donate}")
+        assert_slots_equal(emulated, native, defined, f"donate={donate}")
 
 
 def emulator_log(run, **knobs):
@@ -385,8 +386,7 @@ def test_evict_and_fill_sizes_threadgroup_memory_per_dispatch(filled, budget, la
     assert all(d["threadgroup_bytes"] == [] for d in log if d is not step)
     native, emulated = evict_and_fill_native_and_emulated(args, config, donate=False)
     defined = budget + 1
-    for name, a, b in zip(("keys", "values", "norms", "positions"), native, emulated):
-        assert_bitwise_equal(b[:, :defined], a[:, :defined], name)
+    assert_slots_equal(emulated, native, defined)
 
 
 @pytest.mark.parametrize(
