@@ -42,6 +42,8 @@ sequence (``stats`` turns them into bootstrap intervals over sequences):
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import sys
 from contextlib import contextmanager
@@ -59,6 +61,7 @@ from . import BUDGET_FRACTIONS, QUERY_CHUNK
 from .policies import (DEFAULT_POLICIES, FULL, Policy, attention_layers, derived_key, kept_mask, policy_scores,
                        quantized_rows, stored_dtype)
 from .stats import bootstrap_interval, perplexity_interval, resample_indices
+from .workers import ModelSpec, check_jobs, map_tasks
 
 
 @dataclass(frozen=True)
@@ -524,7 +527,7 @@ def teacher_forced_logits(model, tokens, policy=None, budget: int | None = None,
 
 def evaluate(model, sequences: np.ndarray, n_sink: int = 4, skip_layers=(), fractions=BUDGET_FRACTIONS,
              seed: int = 0, policies=None, perplexity: bool = True, query_chunk: int = QUERY_CHUNK,
-             progress: bool = False) -> Results:
+             progress: bool = False, jobs: int = 1, model_spec: ModelSpec | None = None) -> Results:
     """Run every policy at every budget on ``sequences [n, T]`` (token ids).
 
     Budgets are ``round(fraction * T)`` rows per attention layer, on average
@@ -537,11 +540,15 @@ def evaluate(model, sequences: np.ndarray, n_sink: int = 4, skip_layers=(), frac
     memory) is left out there.
     ``perplexity=False`` skips the masked passes: recall, Spearman and the
     full cache's perplexity only.
+    ``jobs > 1`` shares the sequences among that many processes
+    (``workers.map_tasks``), each loading ``model_spec`` (the model
+    ``model`` is); the numbers are those of ``jobs=1``.
     """
     sequences = np.asarray(sequences)
     if sequences.ndim != 2 or sequences.shape[0] < 1 or sequences.shape[1] < 4:
         raise ValueError(f"sequences must be [n >= 1, T >= 4] token ids, got shape {sequences.shape}")
     _check_args(query_chunk)
+    check_jobs(jobs, model_spec)
     strict = policies is not None
     try:
         policies = [_as_policy(p) for p in (DEFAULT_POLICIES if policies is None else policies)]
@@ -578,14 +585,30 @@ def evaluate(model, sequences: np.ndarray, n_sink: int = 4, skip_layers=(), frac
     # and one per distinct prefix.
     passes = 1 + ((sum(1 + (p < last) for p in starts) + len(set(starts) - {0})) if perplexity else 0)
     bar = tqdm(total=n_seqs * passes * len(attention), desc="eval", unit="layer", disable=not progress)
-    evaluator = _Evaluator(model, results, seed, query_chunk, bar)
-    for s, row in enumerate(sequences):
-        tokens = mx.array(row, dtype=mx.int32)
-        evaluator.full_pass(s, tokens, cuts)
-        if perplexity:
-            evaluator.masked_passes(s, tokens, cuts)
+    window = functools.partial(_evaluate_window, dataclasses.replace(results, n_seqs=1), seed, query_chunk,
+                               perplexity)
+    parts = map_tasks(window, list(enumerate(sequences)), jobs=jobs, bar=bar, model=model, model_spec=model_spec)
     bar.close()
+    for part in parts:
+        for key, values in part.nll.items():
+            results.nll.setdefault(key, []).extend(values)
+        for key, values in part.recall.items():
+            results.recall.setdefault(key, []).extend(values)
+        results.spearman += part.spearman
     return results
+
+
+def _evaluate_window(setup: Results, seed: int, query_chunk: int, perplexity: bool, model, _tokenizer, task,
+                     bar) -> Results:
+    """The numbers of window ``task = (index, token ids)``, in a ``Results`` of one sequence like ``setup``."""
+    sequence, row = task
+    part = dataclasses.replace(setup, nll={}, recall={}, spearman=[])
+    evaluator = _Evaluator(model, part, seed, query_chunk, bar)
+    tokens = mx.array(row, dtype=mx.int32)
+    evaluator.full_pass(sequence, tokens, part.cuts)
+    if perplexity:
+        evaluator.masked_passes(sequence, tokens, part.cuts)
+    return part
 
 
 def _interval(value: float, ci: tuple[float, float], digits: int) -> str:

@@ -31,6 +31,7 @@ every policy, so policies are compared on the same prompts.
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -44,6 +45,7 @@ from .data import pydoc_topics
 from .policies import (FULL, NEEDLE_POLICIES, Policy, RandomEvictionCache, attention_layers, derived_key,
                        policy_cache)
 from .stats import wilson_interval
+from .workers import ModelSpec, check_jobs, map_tasks
 
 KEY_DIGITS = 5
 
@@ -273,17 +275,21 @@ def _summary(labels: dict, outcomes: list[bool]) -> dict:
 def run_grid(model, tokenizer, haystacks=NEEDLE_HAYSTACKS, contexts=NEEDLE_CONTEXTS, depths=NEEDLE_DEPTHS,
              fractions=NEEDLE_BUDGET_FRACTIONS, policies=NEEDLE_POLICIES, keys: int = NEEDLE_KEYS, n_sink: int = 4,
              prefill_step_size: int = PREFILL_STEP_SIZE, seed: int = 0, full: bool = True,
-             progress: bool = False) -> Grid:
+             progress: bool = False, jobs: int = 1, model_spec: ModelSpec | None = None) -> Grid:
     """Every (haystack, context, depth, policy, budget fraction) with ``keys`` keys; the full cache once per depth.
 
     ``policies``: ``Policy`` objects or names (``policies.Policy.parse``).
     The keys of a (haystack, context, depth) are the same for every policy.
     A policy with no room at a budget (its skipped layers take more than the
-    budget's memory) is left out there.
+    budget's memory) is left out there. ``jobs > 1`` shares the (context,
+    policy, budget) cuts among that many processes (``workers.map_tasks``),
+    each loading ``model_spec`` (the model ``model`` is); the trials are
+    those of ``jobs=1``.
     """
     from tqdm import tqdm
 
     policies = [p if isinstance(p, Policy) else Policy.parse(p) for p in policies]
+    check_jobs(jobs, model_spec)
     if isinstance(keys, bool) or not isinstance(keys, int) or keys < 1:
         raise ValueError(f"keys must be a positive int, got {keys!r}")
     if isinstance(prefill_step_size, bool) or not isinstance(prefill_step_size, int) or prefill_step_size < 1:
@@ -317,13 +323,16 @@ def run_grid(model, tokenizer, haystacks=NEEDLE_HAYSTACKS, contexts=NEEDLE_CONTE
                     policy_cache(model, policy, budget, context, n_sink)  # refuses what cannot run
                     cuts.append((policy, fraction, budget))
             plan.append((name, stream, context, prompts, cuts))
+    tasks = [(name, stream, context, prompts, *cut) for name, stream, context, prompts, cuts in plan
+             for cut in cuts]
     # Progress in prompt tokens read: trials at long contexts cost more.
-    total = sum(len(cuts) * _tokens_to_read(prompts, prefill_step_size) for *_, prompts, cuts in plan)
-    bar = tqdm(total=total, desc="needle", unit="token", unit_scale=True, disable=not progress)
-    for name, stream, context, prompts, cuts in plan:
-        for policy, fraction, budget in cuts:
-            grid.trials += _run_cut(model, tokenizer, name, stream, context, prompts, policy, fraction, budget,
-                                    n_sink, prefill_step_size, seed, max_tokens, grid, bar)
+    costs = [_tokens_to_read(prompts, prefill_step_size) for _, _, _, prompts, *_ in tasks]
+    bar = tqdm(total=sum(costs), desc="needle", unit="token", unit_scale=True, disable=not progress)
+    run_cut = functools.partial(_run_cut, n_sink=n_sink, step=prefill_step_size, seed=seed, max_tokens=max_tokens)
+    for trials, tokens in map_tasks(run_cut, tasks, jobs=jobs, bar=bar, model=model, tokenizer=tokenizer,
+                                    model_spec=model_spec, costs=costs):
+        grid.trials += trials
+        grid.prefill_tokens += tokens
     bar.close()
     return grid
 
@@ -339,21 +348,24 @@ def _tokens_to_read(prompts: dict, step: int) -> int:
     return max(at.values()) + sum(len(p.tokens) - at[d] for d, group in prompts.items() for p in group)
 
 
-def _run_cut(model, tokenizer, name, stream, context, prompts, policy, fraction, budget, n_sink, step, seed,
-             max_tokens, grid, bar) -> list:
-    """The trials of one policy at one budget: one pass over the shared haystack, then each trial's own tail.
+def _run_cut(model, tokenizer, task, bar, *, n_sink, step, seed, max_tokens) -> tuple[list, int]:
+    """``(trials, prompt tokens read)`` of one policy at one budget: the shared haystack once, then each trial's tail.
+
+    ``task``: ``(haystack name, its token stream, context, prompts by depth,
+    policy, budget fraction, budget)``, the policy ``None`` for the full cache.
 
     Every prompt starts with ``stream`` (intro + filler) up to its needle,
     whatever its key or depth: the tokens up to the last chunk boundary
     before each needle are read once.
     """
+    name, stream, context, prompts, policy, fraction, budget = task
     snapshot_at = {d: _snapshot_at(group, step) for d, group in prompts.items()}
     caches = policy_cache(model, policy, budget or context, context, n_sink, seed)
-    snapshots, done = {}, 0
+    snapshots, done, read = {}, 0, 0
     for d in sorted(snapshot_at, key=snapshot_at.get):
         stop = snapshot_at[d]
         prefill(model, caches, stream[done:stop], step)
-        grid.prefill_tokens += stop - done
+        read += stop - done
         bar.update(stop - done)
         done = stop
         snapshots[d] = copy_caches(caches)
@@ -368,13 +380,13 @@ def _run_cut(model, tokenizer, name, stream, context, prompts, policy, fraction,
                     # Each trial draws its own evictions from the snapshot on.
                     cache.reseed(derived_key(seed, context, round(depth * 10**6), index, layer))
             tail = prompt.tokens[snapshot_at[depth]:]
-            grid.prefill_tokens += len(tail)
+            read += len(tail)
             text = answer(model, tokenizer, tail, caches, step, max_tokens)
             trials.append(Trial(name, context, depth, prompt.needle_at, len(prompt.tokens),
                                 FULL if policy is None else policy.name,
                                 fraction, budget, prompt.key, text, is_correct(text, prompt.key)))
             bar.update(len(tail))
-    return trials
+    return trials, read
 
 
 def markdown_tables(grid: Grid) -> str:
