@@ -11,7 +11,7 @@ QUERY_CHUNK = 256  # query rows per attention block in the eval
 # The needle task's grids (needle.py; the command line reads them from here).
 # The default grid is sized for a 2-core CPU: 3 contexts x 5 depths x 2
 # budgets, one key per cell, the full cache and three policies
-# (NEEDLE_POLICIES), 186k prompt tokens (34 CPU-minutes on SmolLM2 here,
+# (NEEDLE_POLICIES), 186k prompt tokens (12 minutes with --jobs 2 on SmolLM2 here,
 # docs/quality.md). ``--full-grid`` is the full grid: both haystacks, the
 # eval's nine policies, NEEDLE_FULL_KEYS keys per cell, about 3.3M tokens.
 HAYSTACKS = ("passkey", "prose")
