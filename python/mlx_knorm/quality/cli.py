@@ -76,10 +76,7 @@ def load(model: str | None, args=None):
 
     ``args``: the parsed command line, for its GGUF weight options (``--dtype``, ``--requantize``).
     """
-    from ..models import load as load_model
-
-    spec = model_spec(model, args)
-    return load_model(spec.model, return_config=True, dtype=spec.dtype, requantize=spec.requantize)
+    return model_spec(model, args).load(return_config=True)
 
 
 class Clock:

@@ -33,10 +33,11 @@ class ModelSpec:
     dtype: str | None = None
     requantize: tuple[int, int] | None = None
 
-    def load(self):
+    def load(self, **kwargs):
+        """``mlx_knorm.models.load`` of this model; ``kwargs`` go to it (``return_config``)."""
         from ..models import load
 
-        return load(self.model, dtype=self.dtype, requantize=self.requantize)
+        return load(self.model, dtype=self.dtype, requantize=self.requantize, **kwargs)
 
 
 def check_jobs(jobs, model_spec) -> None:
