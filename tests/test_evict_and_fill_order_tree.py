@@ -116,6 +116,29 @@ def test_evict_and_fill_through_the_order_tree_matches_ranking_every_row_long_st
     assert_same_streams(run_stream("kernel", case), run_stream("fallback", case, chain_tree=False))
 
 
+@pytest.mark.parametrize("ranges", [None, [(0, INT32_MAX), (3, 60), (0, 25)]])
+def test_evict_and_fill_order_tree_without_window_keeps_the_constant_window_half(ranges):
+    """recent = 0: no row is ever in the window, so the CPU kernel leaves the
+    given window half as it is (each node the lowest slot below it) and
+    updates the eviction half alone; every step's tree is still the spec's
+    and the rows those of ranking every row."""
+    case = (3, [9, *[1] * 60], ranges, dict(budget=8, n_sink=2, recent=0, keep="low", layout="slots"),
+            0, "ties", 7)
+    steps = run_stream("kernel", case)
+    assert_same_streams(steps, run_stream("fallback", case, chain_tree=False))
+    assert_trees_are_the_specs(steps, case)
+    n = steps[-1][1].shape[-1] - 1
+    lowest = [0] + [min(s for s in range(n) if _descends(n + s, node)) for node in range(1, n)] + [0]
+    for _, tree in steps[1:]:
+        assert tree[:, 1, 1:].tolist() == [lowest[1:]] * 3
+
+
+def _descends(leaf: int, node: int) -> bool:
+    while leaf > node:
+        leaf //= 2
+    return leaf == node
+
+
 @requires_emulator
 @EMULATOR_SETTINGS
 @given(case=tree_streams(max_heads=2, max_budget=8))
