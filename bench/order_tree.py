@@ -25,7 +25,7 @@ import numpy as np
 from mlx_knorm import __version__
 from mlx_knorm.bench.report import machine, markdown_table, now
 from mlx_knorm.bench.timing import warm_up
-from mlx_knorm.defaults import ORDER_TREE_MIN_BUDGET
+from mlx_knorm.defaults import ORDER_TREE_MIN_BUDGET, ORDER_TREE_MIN_BUDGET_WITH_WINDOW
 from mlx_knorm.ops.evict_and_fill import evict_and_fill_unchecked
 from mlx_knorm.ops.key_norms import key_norms
 
@@ -120,7 +120,8 @@ def main(argv=None) -> int:
         [[str(r["budget"]), str(r["heads"]), str(r["recent"]), f"{r['tree_ms']:.4f}", f"{r['scan_ms']:.4f}",
           f"{r['tree_over_scan']:.2f}x", f"{r['tree_faults_per_step']:.2f} / {r['scan_faults_per_step']:.2f}"]
          for r in rows]))
-    print(f"The caches keep the tree without a recent window from budget {ORDER_TREE_MIN_BUDGET} on.")
+    print(f"The caches keep the tree on the CPU from budget {ORDER_TREE_MIN_BUDGET} on without a recent window, "
+          f"from {ORDER_TREE_MIN_BUDGET_WITH_WINDOW} on with one.")
     if args.json:
         report = {"benchmark": "order_tree", "version": __version__, "date": now(), "machine": machine(),
                   "command": " ".join(["python bench/order_tree.py", *(argv or sys.argv[1:])]),

@@ -14,10 +14,11 @@ from mlx_lm.generate import generate, generate_step, stream_generate
 from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
 
 import mlx_knorm
-from mlx_knorm.cache import L2NormKVCache, make_knorm_cache
-from mlx_knorm.defaults import (DEFAULT_RECENT, DEFAULT_RECENT_SHARE, ORDER_TREE_MIN_BUDGET, default_recent,
-                                uses_order_tree)
+from mlx_knorm.cache import L2NormKVCache, make_knorm_cache, order_tree_argument
+from mlx_knorm.defaults import (DEFAULT_RECENT, DEFAULT_RECENT_SHARE, ORDER_TREE_MIN_BUDGET,
+                                ORDER_TREE_MIN_BUDGET_WITH_WINDOW, default_recent, uses_order_tree)
 
+from conftest import requires_emulator
 from tiny_models import HEAD_DIM, KV_HEADS, VOCAB, teacher_forced, tiny_model, tokens
 
 ARCHS = ("llama", "qwen2")
@@ -452,12 +453,48 @@ def test_layout_is_validated():
         make_knorm_cache(tiny_model("llama", layers=1), layout="rows")
 
 
-@pytest.mark.parametrize("recent, layout", [(0, "slots"), (1, "slots"), (0, "temporal")])
-def test_a_cache_keeps_the_order_tree_where_its_configuration_gains(recent, layout):
-    """From ORDER_TREE_MIN_BUDGET on, without a recent window, in the slot
-    layout, the cache keeps the order tree and decodes through it: the same
-    rows and tree as the fallback, which ranks every row; elsewhere none."""
+def test_the_order_tree_is_kept_on_the_cpu_alone():
+    """No step on a GPU reads a given tree (spec §10): there a cache keeps none."""
     budget = ORDER_TREE_MIN_BUDGET
+    assert uses_order_tree("slots", budget, 0, mx.cpu)
+    assert not uses_order_tree("slots", budget, 0, mx.gpu)
+    assert not uses_order_tree("slots", budget - 1, 0, mx.cpu)
+    assert not uses_order_tree("slots", budget, 1, mx.cpu)
+    assert uses_order_tree("slots", ORDER_TREE_MIN_BUDGET_WITH_WINDOW, 1, mx.cpu)
+    assert not uses_order_tree("slots", ORDER_TREE_MIN_BUDGET_WITH_WINDOW, 1, mx.gpu)
+    assert not uses_order_tree("temporal", budget, 0, mx.cpu)
+    with mx.stream(mx.cpu):
+        assert order_tree_argument("slots", budget, 0, None) is True
+    assert uses_order_tree("slots", budget, 0) == (mx.default_device().type == mx.DeviceType.cpu)
+
+
+@requires_emulator
+def test_a_cache_stepping_through_the_metal_emulator_keeps_no_order_tree():
+    """The emulator runs the Metal kernels, which never read a given tree."""
+    budget = ORDER_TREE_MIN_BUDGET
+    keys = mx.random.normal((1, 1, budget + 3, 4), key=mx.random.key(5)).astype(mx.float16)
+    caches = {}
+    for backend in ("kernel", "metal-emulator"):
+        with mlx_knorm.use_backend(backend), mx.stream(mx.cpu):
+            cache = L2NormKVCache(budget=budget, n_sink=2, recent=0)
+            mx.eval(cache.update_and_fetch(keys[:, :, : budget + 1], keys[:, :, : budget + 1]))
+            for j in range(budget + 1, budget + 3):
+                mx.eval(cache.update_and_fetch(keys[:, :, j : j + 1], keys[:, :, j : j + 1]))
+            caches[backend] = cache
+    assert caches["kernel"].order_tree is not None and caches["metal-emulator"].order_tree is None
+    for a, e in zip(buffers(caches["kernel"]), buffers(caches["metal-emulator"])):
+        assert np.array_equal(np.array(a), np.array(e))
+
+
+@pytest.mark.parametrize("budget, recent, layout", [
+    (ORDER_TREE_MIN_BUDGET, 0, "slots"), (ORDER_TREE_MIN_BUDGET, 1, "slots"), (ORDER_TREE_MIN_BUDGET, 0, "temporal"),
+    (ORDER_TREE_MIN_BUDGET_WITH_WINDOW, 3, "slots")])
+def test_a_cache_keeps_the_order_tree_where_its_configuration_gains(budget, recent, layout):
+    """In the slot layout, on the CPU, from ORDER_TREE_MIN_BUDGET on without
+    a recent window and from ORDER_TREE_MIN_BUDGET_WITH_WINDOW on with one,
+    the cache keeps the order tree and decodes through it: the same rows
+    and tree as the fallback, which ranks every row; elsewhere (on a GPU
+    too) none."""
     keys = mx.random.normal((1, 2, budget + 8, 4), key=mx.random.key(3)).astype(mx.float16)
     states = {}
     for backend in ("kernel", "fallback"):
@@ -468,7 +505,10 @@ def test_a_cache_keeps_the_order_tree_where_its_configuration_gains(recent, layo
                 mx.eval(cache.update_and_fetch(keys[:, :, j : j + 1], keys[:, :, j : j + 1]))
             states[backend] = cache
     kernel, fallback = states["kernel"], states["fallback"]
-    assert (kernel.order_tree is not None) == uses_order_tree(layout, budget, recent) == (recent == 0 and layout == "slots")
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    gains = budget >= (ORDER_TREE_MIN_BUDGET if recent == 0 else ORDER_TREE_MIN_BUDGET_WITH_WINDOW)
+    assert (kernel.order_tree is not None) == uses_order_tree(layout, budget, recent) == (
+        gains and layout == "slots" and on_cpu)
     filled = kernel.filled
     for a, e in zip(buffers(kernel), buffers(fallback)):
         assert np.array_equal(np.array(a[:, :, :filled]), np.array(e[:, :, :filled]))

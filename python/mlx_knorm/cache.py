@@ -68,6 +68,7 @@ import mlx.nn as nn
 from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
+from .backend import current_backend
 from .cache_state import StateError, check_block, check_state, parse_meta_state
 from .defaults import (DEFAULT_BUDGET, DEFAULT_KEEP, DEFAULT_KV_GROUP_SIZE, DEFAULT_LAYOUT, DEFAULT_N_SINK,
                        DEFAULT_RECENT, DEFAULT_SKIP_LAYERS, default_recent, uses_order_tree)
@@ -121,8 +122,10 @@ def step_capacity(needed: int, current: int, budget: int) -> int:
 def order_tree_argument(layout: str, budget: int, recent: int, tree: mx.array | None):
     """evict_and_fill's ``tree`` for a cache's next step: the previous
     step's tree, or True to build one, where the configuration keeps one
-    (``defaults.uses_order_tree``); else False."""
-    if not uses_order_tree(layout, budget, recent):
+    (``defaults.uses_order_tree``: on the CPU) and the step runs no Metal
+    kernel (the emulator's, like a GPU's, builds the tree and never reads
+    it); else False."""
+    if not uses_order_tree(layout, budget, recent) or current_backend() == "metal-emulator":
         return False
     return True if tree is None else tree
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import mlx.core as mx
+
 # L2NormKVCache's, as the reference's cache (its config fields knorm_*).
 DEFAULT_BUDGET = 512
 DEFAULT_N_SINK = 4
@@ -13,21 +15,31 @@ DEFAULT_RECENT = 0  # no recent window: the paper's pure keep-low
 DEFAULT_KEEP = "low"
 DEFAULT_LAYOUT = "slots"
 
-# The caches evict through the order tree (docs/spec.md §4 step 4, §8) from
-# this budget on, and only without a recent window. Measured by
-# bench/order_tree.py (bench/results/order-tree-cpu.json): without a window
-# the tree's decode step takes 0.96x-1.01x of ranking every row at 1024,
-# 0.92x (32 heads) to 0.99x (8 heads) at 2048 and 0.48x-0.93x from 4096 on;
-# with a window of half the budget each step also updates the leaving row's
-# random path in both halves, 0.92x-1.04x below 4096. These are the CPU
-# kernel's figures: on Metal the step rebuilds the tree in a dispatch of its
-# own (a given tree is not read), a cost no Mac has measured.
+# The caches evict through the order tree (docs/spec.md §4 step 4, §8) in
+# the slot layout from these budgets on, without a recent window and with
+# one. Measured by bench/order_tree.py (bench/results/order-tree-cpu.json):
+# without a window the tree's decode step takes 0.96x-1.01x of ranking every
+# row at 1024, 0.92x (32 heads) to 0.99x (8 heads) at 2048 and 0.48x-0.93x
+# from 4096 on; with a window of half the budget each step also updates the
+# leaving row's path in both halves: 1.03x-1.04x at 1024, 0.92x-1.01x at
+# 2048, 0.56x-0.94x from 4096 on. These are the CPU kernel's figures. On a
+# GPU no step reads a given tree (the Metal kernel and the fallback build it
+# over every output, spec §10): a tree there would cost a dispatch a step
+# and buy nothing, so GPU caches keep none (nor do caches stepping through
+# the Metal emulator, cache.order_tree_argument).
 ORDER_TREE_MIN_BUDGET = 2048
+ORDER_TREE_MIN_BUDGET_WITH_WINDOW = 4096
 
 
-def uses_order_tree(layout: str, budget: int, recent: int) -> bool:
-    """Whether a cache of this configuration keeps the order tree."""
-    return layout == "slots" and recent == 0 and budget >= ORDER_TREE_MIN_BUDGET
+def uses_order_tree(layout: str, budget: int, recent: int,
+                    device: mx.Device | mx.DeviceType | None = None) -> bool:
+    """Whether a cache of this configuration keeps the order tree when its
+    step runs on ``device`` (the default device when None): on the CPU only."""
+    if device is None:
+        device = mx.default_device()
+    on_cpu = (device.type if isinstance(device, mx.Device) else device) == mx.DeviceType.cpu
+    least = ORDER_TREE_MIN_BUDGET if recent == 0 else ORDER_TREE_MIN_BUDGET_WITH_WINDOW
+    return layout == "slots" and budget >= least and on_cpu
 
 
 # make_knorm_cache's recent window when none is given, as a share of the
