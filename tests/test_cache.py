@@ -46,7 +46,7 @@ def check_accounting(cache: L2NormKVCache, batch: int, seen: int, budget: int) -
     assert cache.full_seq_bytes == batch * KV_HEADS * seen * HEAD_DIM * 4
     assert cache.compression_ratio == seen / kept
     tree = cache.order_tree
-    assert (tree is None) == (not uses_order_tree(cache.layout, cache.budget, cache.recent))
+    assert (tree is None) == (order_tree_argument(cache.layout, cache.budget, cache.recent, None) is False)
     assert cache.nbytes == sum(b.nbytes for b in buffers(cache)) + (0 if tree is None else tree.nbytes)
     capacity = cache.keys.shape[2]
     assert [b.shape[:3] for b in buffers(cache)] == [(batch, KV_HEADS, capacity)] * 4
@@ -458,6 +458,7 @@ def test_the_order_tree_is_kept_on_the_cpu_alone():
     budget = ORDER_TREE_MIN_BUDGET
     assert uses_order_tree("slots", budget, 0, mx.cpu)
     assert not uses_order_tree("slots", budget, 0, mx.gpu)
+    assert uses_order_tree("slots", budget, 0, mx.default_stream(mx.cpu))
     assert not uses_order_tree("slots", budget - 1, 0, mx.cpu)
     assert not uses_order_tree("slots", budget, 1, mx.cpu)
     assert uses_order_tree("slots", ORDER_TREE_MIN_BUDGET_WITH_WINDOW, 1, mx.cpu)

@@ -133,6 +133,34 @@ def test_evict_and_fill_order_tree_without_window_keeps_the_constant_window_half
         assert tree[:, 1, 1:].tolist() == [lowest[1:]] * 3
 
 
+def test_evict_and_fill_order_tree_without_window_follows_a_stored_position_past_the_offset():
+    """recent = 0, yet a stored row whose position lies past the offset (a
+    direct call's buffers) is in the window until the offset reaches it:
+    the step through the tree then updates both halves, as the spec's tree
+    and ranking every row say."""
+    budget = 8
+    config = dict(budget=budget, n_sink=0, recent=0, keep="low", layout="slots")
+    first_norms = [1.0, 1.1, 1.2, 1.3, 1.4, 9.0, 1.5, 1.6, 0.0]
+    first_positions = [0, 1, 2, 3, 4, 12, 5, 6, 0]
+
+    def run(backend, chain_tree):
+        rows = mx.array(np.array([[[v, 0.0] for v in first_norms]], np.float16))
+        state = [rows, rows, mx.array([first_norms], mx.float32), mx.array([first_positions], mx.int32)]
+        filled, offset, tree, steps = budget, budget - 1, True, []
+        with mlx_knorm.use_backend(backend):
+            for step in range(9):
+                new = mx.array(np.full((1, 1, 2), 0.5 + 0.01 * step, np.float16))
+                *state, tree = mlx_knorm.evict_and_fill(
+                    *state, new, new, filled=filled, offset=offset, capacity=budget + 1,
+                    tree=tree if chain_tree else True, **config)
+                filled, offset = min(filled, budget) + 1, offset + 1
+                mx.eval(state, tree)
+                steps.append((np.array(state[3][0, :filled]).tolist(), np.array(tree).tolist()))
+        return steps
+
+    assert run("kernel", True) == run("fallback", False)
+
+
 def _descends(leaf: int, node: int) -> bool:
     while leaf > node:
         leaf //= 2

@@ -413,10 +413,15 @@ bool decode_with_tree(
   if ((evicts && (evicted < 0 || evicted >= filled)) || oldest < 0 || oldest >= slots) {
     return false;
   }
-  // Without a recent window no row is ever in it: every node of the window
-  // half holds the lowest slot below it whatever the rows, so the given
-  // half is already the output's and only its stamp changes.
-  const bool windowed = config.selection.recent > 0;
+  const auto* norms = reinterpret_cast<const float*>(b.norms().in) + n * b.in_slots;
+  const auto* positions = reinterpret_cast<const int32_t*>(b.positions().in) + n * b.in_slots;
+  const OrderTreeKeys now{norms, positions, filled, b.rank(config, n)};
+  // Without a recent window only a stored position at or past the offset
+  // (a direct call's buffers) is in the window, and then the window half's
+  // winner is. Otherwise no row is, nor will the new one be: every node of
+  // that half holds the lowest slot below it whatever the rows, so the
+  // given half is already the output's and only its stamp changes.
+  const bool windowed = config.selection.recent > 0 || now.in_window(oldest);
   // The nodes updated below, while the rows move (measured 0.84-0.99x of
   // the step without at budgets 512-8192).
   for (int h = 0; h < (windowed ? 2 : 1); ++h) {
@@ -429,9 +434,6 @@ bool decode_with_tree(
   if (given != eviction) {
     std::memcpy(eviction, given, stride * sizeof(int32_t));
   }
-  const auto* norms = reinterpret_cast<const float*>(b.norms().in) + n * b.in_slots;
-  const auto* positions = reinterpret_cast<const int32_t*>(b.positions().in) + n * b.in_slots;
-  const OrderTreeKeys now{norms, positions, filled, b.rank(config, n)};
   const EvictionRank next = b.next_rank(config, n);
   std::array<int32_t, kMaxLeaving> leaving{};
   int n_leaving = 0;

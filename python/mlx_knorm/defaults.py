@@ -32,11 +32,14 @@ ORDER_TREE_MIN_BUDGET_WITH_WINDOW = 4096
 
 
 def uses_order_tree(layout: str, budget: int, recent: int,
-                    device: mx.Device | mx.DeviceType | None = None) -> bool:
+                    device: mx.Stream | mx.Device | mx.DeviceType | None = None) -> bool:
     """Whether a cache of this configuration keeps the order tree when its
-    step runs on ``device`` (the default device when None): on the CPU only."""
+    step runs on ``device`` (a stream, device or device type; the default
+    device when None): on the CPU only."""
     if device is None:
         device = mx.default_device()
+    if isinstance(device, mx.Stream):
+        device = device.device
     on_cpu = (device.type if isinstance(device, mx.Device) else device) == mx.DeviceType.cpu
     least = ORDER_TREE_MIN_BUDGET if recent == 0 else ORDER_TREE_MIN_BUDGET_WITH_WINDOW
     return layout == "slots" and budget >= least and on_cpu

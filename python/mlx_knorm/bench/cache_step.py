@@ -107,7 +107,8 @@ def stored_arrays(cache) -> list[mx.array]:
     besides the attended keys and values (a quantized cache's keys and
     values are each a tuple of arrays)."""
     if isinstance(cache, L2NormCacheBase):
-        return [cache.keys, cache.values, cache.norms, cache.slot_positions]
+        tree = [] if cache.order_tree is None else [cache.order_tree]
+        return [cache.keys, cache.values, cache.norms, cache.slot_positions, *tree]
     reference = reference_cache_class()
     if reference is not None and isinstance(cache, reference):
         return [cache._keys, cache._values, cache._norms, cache._positions]
