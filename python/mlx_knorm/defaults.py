@@ -36,13 +36,15 @@ def uses_order_tree(layout: str, budget: int, recent: int,
     """Whether a cache of this configuration keeps the order tree when its
     step runs on ``device`` (a stream, device or device type; the default
     device when None): on the CPU only."""
+    least = ORDER_TREE_MIN_BUDGET if recent == 0 else ORDER_TREE_MIN_BUDGET_WITH_WINDOW
+    if layout != "slots" or budget < least:
+        return False
+    # Asked on every decode step: the device only where the configuration gains.
     if device is None:
         device = mx.default_device()
     if isinstance(device, mx.Stream):
         device = device.device
-    on_cpu = (device.type if isinstance(device, mx.Device) else device) == mx.DeviceType.cpu
-    least = ORDER_TREE_MIN_BUDGET if recent == 0 else ORDER_TREE_MIN_BUDGET_WITH_WINDOW
-    return layout == "slots" and budget >= least and on_cpu
+    return (device.type if isinstance(device, mx.Device) else device) == mx.DeviceType.cpu
 
 
 # make_knorm_cache's recent window when none is given, as a share of the
