@@ -320,6 +320,45 @@ inline void knorm_move_row(KnormEvictBuffers b, uint src, uint dst, uint lane) {
   }
 }
 
+// Rows movers[m] -> holes[h] of every input to its output, for the `pairs`
+// queue entries from mover_head and hole_head on, by the whole threadgroup:
+// the SIMD groups take pairs in turn, each payload's rows several at once
+// where they are narrower than the lanes (knorm_row_lanes); norms and
+// positions one pair a thread. Holes and movers are distinct slots, so the
+// pairs move in any order; the bits move as they are.
+inline void knorm_move_pairs(
+    KnormEvictBuffers b,
+    threadgroup const uint* movers,
+    uint mover_head,
+    threadgroup const uint* holes,
+    uint hole_head,
+    uint pairs,
+    uint tid,
+    uint lane,
+    uint simd_group) {
+  for (uint i = 0; i < kEvictMaxPayloads; ++i) {
+    if (i < b.payloads) {
+      const ulong bytes = b.row_bytes[i];
+      const KnormRowLanes lanes = knorm_row_lanes(b.row_bytes[i] / b.row_unit[i], lane);
+      const uint stride = kEvictSimdGroups * lanes.rows;
+      for (uint p = simd_group * lanes.rows + lanes.row; lanes.row < lanes.rows && p < pairs;
+           p += stride) {
+        const uint src = movers[(mover_head + p) % kEvictQueue];
+        const uint dst = holes[(hole_head + p) % kEvictQueue];
+        knorm_copy_bytes(b.rows[i] + src * bytes, b.out_rows[i] + dst * bytes, b.row_bytes[i],
+                         b.row_unit[i], lanes.first, lanes.stride);
+      }
+    }
+  }
+  for (uint p = tid; p < pairs; p += kEvictGroupSize) {
+    const uint src = movers[(mover_head + p) % kEvictQueue];
+    const uint dst = holes[(hole_head + p) % kEvictQueue];
+    // Norms move as bits (docs/spec.md section 5): a signalling NaN stays one.
+    ((device uint*)b.out_norms)[dst] = ((device const uint*)b.norms)[src];
+    b.out_positions[dst] = b.positions[src];
+  }
+}
+
 // The buffers of head `head`, from those of the whole batch (`batch`: the
 // bindings, as bound) and the step's constants.
 inline KnormEvictBuffers knorm_evict_buffers_of_head(
@@ -468,10 +507,7 @@ inline void knorm_fill_holes(
     if (pairs == 0 && !scan_holes && !scan_movers) {
       break;
     }
-    for (uint p = simd_group; p < pairs; p += kEvictSimdGroups) {
-      knorm_move_row(
-          b, movers[(mover_head + p) % kEvictQueue], holes[(hole_head + p) % kEvictQueue], lane);
-    }
+    knorm_move_pairs(b, movers, mover_head, holes, hole_head, pairs, tid, lane, simd_group);
     hole_head += pairs;
     mover_head += pairs;
     // The entries are read before they are reused.

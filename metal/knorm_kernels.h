@@ -230,6 +230,25 @@ inline void knorm_copy_bits(
                    count * Index(sizeof(T)), unit, first, stride);
 }
 
+// How the lanes of one SIMD group share rows of `units` units
+// (knorm_copy_bytes): a row of fewer than kSimdWidth units takes only as
+// many lanes, and the group copies kSimdWidth / units such rows at once (at
+// D = 128 float16 rows are 16 16-byte units: two rows, no lane idle); a
+// longer row takes the whole group. A lane with row >= rows idles. The
+// division runs once a call, not once a row.
+struct KnormRowLanes {
+  uint rows;    // rows the SIMD group copies at once, >= 1
+  uint row;     // this lane's row among them
+  uint first;   // this lane's first unit of its row
+  uint stride;  // lanes on one row
+};
+
+inline KnormRowLanes knorm_row_lanes(uint units, uint lane) {
+  const uint per_row = units == 0 || units > kSimdWidth ? kSimdWidth : units;
+  KnormRowLanes lanes = {kSimdWidth / per_row, lane / per_row, lane % per_row, per_row};
+  return lanes;
+}
+
 // Bytes each thread holds in one wave of an in-place compaction
 // (knorm_move_rows).
 constant constexpr uint kWaveBytes = 64;

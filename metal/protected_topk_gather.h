@@ -113,11 +113,13 @@ inline void knorm_compact(
 }
 
 // Copies the output rows [begin, end) of one head's keys or values (which
-// may differ in width) from the rows their indices name: one SIMD group per
-// output row, lanes on consecutive units of `unit` bytes (knorm_copy_bits)
-// so that loads and stores coalesce; the bits move as they are. With
-// skip_prior (the output is its prior's buffer, compacted in place) rows
-// from the prior are already there and only new rows are written.
+// may differ in width) from the rows their indices name: the SIMD groups
+// take output rows in turn, each several at once where rows are narrower
+// than its lanes (knorm_row_lanes), lanes on consecutive units of `unit`
+// bytes (knorm_copy_bits) so that loads and stores coalesce; the bits move
+// as they are. With skip_prior (the output is its prior's buffer,
+// compacted in place) rows from the prior are already there and only new
+// rows are written.
 template <typename T>
 inline void knorm_copy_rows(
     uint head_index,
@@ -137,16 +139,21 @@ inline void knorm_copy_rows(
     uint simd_group) {
   device const T* prior_rows = prior + ulong(head_index) * n_prior * dim;
   device const T* new_rows = fresh + ulong(head_index) * n_new * dim;
-  device T* dst = out + (ulong(head_index) * kept + begin + simd_group) * dim;
-  const ulong dst_step = ulong(kGatherSimdGroups) * dim;
-  for (uint p = begin + simd_group; p < end; p += kGatherSimdGroups, dst += dst_step) {
+  device T* head_rows = out + ulong(head_index) * kept * dim;
+  const KnormRowLanes lanes = knorm_row_lanes(dim * uint(sizeof(T)) / unit, lane);
+  if (lanes.row >= lanes.rows) {
+    return;
+  }
+  // end < 2^31 (docs/spec.md section 5): p never wraps.
+  const uint stride = kGatherSimdGroups * lanes.rows;
+  for (uint p = begin + simd_group * lanes.rows + lanes.row; p < end; p += stride) {
     const uint j = row_indices[p];
     if (j < n_prior && skip_prior) {
       continue;
     }
     device const T* src = j < n_prior ? prior_rows + ulong(j) * dim
                                       : new_rows + ulong(j - n_prior) * dim;
-    knorm_copy_bits(src, dst, dim, unit, lane, kSimdWidth);
+    knorm_copy_bits(src, head_rows + ulong(p) * dim, dim, unit, lanes.first, lanes.stride);
   }
 }
 

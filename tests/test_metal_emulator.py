@@ -176,9 +176,11 @@ def at_offset(a: mx.array, elements: int) -> mx.array:
 
 # Rows of 16-byte multiples, of 8-byte multiples and neither; each array
 # shifted by 0, 2, 4 or 8 elements: the plans move rows in 16-byte, 8-byte
-# or element units, and the emulator aborts on a misaligned vector.
+# or element units, and the emulator aborts on a misaligned vector. Rows of
+# 3, 8 and 16 units share a SIMD group's lanes with others (knorm_row_lanes),
+# 25 units leave lanes idle, 33 take each lane twice.
 ROW_WIDTHS = [("float16", 64), ("float16", 12), ("float16", 3), ("bfloat16", 8),
-              ("float32", 4), ("float32", 6), ("float32", 33)]
+              ("float32", 4), ("float32", 6), ("float32", 33), ("bfloat16", 128), ("float16", 200)]
 
 
 @pytest.mark.parametrize("dtype, dim", ROW_WIDTHS)

@@ -123,12 +123,26 @@ BROKEN_KERNELS = (
         {"address": ("heap-buffer-overflow", "knorm_fill_new_rows")},
     ),
     # The payload loop of a row move stopping one payload short: the last
-    # payload of a moved row (a quantized cache's value biases) stays behind.
+    # payload of a moved row (a quantized cache's value biases) stays behind,
+    # in the decode step's one row (knorm_move_row) and in the pairs of a
+    # step evicting many (knorm_move_pairs).
     BrokenKernel(
         "last_payload_skipped",
         (("evict_and_fill.h",
-          "    if (i < b.payloads) {\n      const ulong bytes = b.row_bytes[i];\n",
-          "    if (i + 1 < b.payloads) {\n      const ulong bytes = b.row_bytes[i];\n"),),
+          "    if (i < b.payloads) {\n      const ulong bytes = b.row_bytes[i];\n"
+          "      knorm_copy_bytes(",
+          "    if (i + 1 < b.payloads) {\n      const ulong bytes = b.row_bytes[i];\n"
+          "      knorm_copy_bytes("),),
+        "run",
+        {"thread": ("MISMATCH: evict_and_fill case payloads output values[2]",)},
+    ),
+    BrokenKernel(
+        "last_payload_skipped_in_pairs",
+        (("evict_and_fill.h",
+          "    if (i < b.payloads) {\n      const ulong bytes = b.row_bytes[i];\n"
+          "      const KnormRowLanes",
+          "    if (i + 1 < b.payloads) {\n      const ulong bytes = b.row_bytes[i];\n"
+          "      const KnormRowLanes"),),
         "run",
         {"thread": ("MISMATCH: evict_and_fill case payloads output values[2]",)},
     ),
