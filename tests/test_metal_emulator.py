@@ -177,8 +177,8 @@ def at_offset(a: mx.array, elements: int) -> mx.array:
 # Rows of 16-byte multiples, of 8-byte multiples and neither; each array
 # shifted by 0, 2, 4 or 8 elements: the plans move rows in 16-byte, 8-byte
 # or element units, and the emulator aborts on a misaligned vector. Rows of
-# 3, 8 and 16 units share a SIMD group's lanes with others (knorm_row_lanes),
-# 25 units leave lanes idle, 33 take each lane twice.
+# 1, 3, 8 and 16 units share a SIMD group's lanes with others
+# (knorm_row_lanes), 25 units leave lanes idle, 33 take lane 0 twice.
 ROW_WIDTHS = [("float16", 64), ("float16", 12), ("float16", 3), ("bfloat16", 8),
               ("float32", 4), ("float32", 6), ("float32", 33), ("bfloat16", 128), ("float16", 200)]
 
@@ -209,6 +209,34 @@ def test_evict_and_fill_moves_rows_at_any_alignment(dtype, dim, shift, layout):
     native = _native.ext.evict_and_fill(*args, **config, stream=mx.cpu)
     emulated = _native.ext.evict_and_fill(*args, **config, emulate_metal=True, stream=mx.cpu)
     assert_slots_equal(emulated, native, 33)
+
+
+# Rows of 1, 3 and 16 units, enough of them that each SIMD group's lanes
+# take several passes of rows (knorm_row_lanes): 300 kept rows of a gather,
+# 300 pairs of a slot-layout step evicting 300 rows.
+PACKED_WIDTHS = [("float32", 4), ("float16", 3), ("bfloat16", 128)]
+
+
+@pytest.mark.parametrize("dtype, dim", PACKED_WIDTHS)
+def test_protected_topk_gather_copies_many_packed_rows(dtype, dim):
+    rng = np.random.default_rng(dim)
+    arrays = protected_topk_gather_arrays(rng, 2, 500, 100, dim, dim, key_palette="special",
+                                          value_palette="special", norm_palette="ties", dtypes=(dtype, dtype))
+    args = (*arrays, 300, 2, 3, "low")
+    for name, a, b in zip(("keys", "values", "norms", "indices"), *native_and_emulated("protected_topk_gather", *args)):
+        assert_bitwise_equal(b, a, name)
+
+
+@pytest.mark.parametrize("dtype, dim", PACKED_WIDTHS)
+def test_evict_and_fill_moves_many_packed_pairs(dtype, dim):
+    rng = np.random.default_rng(dim)
+    arrays = evict_and_fill_arrays(rng, 2, 600, 1, dim, dim, key_palette="special", value_palette="special",
+                                   norm_palette="ties", dtypes=(dtype, dtype))
+    config = dict(filled=600, offset=600, capacity=600, budget=300, n_sink=2, recent=3,
+                  keep="low", layout="slots")
+    native = _native.ext.evict_and_fill(*arrays, **config, stream=mx.cpu)
+    emulated = _native.ext.evict_and_fill(*arrays, **config, emulate_metal=True, stream=mx.cpu)
+    assert_slots_equal(emulated, native, 301)
 
 
 def test_evict_and_fill_rejects_key_widths_past_the_norm_kernel():
