@@ -303,6 +303,13 @@ inline void knorm_copy_kept_slots(KnormEvictBuffers b, uint begin, uint end, uin
   }
 }
 
+// Slot src's norm and position to slot dst of the outputs, by one thread.
+// Norms move as bits (docs/spec.md section 5): a signalling NaN stays one.
+inline void knorm_move_norm_and_position(KnormEvictBuffers b, uint src, uint dst) {
+  ((device uint*)b.out_norms)[dst] = ((device const uint*)b.norms)[src];
+  b.out_positions[dst] = b.positions[src];
+}
+
 // Row src of every input to row dst of its output, by the lanes of one SIMD
 // group; the bits move as they are.
 inline void knorm_move_row(KnormEvictBuffers b, uint src, uint dst, uint lane) {
@@ -314,9 +321,7 @@ inline void knorm_move_row(KnormEvictBuffers b, uint src, uint dst, uint lane) {
     }
   }
   if (lane == 0) {
-    // Norms move as bits (docs/spec.md section 5): a signalling NaN stays one.
-    ((device uint*)b.out_norms)[dst] = ((device const uint*)b.norms)[src];
-    b.out_positions[dst] = b.positions[src];
+    knorm_move_norm_and_position(b, src, dst);
   }
 }
 
@@ -353,9 +358,7 @@ inline void knorm_move_pairs(
   for (uint p = tid; p < pairs; p += kEvictGroupSize) {
     const uint src = movers[(mover_head + p) % kEvictQueue];
     const uint dst = holes[(hole_head + p) % kEvictQueue];
-    // Norms move as bits (docs/spec.md section 5): a signalling NaN stays one.
-    ((device uint*)b.out_norms)[dst] = ((device const uint*)b.norms)[src];
-    b.out_positions[dst] = b.positions[src];
+    knorm_move_norm_and_position(b, src, dst);
   }
 }
 
