@@ -212,8 +212,9 @@ def test_evict_and_fill_moves_rows_at_any_alignment(dtype, dim, shift, layout):
 
 
 # Rows of 1, 3 and 16 units, enough of them that each SIMD group's lanes
-# take several passes of rows (knorm_row_lanes): 300 kept rows of a gather,
-# 300 pairs of a slot-layout step evicting 300 rows.
+# take several passes of rows (knorm_row_lanes): 300 kept rows of a gather;
+# a slot-layout step evicting 300 of 600 rows, whose evicted slots below 300
+# (about half of them) are holes, each filled by a mover.
 PACKED_WIDTHS = [("float32", 4), ("float16", 3), ("bfloat16", 128)]
 
 
