@@ -76,14 +76,28 @@ def test_bad_jobs_are_named(shipped, kwargs, match):
 
 
 def _pid(model, tokenizer, task, bar):
-    import os
+    """This process's id, once ``task`` (a folder, a count) shows that many processes at work in the folder.
 
+    The wait makes the test independent of which worker is ready first: a
+    worker that finished every task before the other started would be
+    correct, but show nothing.
+    """
+    import os
+    import time
+    from pathlib import Path
+
+    folder, processes = task
+    if folder is not None:
+        Path(folder, str(os.getpid())).touch()
+        deadline = time.monotonic() + 120
+        while len(list(Path(folder).iterdir())) < processes and time.monotonic() < deadline:
+            time.sleep(0.01)
     return os.getpid()
 
 
-def test_tasks_run_in_as_many_other_processes_as_asked():
+def test_tasks_run_in_as_many_other_processes_as_asked(tmp_path):
     import os
 
-    pids = map_tasks(_pid, list(range(6)), jobs=2, bar=CountingBar(), model_spec=SPEC)
+    pids = map_tasks(_pid, [(str(tmp_path), 2)] * 6, jobs=2, bar=CountingBar(), model_spec=SPEC)
     assert os.getpid() not in pids and len(set(pids)) == 2
-    assert map_tasks(_pid, [0, 1], jobs=1, bar=CountingBar()) == [os.getpid()] * 2
+    assert map_tasks(_pid, [(None, 1)] * 2, jobs=1, bar=CountingBar()) == [os.getpid()] * 2

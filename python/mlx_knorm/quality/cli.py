@@ -171,7 +171,9 @@ def needle_command(args) -> int:
                     jobs=args.jobs, model_spec=model_spec(args.model, args), **needle_grid(args))
     timing = clock.stop()
     print(markdown_tables(grid))
-    print(f"{len(grid.trials)} trials, {grid.prefill_tokens:,} prompt tokens through the model in {clock.line()}")
+    print(f"{len(grid.trials)} trials, {grid.prefill_tokens:,} prompt tokens read by the caches "
+          f"({grid.replayed_tokens:,} of them replayed from the full cache's forward pass, which took "
+          f"{grid.recorded_tokens:,}) in {clock.line()}")
     if args.plot:
         plot(grid, args.plot, title=Path(args.model).name)
         print(f"plot: {args.plot}")

@@ -25,14 +25,20 @@ the caches at the chunk boundary before each needle. A trial copies that
 snapshot and hands ``generate_step`` the rest of its prompt: its chunks then
 start where the whole prompt's would, so the trial computes what
 ``generate_step`` computes on the whole prompt. The same keys are asked of
-every policy, so policies are compared on the same prompts.
+every policy, so policies are compared on the same prompts. Two more
+shares: a policy that holds the same rows per layer at two contexts (a
+quarter of 1024 is an eighth of 2048) builds the same cache at both, so one
+pass of the haystack serves both; and until a cache evicts, the model reads
+through it what it reads through the full cache, so those chunks are
+replayed from the full cache's forward pass (``replay.py``), checked exact
+chunk by chunk.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import re
+import weakref
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -44,6 +50,7 @@ from . import (HAYSTACKS, NEEDLE_BUDGET_FRACTIONS, NEEDLE_CONTEXTS, NEEDLE_DEPTH
 from .data import pydoc_topics
 from .policies import (FULL, NEEDLE_POLICIES, Policy, RandomEvictionCache, attention_layers, derived_key,
                        policy_cache)
+from .replay import Replay, copy_caches
 from .stats import wilson_interval
 from .workers import ModelSpec, check_jobs, map_tasks
 
@@ -171,32 +178,6 @@ def make_keys(rng: np.random.Generator, count: int) -> list[str]:
     return [str(k) for k in rng.integers(low, 10 * low, size=count)]
 
 
-def copy_caches(caches: list) -> list:
-    """Caches that continue from where ``caches`` are, without touching them.
-
-    Each array attribute gets its own handle: mlx-lm's caches write new rows
-    into their buffers by slice assignment, which rebinds the handle, so
-    shared handles would carry one trial's rows into the next. (MLX writes a
-    buffer in place only when nothing else holds it, so the copies never
-    write into the snapshot's memory.)
-    """
-    def own(value):
-        if isinstance(value, mx.array):
-            return mx.array(value)
-        if isinstance(value, (list, tuple)):
-            # A quantized cache's rows are (packed, scales, biases).
-            return type(value)(own(v) for v in value)
-        return value
-
-    copies = []
-    for cache in caches:
-        twin = copy.copy(cache)
-        for name, value in vars(cache).items():
-            setattr(twin, name, own(value))
-        copies.append(twin)
-    return copies
-
-
 def prefill(model, caches: list, tokens, step: int) -> None:
     """What ``generate_step``'s prefill does with a chunk: the model call, then ``mx.eval`` of the caches' state."""
     for first in range(0, len(tokens), step):
@@ -240,6 +221,8 @@ class Grid:
     config: dict
     trials: list = field(default_factory=list)
     prefill_tokens: int = 0
+    replayed_tokens: int = 0  # of prefill_tokens, chunks replayed from the full cache's forward (replay.py)
+    recorded_tokens: int = 0  # the full cache's forward passes that computed them, summed over processes
 
     def cells(self) -> list[dict]:
         """Accuracy with its 95% Wilson interval per (haystack, context, depth, policy, budget)."""
@@ -260,7 +243,8 @@ class Grid:
 
     def report(self) -> dict:
         return {**self.config, "interval": "95% Wilson score interval",
-                "prefill_tokens": self.prefill_tokens,
+                "prefill_tokens": self.prefill_tokens, "replayed_tokens": self.replayed_tokens,
+                "recorded_tokens": self.recorded_tokens,
                 "cells": self.cells(), "totals": self.totals(),
                 "trials": [vars(t) for t in self.trials]}
 
@@ -275,7 +259,8 @@ def _summary(labels: dict, outcomes: list[bool]) -> dict:
 def run_grid(model, tokenizer, haystacks=NEEDLE_HAYSTACKS, contexts=NEEDLE_CONTEXTS, depths=NEEDLE_DEPTHS,
              fractions=NEEDLE_BUDGET_FRACTIONS, policies=NEEDLE_POLICIES, keys: int = NEEDLE_KEYS, n_sink: int = 4,
              prefill_step_size: int = PREFILL_STEP_SIZE, seed: int = 0, full: bool = True,
-             progress: bool = False, jobs: int = 1, model_spec: ModelSpec | None = None) -> Grid:
+             progress: bool = False, jobs: int = 1, model_spec: ModelSpec | None = None,
+             replay: bool = True) -> Grid:
     """Every (haystack, context, depth, policy, budget fraction) with ``keys`` keys; the full cache once per depth.
 
     ``policies``: ``Policy`` objects or names (``policies.Policy.parse``).
@@ -284,7 +269,9 @@ def run_grid(model, tokenizer, haystacks=NEEDLE_HAYSTACKS, contexts=NEEDLE_CONTE
     budget's memory) is left out there. ``jobs > 1`` shares the (context,
     policy, budget) cuts among that many processes (``workers.map_tasks``),
     each loading ``model_spec`` (the model ``model`` is); the trials are
-    those of ``jobs=1``.
+    those of ``jobs=1``. ``replay``: a policy's cache takes the chunks it
+    has not yet evicted from from the full cache's forward pass where that is
+    exact (``replay.Replay``); the trials are those of ``replay=False``.
     """
     from tqdm import tqdm
 
@@ -300,6 +287,8 @@ def run_grid(model, tokenizer, haystacks=NEEDLE_HAYSTACKS, contexts=NEEDLE_CONTE
     for depth in depths:
         if not 0.0 <= depth <= 1.0:
             raise ValueError(f"depths must lie in [0, 1], got {depth!r}")
+    if not isinstance(replay, bool):
+        raise ValueError(f"replay must be a bool, got {replay!r}")
     max_tokens = KEY_DIGITS + 3
     config = {"haystacks": list(haystacks), "contexts": list(contexts), "depths": list(depths),
               "budget_fractions": list(fractions), "policies": [p.name for p in policies], "keys": keys,
@@ -307,34 +296,79 @@ def run_grid(model, tokenizer, haystacks=NEEDLE_HAYSTACKS, contexts=NEEDLE_CONTE
               "max_tokens": max_tokens}
     grid = Grid(config)
     rng = np.random.default_rng(seed)
-    plan = []  # (haystack, its token stream, context, prompts by depth, [(policy, fraction, budget)])
+    layers = attention_layers(model, n_sink)
+    plan = []  # (haystack, its token stream, context, prompts by depth, [(policy, fraction, budget, rows)])
     for name in haystacks:
         haystack = make_haystack(name, tokenizer, max(contexts))
         stream = haystack.intro + haystack.filler
         for context in contexts:
             prompts = {d: [build_prompt(haystack, tokenizer, context, d, k) for k in make_keys(rng, keys)]
                        for d in depths}
-            cuts = [(None, None, None)] if full else []
+            cuts = [(None, None, None, None)] if full else []
             for fraction in fractions:
                 budget = int(round(fraction * context))
                 for policy in policies:
-                    if policy.layer_budget(budget, context, attention_layers(model, n_sink), n_sink) is None:
+                    rows = policy.layer_budget(budget, context, layers, n_sink)
+                    if rows is None:
                         continue
                     policy_cache(model, policy, budget, context, n_sink)  # refuses what cannot run
-                    cuts.append((policy, fraction, budget))
+                    cuts.append((policy, fraction, budget, rows))
             plan.append((name, stream, context, prompts, cuts))
-    tasks = [(name, stream, context, prompts, *cut) for name, stream, context, prompts, cuts in plan
-             for cut in cuts]
+    # A policy at the same rows per layer builds the same cache at every context: one task reads the
+    # haystack once for all of them.
+    groups, slots = {}, 0
+    for name, stream, context, prompts, cuts in plan:
+        for policy, fraction, budget, rows in cuts:
+            _, members, chunks = groups.setdefault((name, policy, rows), (stream, [], [0]))
+            members.append(_Member(context, prompts, fraction, budget, slots))
+            chunks[0] = max(chunks[0], _replay_chunks((policy, fraction, budget, rows), cuts, prefill_step_size)
+                            if replay else 0)
+            slots += 1
+    tasks = [_Task(name, stream, policy, rows, tuple(members), chunks[0])
+             for (name, policy, rows), (stream, members, chunks) in groups.items()]
     # Progress in prompt tokens read: trials at long contexts cost more.
-    costs = [_tokens_to_read(prompts, prefill_step_size) for _, _, _, prompts, *_ in tasks]
+    costs = [_tokens_to_read([m.prompts for m in task.members], prefill_step_size) for task in tasks]
     bar = tqdm(total=sum(costs), desc="needle", unit="token", unit_scale=True, disable=not progress)
     run_cut = functools.partial(_run_cut, n_sink=n_sink, step=prefill_step_size, seed=seed, max_tokens=max_tokens)
-    for trials, tokens in map_tasks(run_cut, tasks, jobs=jobs, bar=bar, model=model, tokenizer=tokenizer,
-                                    model_spec=model_spec, costs=costs):
-        grid.trials += trials
-        grid.prefill_tokens += tokens
-    bar.close()
+    by_slot = [None] * slots
+    try:
+        for task, (trials, counts) in zip(tasks, map_tasks(run_cut, tasks, jobs=jobs, bar=bar, model=model,
+                                                            tokenizer=tokenizer, model_spec=model_spec, costs=costs)):
+            for member, member_trials in zip(task.members, trials):
+                by_slot[member.slot] = member_trials
+            grid.prefill_tokens += counts["read"]
+            grid.replayed_tokens += counts["replayed"]
+            grid.recorded_tokens += counts["recorded"]
+    finally:
+        _replays.clear()  # this process's records (in workers they go with the process)
+        bar.close()
+    grid.trials = [t for member_trials in by_slot for t in member_trials]
     return grid
+
+
+def _replay_chunks(cut, cuts, step: int) -> int:
+    """Chunks of a prompt that ``cut`` may take from the full cache's forward: those a cache of its rows
+    can hold whole (``rows // step + 1``: the chunk after the last whole one still sees every row), and
+    for the full cache the most of any cut of its context, so that it records what they replay."""
+    def chunks(rows):
+        return rows // step + 1
+
+    policy, _, _, rows = cut
+    if policy is None:
+        return max((chunks(r) for p, _, _, r in cuts if p is not None and p.bits is None), default=0)
+    # A quantized cache is attended through another path: never replayed.
+    return 0 if policy.bits is not None else chunks(rows)
+
+
+_replays = {}  # in this process: the Replay of the model a grid runs, by prefill step
+
+
+def _replay_for(model, step: int) -> Replay:
+    entry = _replays.get(step)
+    if entry is None or entry[0]() is not model:
+        _replays.clear()  # records of one model at a time
+        entry = _replays[step] = (weakref.ref(model), Replay(model, step))
+    return entry[1]
 
 
 def _snapshot_at(group, step: int) -> int:
@@ -342,51 +376,98 @@ def _snapshot_at(group, step: int) -> int:
     return (min(p.needle_at for p in group) // step) * step
 
 
-def _tokens_to_read(prompts: dict, step: int) -> int:
-    """Prompt tokens one cut reads: the shared haystack once, then each trial's tail."""
-    at = {d: _snapshot_at(group, step) for d, group in prompts.items()}
-    return max(at.values()) + sum(len(p.tokens) - at[d] for d, group in prompts.items() for p in group)
+def _tokens_to_read(prompt_sets: list, step: int) -> int:
+    """Prompt tokens one task reads: the shared haystack once, then each trial's tail."""
+    at = [(_snapshot_at(group, step), group) for prompts in prompt_sets for group in prompts.values()]
+    return max(a for a, _ in at) + sum(len(p.tokens) - a for a, group in at for p in group)
 
 
-def _run_cut(model, tokenizer, task, bar, *, n_sink, step, seed, max_tokens) -> tuple[list, int]:
-    """``(trials, prompt tokens read)`` of one policy at one budget: the shared haystack once, then each trial's tail.
+@dataclass(frozen=True)
+class _Member:
+    """One (context, budget) of a task: its prompts by depth, and its place among the grid's cuts."""
 
-    ``task``: ``(haystack name, its token stream, context, prompts by depth,
-    policy, budget fraction, budget)``, the policy ``None`` for the full cache.
+    context: int
+    prompts: dict
+    fraction: float | None
+    budget: int | None
+    slot: int
 
-    Every prompt starts with ``stream`` (intro + filler) up to its needle,
-    whatever its key or depth: the tokens up to the last chunk boundary
-    before each needle are read once.
+
+@dataclass(frozen=True)
+class _Task:
+    """A policy at ``rows`` per compressed layer (the full cache: ``None``) on one haystack, at every
+    (context, budget) where it holds those rows: they build the same cache."""
+
+    haystack: str
+    stream: tuple
+    policy: Policy | None
+    rows: int | None
+    members: tuple
+    replay_chunks: int
+
+
+def _run_cut(model, tokenizer, task: _Task, bar, *, n_sink, step, seed, max_tokens) -> tuple[list, dict]:
+    """``(trials per member, token counts)`` of one task: the shared haystack once, then each trial's tail.
+
+    Every prompt starts with the haystack's stream (intro + filler) up to
+    its needle, whatever its context, key or depth: the tokens up to the
+    last chunk boundary before each needle are read once. The first
+    ``task.replay_chunks`` chunks of the haystack and of each trial's prompt
+    are replayed from the full cache's forward pass where exact
+    (``replay.Replay``), until the cache has evicted.
     """
-    name, stream, context, prompts, policy, fraction, budget = task
-    snapshot_at = {d: _snapshot_at(group, step) for d, group in prompts.items()}
-    caches = policy_cache(model, policy, budget or context, context, n_sink, seed)
-    snapshots, done, read = {}, 0, 0
-    for d in sorted(snapshot_at, key=snapshot_at.get):
-        stop = snapshot_at[d]
-        prefill(model, caches, stream[done:stop], step)
-        read += stop - done
-        bar.update(stop - done)
-        done = stop
-        snapshots[d] = copy_caches(caches)
+    stream, policy, chunks_to_replay = task.stream, task.policy, task.replay_chunks
+    replay = _replay_for(model, step) if chunks_to_replay else None
+    records = replay.records if replay is not None else None
+    recorded = records.computed_tokens if records is not None else 0
+    counts = {"read": 0, "replayed": 0}
+
+    def replayed(caches, tokens, start: int, stop: int) -> int:
+        """Replays whole chunks of ``tokens`` from ``start`` (a chunk boundary) into ``caches`` while exact,
+        up to ``stop``; where they end."""
+        while (replay is not None and start + step <= stop and start // step < chunks_to_replay
+               and replay.chunk(caches, tokens, start // step)):
+            start += step
+            counts["replayed"] += step
+        return start
+
+    snapshot_at = {(i, d): _snapshot_at(group, step)
+                   for i, member in enumerate(task.members) for d, group in member.prompts.items()}
+    first = task.members[0]
+    caches = policy_cache(model, policy, first.budget or first.context, first.context, n_sink, seed)
+    snapshots, done = {}, 0
+    for at in sorted(set(snapshot_at.values())):
+        start = replayed(caches, stream, done, at)
+        prefill(model, caches, stream[start:at], step)
+        counts["read"] += at - done
+        bar.update(at - done)
+        done = at
+        snapshots[at] = copy_caches(caches)
     del caches
     trials = []
-    for depth, group in prompts.items():
-        for index, prompt in enumerate(group):
-            assert prompt.tokens[: snapshot_at[depth]] == stream[: snapshot_at[depth]]
-            caches = copy_caches(snapshots[depth])
-            for layer, cache in enumerate(caches):
-                if isinstance(cache, RandomEvictionCache):
-                    # Each trial draws its own evictions from the snapshot on.
-                    cache.reseed(derived_key(seed, context, round(depth * 10**6), index, layer))
-            tail = prompt.tokens[snapshot_at[depth]:]
-            read += len(tail)
-            text = answer(model, tokenizer, tail, caches, step, max_tokens)
-            trials.append(Trial(name, context, depth, prompt.needle_at, len(prompt.tokens),
-                                FULL if policy is None else policy.name,
-                                fraction, budget, prompt.key, text, is_correct(text, prompt.key)))
-            bar.update(len(tail))
-    return trials, read
+    for i, member in enumerate(task.members):
+        member_trials = []
+        for depth, group in member.prompts.items():
+            at = snapshot_at[(i, depth)]
+            for index, prompt in enumerate(group):
+                assert prompt.tokens[:at] == stream[:at]
+                caches = copy_caches(snapshots[at])
+                for layer, cache in enumerate(caches):
+                    if isinstance(cache, RandomEvictionCache):
+                        # Each trial draws its own evictions from the snapshot on.
+                        cache.reseed(derived_key(seed, member.context, round(depth * 10**6), index, layer))
+                # Whole chunks before the last token: generate_step's prefill would run them as chunks.
+                start = replayed(caches, prompt.tokens, at, len(prompt.tokens) - 1)
+                counts["read"] += len(prompt.tokens) - at
+                text = answer(model, tokenizer, prompt.tokens[start:], caches, step, max_tokens)
+                member_trials.append(Trial(task.haystack, member.context, depth, prompt.needle_at,
+                                           len(prompt.tokens), FULL if policy is None else policy.name,
+                                           member.fraction, member.budget, prompt.key, text,
+                                           is_correct(text, prompt.key)))
+                bar.update(len(prompt.tokens) - at)
+        trials.append(member_trials)
+    counts["recorded"] = records.computed_tokens - recorded if records is not None else 0
+    return trials, counts
 
 
 def markdown_tables(grid: Grid) -> str:
