@@ -130,7 +130,7 @@ def test_the_grid_runs_every_policy_through_its_real_cache_and_writes_json_and_a
             "--budgets", "0.25", "--keys", "2", "--prefill-step-size", "64", "--json", str(out), "--plot", str(png)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "**passkey**" in printed and "**prose**" in printed and "prompt tokens through the model" in printed
+    assert "**passkey**" in printed and "**prose**" in printed and "prompt tokens read by the caches" in printed
     report = json.loads(out.read_text())
     # Layers 0 and 1 of the 4 take the whole context, more than a quarter of the memory: no skip policies.
     ran = {"full", "keep-low", "keep-high", "window", "random", "keep-low+recent=1/4", "keep-low+recent=1/2"}

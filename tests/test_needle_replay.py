@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm import load
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from mlx_knorm.cache import EXACT_BLOCK
 from mlx_knorm.quality import MODEL_DIR
@@ -88,29 +88,63 @@ def test_a_block_small_enough_for_the_exact_segment_mask_is_not_replayed(shipped
 
 
 class _ReversedKVCache(KVCache):
-    """Holds every row, under the causal mask, but hands them back last first: not what the full cache hands."""
+    """Holds every row, under the causal mask, but hands back the keys (or
+    only the values) last first: not what the full cache hands."""
+
+    reverse_keys = True
 
     def update_and_fetch(self, keys, values):
         k, v = super().update_and_fetch(keys, values)
-        return k[..., ::-1, :], v[..., ::-1, :]
+        return (k[..., ::-1, :] if self.reverse_keys else k), v[..., ::-1, :]
 
 
-def test_a_chunk_the_model_would_read_otherwise_is_refused_and_changes_nothing(shipped):
+class _ReversedValuesKVCache(_ReversedKVCache):
+    reverse_keys = False
+
+
+@pytest.mark.parametrize("odd", [_ReversedKVCache, _ReversedValuesKVCache])
+def test_a_chunk_the_model_would_read_otherwise_is_refused_and_changes_nothing(shipped, odd):
     model, _ = shipped
     ids = _tokens(3 * STEP)
     replay = Replay(model, STEP)
     caches = policy_cache(model, None, BUDGET, CONTEXT)
     assert replay.chunk(caches, ids, 0)
-    caches[-1] = _ReversedKVCache()
+    caches[-1] = odd()
     held = list(caches)
     assert not replay.chunk(caches, ids, 1)  # the last layer holds no rows: size() says so
     for cache, (k, v) in zip(caches[-1:], replay.records.chunk(ids, 0)[-1:]):
-        cache.update_and_fetch(k, v)
+        cache.update_and_fetch(mx.array(k), mx.array(v))
     before = [[mx.array(a) for a in _arrays(c)] for c in caches]
-    assert not replay.chunk(caches, ids, 1)  # it holds them, but hands them back reversed
+    assert not replay.chunk(caches, ids, 1)  # it holds them, but hands some back reversed
     assert caches == held and replay.replayed_tokens == STEP
     for cache, saved in zip(caches, before):
         assert all(same_rows(a, b) for a, b in zip(_arrays(cache), saved, strict=True))
+
+
+def test_caches_at_another_offset_or_quantized_are_refused(shipped):
+    model, _ = shipped
+    ids = _tokens(2 * STEP)
+    replay = Replay(model, STEP)
+    shifted = policy_cache(model, None, BUDGET, CONTEXT)
+    for cache in shifted:
+        cache.offset = 5  # holds no rows, but RoPE would rotate from position 5
+    assert not replay.chunk(shifted, ids, 0)
+    quantized = [QuantizedKVCache(group_size=64, bits=4) for _ in policy_cache(model, None, BUDGET, CONTEXT)]
+    assert not replay.chunk(quantized, ids, 0) and replay.replayed_tokens == 0
+
+
+def test_a_cache_that_keeps_the_handed_rows_cannot_write_into_the_records(shipped):
+    """RotatingKVCache(max_size=STEP) keeps the first chunk's keys as its buffer, then writes the next
+    token into that buffer: into its own handle, not into the records."""
+    model, _ = shipped
+    ids = _tokens(2 * STEP)
+    replay = Replay(model, STEP)
+    before = [(mx.array(k) + 0, mx.array(v) + 0) for k, v in replay.records.chunk(ids, 0)]
+    caches = policy_cache(model, Policy("window"), STEP - 1, CONTEXT)
+    assert replay.chunk(caches, ids, 0)
+    mx.eval(model(mx.array(ids[STEP : STEP + 1])[None], cache=caches))
+    after = replay.records.chunk(ids, 0)
+    assert all(same_rows(a, b) and same_rows(c, d) for (a, c), (b, d) in zip(before, after))
 
 
 def test_models_whose_own_cache_is_not_kv_caches_never_replay():
@@ -135,6 +169,32 @@ def test_records_are_computed_once_and_dropped_oldest_first_past_their_bytes(shi
     assert small.records.computed_tokens == 4 * STEP
     with pytest.raises(ValueError, match=f"needs {3 * STEP} tokens"):
         replay.records.chunk(ids[:40], 2)
+
+
+def test_dropped_records_cost_one_forward_pass_each(shipped):
+    """With room for one chunk, asking for the last of ten computes each of them once, not each earlier
+    one again for every later one."""
+    model, _ = shipped
+    ids = _tokens(10 * STEP)
+    full = Replay(model, STEP).records.chunks(ids, 9)
+    one_chunk = sum(k.nbytes + v.nbytes for k, v in full[0])
+    small = Replay(model, STEP, max_bytes=one_chunk)
+    assert all(same_rows(a, b) for pair, other in zip(full[9], small.records.chunk(ids, 9))
+               for a, b in zip(pair, other))
+    assert small.records.computed_tokens == 10 * STEP
+    # Asked again: chunk 9 is dropped when chunk 0 is computed again, so all ten are, once each.
+    small.records.chunks(ids, 9)
+    assert small.records.computed_tokens == 20 * STEP
+
+
+def test_records_of_equal_chunks_after_other_prefixes_are_their_own(shipped):
+    model, _ = shipped
+    first, second = _tokens(2 * STEP, seed=3), _tokens(2 * STEP, seed=4)
+    second[STEP:] = first[STEP:]
+    records = Replay(model, STEP).records
+    a, b = records.chunk(first, 1), records.chunk(second, 1)
+    assert records.computed_tokens == 4 * STEP
+    assert not all(same_rows(x, y) for pair, other in zip(a, b) for x, y in zip(pair, other))
 
 
 @pytest.mark.parametrize("policy", [None, "keep-low", "window", "keep-low+recent=1/2", "keep-low+skip=0"])
@@ -186,3 +246,23 @@ def test_the_grid_gives_the_same_trials_with_and_without_replay(shipped):
     assert computed.replayed_tokens == computed.recorded_tokens == 0 < replayed.replayed_tokens
     with pytest.raises(ValueError, match="replay must be a bool"):
         run_grid(model, tokenizer, replay=1, **kwargs)
+
+
+def test_a_prompt_of_whole_chunks_leaves_its_last_token_to_the_model(shipped):
+    """A trial's prompt whose tail after the snapshot is whole chunks: the last token is the model's to
+    read (generate_step's prefill stops one short), so the last whole chunk is not replayed."""
+    model, tokenizer = shipped
+    haystack = make_haystack("passkey", tokenizer, 400)
+    key = make_keys(np.random.default_rng(0), 1)[0]  # the key run_grid draws for depth 0 at seed 0
+
+    def length(context):
+        return len(build_prompt(haystack, tokenizer, context, 0.0, key).tokens)
+
+    # A step above EXACT_BLOCK dividing the prompt (the snapshot is at a chunk boundary).
+    context, step = next((c, s) for c in range(300, 400) for s in range(EXACT_BLOCK + 1, length(c) // 2)
+                         if length(c) % s == 0)
+    kwargs = dict(haystacks=("passkey",), contexts=(context,), depths=(0.0,), fractions=(0.99,),
+                  policies=["keep-low", "window"], keys=1, prefill_step_size=step)
+    replayed = run_grid(model, tokenizer, **kwargs)
+    assert replayed.replayed_tokens > 0
+    assert replayed.trials == run_grid(model, tokenizer, replay=False, **kwargs).trials

@@ -704,28 +704,38 @@ def _model_cache(model: nn.Module) -> list:
     return [KVCache() for _ in model.layers]
 
 
+def mask_requests(model: nn.Module, probe: list | None = None) -> list[tuple[int, bool, int | None]]:
+    """``(layer, return_array, window_size)`` of every mask the model asks
+    the plain ``KVCache`` layers of its cache for, in the order asked.
+
+    Found by building, never evaluating, one 2-token forward pass over
+    ``probe`` (the model's own cache when None, a throwaway), whose plain
+    ``KVCache`` layers record the requests.
+    """
+    asked = []
+    probe = _model_cache(model) if probe is None else probe
+    for index, cache in enumerate(probe):
+        if type(cache) is KVCache:
+
+            def make_mask(N, return_array=False, window_size=None, _index=index, _cache=cache):
+                asked.append((_index, return_array, window_size))
+                return KVCache.make_mask(_cache, N, return_array=return_array, window_size=window_size)
+
+            cache.make_mask = make_mask
+    model(mx.zeros((1, 2), mx.int32), cache=probe)
+    return asked
+
+
 def _array_mask_sources(model: nn.Module) -> list[int]:
     """The layers whose plain KVCache the model asks for an array mask.
 
     mlx-lm models build a mask from one layer's cache and hand it to every
     layer. A ``"causal"`` mask adapts to each layer's own row count; an array
     mask (``return_array=True``, or any ``window_size``) has the row count of
-    the cache it came from. Found by building, never evaluating, one 2-token
-    forward pass over a throwaway cache that records the requests.
+    the cache it came from.
     """
-    asked = set()
-    probe = _model_cache(model)
-    for index, cache in enumerate(probe):
-        if type(cache) is KVCache:
-
-            def make_mask(N, return_array=False, window_size=None, _index=index, _cache=cache):
-                if return_array or window_size is not None:
-                    asked.add(_index)
-                return KVCache.make_mask(_cache, N, return_array=return_array, window_size=window_size)
-
-            cache.make_mask = make_mask
-    model(mx.zeros((1, 2), mx.int32), cache=probe)
-    return sorted(asked)
+    return sorted({layer for layer, return_array, window_size in mask_requests(model)
+                   if return_array or window_size is not None})
 
 
 def make_knorm_cache(

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import re
-import weakref
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -266,12 +265,15 @@ def run_grid(model, tokenizer, haystacks=NEEDLE_HAYSTACKS, contexts=NEEDLE_CONTE
     ``policies``: ``Policy`` objects or names (``policies.Policy.parse``).
     The keys of a (haystack, context, depth) are the same for every policy.
     A policy with no room at a budget (its skipped layers take more than the
-    budget's memory) is left out there. ``jobs > 1`` shares the (context,
-    policy, budget) cuts among that many processes (``workers.map_tasks``),
-    each loading ``model_spec`` (the model ``model`` is); the trials are
-    those of ``jobs=1``. ``replay``: a policy's cache takes the chunks it
-    has not yet evicted from from the full cache's forward pass where that is
-    exact (``replay.Replay``); the trials are those of ``replay=False``.
+    budget's memory) is left out there. The grid runs as tasks, each a policy
+    at one number of rows per layer on one haystack, at every (context,
+    budget) where the policy holds those rows (they build the same cache);
+    ``jobs > 1`` shares the tasks among that many processes
+    (``workers.map_tasks``), each loading ``model_spec`` (the model
+    ``model`` is); the trials are those of ``jobs=1``. ``replay``: a
+    policy's cache takes the chunks it has not yet evicted from from the
+    full cache's forward pass where that is exact (``replay.Replay``); the
+    trials are those of ``replay=False``.
     """
     from tqdm import tqdm
 
@@ -324,7 +326,7 @@ def run_grid(model, tokenizer, haystacks=NEEDLE_HAYSTACKS, contexts=NEEDLE_CONTE
             chunks[0] = max(chunks[0], _replay_chunks((policy, fraction, budget, rows), cuts, prefill_step_size)
                             if replay else 0)
             slots += 1
-    tasks = [_Task(name, stream, policy, rows, tuple(members), chunks[0])
+    tasks = [_Task(name, stream, policy, tuple(members), chunks[0])
              for (name, policy, rows), (stream, members, chunks) in groups.items()]
     # Progress in prompt tokens read: trials at long contexts cost more.
     costs = [_tokens_to_read([m.prompts for m in task.members], prefill_step_size) for task in tasks]
@@ -360,14 +362,14 @@ def _replay_chunks(cut, cuts, step: int) -> int:
     return 0 if policy.bits is not None else chunks(rows)
 
 
-_replays = {}  # in this process: the Replay of the model a grid runs, by prefill step
+_replays = {}  # in this process: (model, its Replay) of the grid running, by prefill step
 
 
 def _replay_for(model, step: int) -> Replay:
     entry = _replays.get(step)
-    if entry is None or entry[0]() is not model:
+    if entry is None or entry[0] is not model:
         _replays.clear()  # records of one model at a time
-        entry = _replays[step] = (weakref.ref(model), Replay(model, step))
+        entry = _replays[step] = (model, Replay(model, step))
     return entry[1]
 
 
@@ -401,7 +403,6 @@ class _Task:
     haystack: str
     stream: tuple
     policy: Policy | None
-    rows: int | None
     members: tuple
     replay_chunks: int
 

@@ -7,26 +7,31 @@ cache's, and the keys and values each layer hands its cache are the ones the
 full cache was handed. ``Replay`` computes those once per chunk of a token
 sequence (``FullCacheRecords``) and hands them to the policy's caches by
 ``update_and_fetch``, as the model would, without the model call: the needle
-grid's policies at a budget of ``b`` rows share the ``b / step + 1`` first
-chunks of the haystack and of every prompt whose needle comes early.
+grid's policies at a budget of ``b`` rows per layer share the first
+``b // step + 1`` chunks of the haystack and of every prompt whose needle
+comes early.
 
 A chunk is replayed only where that is exact, checked, not assumed: every
-layer's cache holds every earlier row (``size()``), is not quantized (mlx-lm
-attends through a quantized cache by another path), answers the model's own
-mask requests with ``"causal"``, and returns, bit for bit, the rows the full
-cache returns. Otherwise the caches are left as they were and the model
-runs. Only models whose own cache is a ``KVCache`` in every layer replay
-(the llama and qwen families); for the others the model always runs.
+layer's cache is at the chunk's start (``offset``) and holds every earlier
+row (``size()``), is not quantized (mlx-lm attends through a quantized cache
+by another path), answers the model's own mask requests with ``"causal"``,
+and returns, bit for bit, the rows the full cache returns. Otherwise the
+caches are left as they were (a linked cache's mask plan aside, which the
+model's next ``make_mask`` sets again) and the model runs. Only models whose
+own cache is a ``KVCache`` in every layer, each called once per forward
+pass, replay (the llama and qwen families); for the others the model always
+runs.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import copy
+from collections import OrderedDict
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from ..cache import mask_requests as cache_mask_requests
 
 # Recorded chunks a process keeps, least recently used dropped first (a
 # dropped chunk is computed again if asked for).
@@ -68,27 +73,36 @@ def same_rows(a: mx.array, b: mx.array) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(_bits(a), _bits(b)).item()
 
 
+def _record_updates(caches: list) -> list[list]:
+    """Makes each cache of ``caches`` record the ``(keys, values)`` the model
+    hands it; the records by the cache's index (a model calls its layers in
+    any order)."""
+    handed = [[] for _ in caches]
+    for index, cache in enumerate(caches):
+        fetch = cache.update_and_fetch
+
+        def update_and_fetch(k, v, _fetch=fetch, _handed=handed[index]):
+            _handed.append((k, v))
+            return _fetch(k, v)
+
+        cache.update_and_fetch = update_and_fetch
+    return handed
+
+
 def mask_requests(model) -> list[tuple[int, bool, int | None]] | None:
     """``(layer, return_array, window_size)`` of every mask the model asks its caches for, or None.
 
-    Found as ``cache._array_mask_sources`` finds them: one 2-token forward
-    pass, built and never evaluated, over a throwaway cache that records the
+    Found as ``cache.mask_requests`` finds them: one 2-token forward pass,
+    built and never evaluated, over a throwaway cache that records the
     requests. None when the model's own cache is not a ``KVCache`` in every
-    layer.
+    layer, or when the pass does not hand each layer's cache its rows once.
     """
     probe = make_prompt_cache(model)
     if not probe or any(type(c) is not KVCache for c in probe):
         return None
-    asked = []
-    for index, cache in enumerate(probe):
-
-        def make_mask(N, return_array=False, window_size=None, _index=index, _cache=cache):
-            asked.append((_index, return_array, window_size))
-            return KVCache.make_mask(_cache, N, return_array=return_array, window_size=window_size)
-
-        cache.make_mask = make_mask
-    model(mx.zeros((1, 2), mx.int32), cache=probe)
-    return asked
+    handed = _record_updates(probe)
+    asked = cache_mask_requests(model, probe)
+    return asked if all(len(h) == 1 for h in handed) else None
 
 
 class FullCacheRecords:
@@ -107,38 +121,57 @@ class FullCacheRecords:
         self.computed_tokens = 0  # tokens of the model's forward passes spent on records
 
     def chunk(self, tokens, index: int) -> list[tuple[mx.array, mx.array]]:
-        key = tuple(tokens[: (index + 1) * self.step])
-        if len(key) != (index + 1) * self.step:
-            raise ValueError(f"chunk {index} of {self.step} tokens needs {(index + 1) * self.step} tokens, "
+        return self.chunks(tokens, index)[index]
+
+    def chunks(self, tokens, last: int) -> list[list[tuple[mx.array, mx.array]]]:
+        """Chunks ``0 .. last`` of ``tokens``: those recorded as they are, the
+        others computed in order, each with one forward pass over caches
+        holding the chunks before it."""
+        if len(tokens) < (last + 1) * self.step:
+            raise ValueError(f"chunk {last} of {self.step} tokens needs {(last + 1) * self.step} tokens, "
                              f"got {len(tokens)}")
-        if key in self._chunks:
-            self._chunks.move_to_end(key)
-            return self._chunks[key]
-        earlier = [self.chunk(tokens, i) for i in range(index)]
-        caches = make_prompt_cache(self.model)
-        for rows in earlier:
-            for cache, (k, v) in zip(caches, rows):
-                cache.update_and_fetch(k, v)
-        handed = []
-        for cache in caches:
-            fetch = cache.update_and_fetch
+        out, caches = [], None
+        for index in range(last + 1):
+            key = tuple(tokens[: (index + 1) * self.step])
+            rows = self._chunks.get(key)
+            if rows is not None:
+                self._chunks.move_to_end(key)
+            else:
+                if caches is None:
+                    caches = make_prompt_cache(self.model)
+                    for earlier in out:
+                        _hand(caches, earlier)
+                handed = _record_updates(caches)
+                self.model(mx.array(key[index * self.step :])[None], cache=caches)
+                if any(len(h) != 1 for h in handed):
+                    raise ValueError("mlx_knorm: the model did not hand each layer's cache its rows once "
+                                     "(mask_requests refuses such models)")
+                rows = [h[0] for h in handed]
+                mx.eval(rows)
+                self._keep(key, rows)
+                self.computed_tokens += self.step
+                out.append(rows)
+                continue
+            if caches is not None:
+                _hand(caches, rows)
+            out.append(rows)
+        return out
 
-            def update_and_fetch(k, v, _fetch=fetch):
-                handed.append((k, v))
-                return _fetch(k, v)
-
-            cache.update_and_fetch = update_and_fetch
-        self.model(mx.array(key[index * self.step :])[None], cache=caches)
-        mx.eval(handed)
-        if len(handed) != len(caches):
-            raise RuntimeError(f"the model handed {len(handed)} layers' rows to its {len(caches)} caches")
-        self._chunks[key] = handed
-        self._bytes += sum(k.nbytes + v.nbytes for k, v in handed)
-        self.computed_tokens += self.step
+    def _keep(self, key: tuple, rows: list) -> None:
+        self._chunks[key] = rows
+        self._bytes += sum(k.nbytes + v.nbytes for k, v in rows)
         while self._bytes > self.max_bytes and len(self._chunks) > 1:
             _, dropped = self._chunks.popitem(last=False)
             self._bytes -= sum(k.nbytes + v.nbytes for k, v in dropped)
-        return handed
+
+
+def _hand(caches: list, rows: list) -> None:
+    """Hands each cache its layer's recorded rows, as the model would. Each
+    call gets its own handles: a cache that keeps the array it is handed
+    (``RotatingKVCache``'s first update) and later writes into it must not
+    write into the records."""
+    for cache, (k, v) in zip(caches, rows):
+        cache.update_and_fetch(mx.array(k), mx.array(v))
 
 
 class Replay:
@@ -160,7 +193,8 @@ class Replay:
             return False
         seen = index * self.step
         for cache in caches:
-            if hasattr(cache, "bits") or not hasattr(cache, "update_and_fetch") or cache.size() != seen:
+            if (hasattr(cache, "bits") or not hasattr(cache, "update_and_fetch")
+                    or getattr(cache, "offset", None) != seen or cache.size() != seen):
                 return False
         for layer, return_array, window_size in self.requests:
             if return_array or window_size is not None:
@@ -168,13 +202,12 @@ class Replay:
             mask = caches[layer].make_mask(self.step, return_array=False, window_size=None)
             if not (isinstance(mask, str) and mask == "causal"):
                 return False
-        handed = self.records.chunk(tokens, index)
+        *earlier, handed = self.records.chunks(tokens, index)
         if len(handed) != len(caches):
             return False
-        earlier = [self.records.chunk(tokens, i) for i in range(index)]
         updated = copy_caches(caches)
         for layer, (cache, (k, v)) in enumerate(zip(updated, handed)):
-            keys, values = cache.update_and_fetch(k, v)
+            keys, values = cache.update_and_fetch(mx.array(k), mx.array(v))
             full_keys = mx.concatenate([rows[layer][0] for rows in earlier] + [k], axis=2)
             full_values = mx.concatenate([rows[layer][1] for rows in earlier] + [v], axis=2)
             if not (same_rows(keys, full_keys) and same_rows(values, full_values)):

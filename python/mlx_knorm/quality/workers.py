@@ -1,7 +1,7 @@
 """Worker processes for the eval and the needle grid: ``map_tasks``.
 
 Both split into independent tasks (the eval: one window; the needle grid:
-one policy at one budget) whose results do not depend on the process or
+one policy at one number of rows per layer, on one haystack) whose results do not depend on the process or
 the order they run in (every random key is derived from the task's own
 indices). ``map_tasks`` runs them in ``jobs`` spawned processes, each of
 which loads the model once from a ``ModelSpec`` and runs with one BLAS
