@@ -131,6 +131,41 @@ def test_cache_positions_past_int32_raise(backend):
         assert cache.offset == 2**31 - 2
 
 
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_a_block_like_the_last_one_is_still_checked_against_the_offset(backend):
+    """A block of the last one's shapes and dtypes skips check_block's
+    shape checks (the verdict would be the same), but not the offset's bound."""
+    with mlx_knorm.use_backend(backend):
+        cache = cache_after(2)
+        state = list(cache.state)
+        state[4] = 2**31 - 4
+        state[3] = mx.broadcast_to(mx.array([0, 2**31 - 7, 2**31 - 6, 2**31 - 5], mx.int32), state[3].shape)
+        cache.state = state
+        mx.eval(cache.update_and_fetch(**good_block()))  # up to position 2**31 - 2
+        before = snapshot(cache)
+        with pytest.raises(ValueError, match=re.escape("offset 2147483647 + 3 new tokens must be < 2**31")):
+            cache.update_and_fetch(**good_block())
+        assert all(same(a, b) for a, b in zip(before, snapshot(cache)))
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_a_loaded_state_of_other_widths_checks_the_next_block_against_them(backend):
+    """The block that passed before a state load of other widths is checked
+    against the loaded widths, not waved through as the last one checked."""
+    with mlx_knorm.use_backend(backend):
+        cache = cache_after(2)
+        wide = cache_after(0)
+        mx.eval(wide.update_and_fetch(block((1, 2, 3, 16)), block((1, 2, 3, 12), seed=1)))
+        cache.state = wide.state
+        with pytest.raises(ValueError, match=re.escape("L2NormKVCache holds [B, H, rows, D] = [1, 2, rows, 16]")):
+            cache.update_and_fetch(**good_block())
+        assert cache.offset == 3
+        fresh = cache_after(1)
+        assert fresh.trim(3) == 3  # back to the empty cache, which takes any shape
+        mx.eval(fresh.update_and_fetch(block((1, 2, 3, 16)), block((1, 2, 3, 12), seed=1)))
+        assert fresh.offset == 3 and fresh.keys.shape[-1] == 16
+
+
 @requires_emulator
 def test_cache_keys_past_the_metal_width_raise_on_the_emulator():
     """The first block sets the width (a later one of another width raises

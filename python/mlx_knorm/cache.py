@@ -68,13 +68,13 @@ import mlx.nn as nn
 from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
 
-from .backend import current_backend
+from .backend import current_backend, resolve
 from .cache_state import StateError, check_block, check_state, parse_meta_state
 from .defaults import (DEFAULT_BUDGET, DEFAULT_KEEP, DEFAULT_KV_GROUP_SIZE, DEFAULT_LAYOUT, DEFAULT_N_SINK,
                        DEFAULT_RECENT, DEFAULT_SKIP_LAYERS, default_recent, uses_order_tree)
 from .ops.evict_and_fill import check_layout, evict_and_fill_unchecked
 from .ops.key_norms import key_norms_unchecked
-from .validation import check_config, check_int
+from .validation import FLOAT_DTYPES, INT32_MAX, check_config, check_int
 
 # Slots added at a time while the cache fills, as KVCache grows.
 GROWTH_STEP = 256
@@ -119,15 +119,33 @@ def step_capacity(needed: int, current: int, budget: int) -> int:
     return min(-(-needed // GROWTH_STEP) * GROWTH_STEP, most)
 
 
-def order_tree_argument(layout: str, budget: int, recent: int, tree: mx.array | None):
+def order_tree_argument(layout: str, budget: int, recent: int, tree: mx.array | None,
+                        backend: str | None = None):
     """evict_and_fill's ``tree`` for a cache's next step: the previous
     step's tree, or True to build one, where the configuration keeps one
     (``defaults.uses_order_tree``: on the CPU) and the step runs no Metal
     kernel (the emulator's, like a GPU's, builds the tree and never reads
-    it); else False."""
-    if not uses_order_tree(layout, budget, recent) or current_backend() == "metal-emulator":
+    it); else False. ``backend``: the step's, as ``backend.resolve`` gave
+    it (None: the current choice)."""
+    if backend is None:
+        backend = current_backend()
+    if backend == "metal-emulator" or not uses_order_tree(layout, budget, recent):
         return False
     return True if tree is None else tree
+
+
+# dtype -> its name, for the floating dtypes a block may have.
+_FLOAT_NAMES = {dtype: name for name, dtype in FLOAT_DTYPES.items()}
+
+
+def _block_signature(keys, values) -> tuple | None:
+    """What ``check_block`` reads of a block: its shapes and dtypes, the
+    floating ones by name (a cache is copied with ``copy.deepcopy``, which
+    cannot copy an ``mx.Dtype``); None for anything but two arrays, which
+    ``check_block`` refuses."""
+    if type(keys) is not mx.array or type(values) is not mx.array:
+        return None
+    return keys.shape, values.shape, _FLOAT_NAMES.get(keys.dtype), _FLOAT_NAMES.get(values.dtype)
 
 
 def _storage_dtype(keys: mx.array, values: mx.array) -> mx.Dtype:
@@ -175,6 +193,9 @@ class L2NormCacheBase(_BaseCache):
         self.norms: mx.array | None = None
         self.slot_positions: mx.array | None = None
         self._tree = None
+        # The last block check_block passed (_block_signature), while the
+        # stored widths stay: a block of the same signature passes again.
+        self._checked_block = None
         self.filled = 0
         self.offset = checked.offset
         if checked.rows is not None:
@@ -201,8 +222,6 @@ class L2NormCacheBase(_BaseCache):
         through; None where the next step builds it."""
         return getattr(self, "_tree", None)
 
-    def _tree_argument(self):
-        return order_tree_argument(self.layout, self.budget, self.recent, getattr(self, "_tree", None))
 
     def _dims(self) -> tuple[int, int, int, int] | None:
         """``(B, H, D_k, D_v)`` of the rows stored (None when empty)."""
@@ -221,9 +240,14 @@ class L2NormCacheBase(_BaseCache):
         as on later ones (cache_state.check_block).
         """
         previous = self._buffers()
-        check_block(keys, values, self._dims(), self.offset, getattr(self, "group_size", None))
+        block = _block_signature(keys, values)
+        # check_block's verdict depends on the block's signature, the stored
+        # widths and the offset alone: on every decode step after the first
+        # it needs only the offset's bound.
+        if block is None or block != self._checked_block or self.offset + block[0][2] > INT32_MAX:
+            check_block(keys, values, self._dims(), self.offset, getattr(self, "group_size", None))
         batch, heads, steps, key_dim = keys.shape
-        kept = self.size()
+        kept = min(self.filled, self.budget)
         exact = self._planned_block(steps, kept)
         if self.keys is None:
             dtype = _storage_dtype(keys, values)
@@ -237,13 +261,15 @@ class L2NormCacheBase(_BaseCache):
             dtype = self._storage_dtype()
         capacity = self._capacity(kept + steps, buffers[2].shape[2])
         new_keys, new_values, new_norms = self._new_rows(keys, values, dtype)
-        tree = self._tree_argument()
-        previous_tree = getattr(self, "_tree", None)
+        # Resolved once for the step and its order tree: both ask the current backend.
+        backend = resolve(None, key_dim=key_dim if new_norms is None else None)
+        previous_tree = self._tree
+        tree = order_tree_argument(self.layout, self.budget, self.recent, previous_tree, backend)
         # The op writes in place only if it holds the buffers' last reference.
         self._set_buffers([None] * 4)
         try:
             out = self._step(buffers, new_keys, new_values, new_norms, self.filled, self.offset,
-                             capacity, tree=tree)
+                             capacity, tree=tree, backend=backend)
             segments = self._segments(out, new_keys, new_values, new_norms, kept) if exact else None
         except BaseException:
             self._set_buffers(previous, previous_tree)
@@ -253,19 +279,21 @@ class L2NormCacheBase(_BaseCache):
         self._trimmable = steps + (0 if evicted else self._trimmable)
         self.filled = kept + steps
         self.offset += steps
+        self._checked_block = block
         if segments is not None:
             return segments
         return self._occupied(self.keys), self._occupied(self.values)
 
     def _step(self, buffers, new_keys, new_values, new_norms, filled: int, offset: int, capacity: int,
-              tree=False):
+              tree=False, backend: str | None = None):
         """One §4 step on ``buffers`` under the cache's configuration (with
-        ``tree``, the order tree a fifth output)."""
+        ``tree``, the order tree a fifth output) on ``backend`` (None: the
+        one ``backend.resolve`` picks)."""
         return evict_and_fill_unchecked(
             *buffers, new_keys, new_values,
             filled=filled, offset=offset, capacity=capacity,
             budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
-            layout=self.layout, new_norms=new_norms, tree=tree,
+            layout=self.layout, new_norms=new_norms, tree=tree, backend=backend,
         )
 
     def _planned_block(self, steps: int, kept: int) -> bool:
@@ -315,6 +343,8 @@ class L2NormCacheBase(_BaseCache):
 
     def _occupied(self, rows):
         """Slots ``[0, filled)`` of ``[B, H, capacity, D]`` buffers (views)."""
+        if type(rows) is mx.array:  # the float cache, on every step
+            return rows if rows.shape[2] == self.filled else rows[..., : self.filled, :]
         return _each(lambda b: b if b.shape[2] == self.filled else b[..., : self.filled, :], rows)
 
     def _kept_rows(self, config=None) -> tuple | None:
@@ -413,6 +443,7 @@ class L2NormCacheBase(_BaseCache):
         if self.offset == 0:
             # Back to the start: the empty cache, which takes any shape.
             self._set_buffers([None] * 4)
+            self._checked_block = None
         self._forget_block()
         return n
 

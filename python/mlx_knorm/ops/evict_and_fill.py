@@ -313,17 +313,19 @@ def _check_tree_argument(tree) -> mx.array | None:
 def evict_and_fill_unchecked(
     keys, values, norms, positions, new_keys, new_values,
     *, filled, offset, capacity, budget, n_sink, recent, keep, layout="slots",
-    new_norms=None, valid=None, tree=False, stream=None,
+    new_norms=None, valid=None, tree=False, stream=None, backend=None,
 ) -> tuple:
     """``evict_and_fill`` for callers that checked their arguments already
     (the cache): the native op checks every relation it relies on again in
     C++, so only the fallback runs ``check_evict_and_fill``, and every backend refuses
-    the same calls (docs/spec.md §6)."""
+    the same calls (docs/spec.md §6). ``backend``: what ``backend.resolve``
+    gave for ``stream`` and these keys, where the caller asked it already."""
     one_keys = type(keys) is mx.array
     if tree is not True and tree is not False and type(tree) is not mx.array:
         _check_tree_argument(tree)
-    key_dim = keys.shape[-1] if new_norms is None and one_keys and keys.ndim else None
-    backend = resolve(stream, key_dim=key_dim)
+    if backend is None:
+        key_dim = keys.shape[-1] if new_norms is None and one_keys and keys.ndim else None
+        backend = resolve(stream, key_dim=key_dim)
     if (backend == "kernel" and one_keys and type(values) is mx.array and type(norms) is mx.array
             and type(positions) is mx.array and type(new_keys) is mx.array
             and type(new_values) is mx.array and new_norms is None and valid is None):
