@@ -118,14 +118,20 @@ def test_cache_block_errors(case, backend, call, kind):
         assert cache.offset == before[4] + 3
 
 
+def cache_at_offset(offset: int):
+    """A cache holding a sink and the three tokens before ``offset``."""
+    cache = cache_after(2)
+    state = list(cache.state)
+    state[4] = offset
+    state[3] = mx.broadcast_to(mx.array([0, offset - 3, offset - 2, offset - 1], mx.int32), state[3].shape)
+    cache.state = state
+    return cache
+
+
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_cache_positions_past_int32_raise(backend):
     with mlx_knorm.use_backend(backend):
-        cache = cache_after(2)
-        state = list(cache.state)
-        state[4] = 2**31 - 2
-        state[3] = mx.broadcast_to(mx.array([0, 2**31 - 5, 2**31 - 4, 2**31 - 3], mx.int32), state[3].shape)
-        cache.state = state
+        cache = cache_at_offset(2**31 - 2)
         with pytest.raises(ValueError, match=re.escape("offset 2147483646 + 3 new tokens must be < 2**31")):
             cache.update_and_fetch(**good_block())
         assert cache.offset == 2**31 - 2
@@ -136,11 +142,7 @@ def test_a_block_like_the_last_one_is_still_checked_against_the_offset(backend):
     """A block of the last one's shapes and dtypes skips check_block's
     shape checks (the verdict would be the same), but not the offset's bound."""
     with mlx_knorm.use_backend(backend):
-        cache = cache_after(2)
-        state = list(cache.state)
-        state[4] = 2**31 - 4
-        state[3] = mx.broadcast_to(mx.array([0, 2**31 - 7, 2**31 - 6, 2**31 - 5], mx.int32), state[3].shape)
-        cache.state = state
+        cache = cache_at_offset(2**31 - 4)
         mx.eval(cache.update_and_fetch(**good_block()))  # up to position 2**31 - 2
         before = snapshot(cache)
         with pytest.raises(ValueError, match=re.escape("offset 2147483647 + 3 new tokens must be < 2**31")):
