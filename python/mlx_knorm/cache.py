@@ -36,8 +36,10 @@ speculative decoding works on these caches.
 ``offset`` is the true absolute position (RoPE stays right after eviction);
 ``size()`` is the number of rows kept. ``keys`` and ``values`` are the
 buffers, as ``KVCache``'s are (mlx-lm's pipeline-parallel models chain a
-dependency onto ``cache.keys``); ``state`` and ``positions`` present the
-kept rows in temporal order whatever the storage order, computed when asked.
+dependency onto ``cache.keys``, an array of the same shape; a buffer of
+another shape is refused by the next step's op); ``state`` and
+``positions`` present the kept rows in temporal order whatever the storage
+order, computed when asked.
 
 Limits: mlx-lm models build one attention mask from one layer's cache and
 share it across layers. Every ``L2NormKVCache`` of a model holds the same
@@ -176,6 +178,10 @@ class L2NormCacheBase(_BaseCache):
     ``_no_rows``, ``_widths``) and in their state's extra fields."""
 
     quantized = False
+    # Set by _load; here too for a cache that skipped it (unpickled from an
+    # older version of this class).
+    _tree = None
+    _checked_block = None
 
     def _extra(self) -> tuple:
         """The state's and meta_state's fields after the float cache's."""
@@ -220,8 +226,7 @@ class L2NormCacheBase(_BaseCache):
         """The order tree of the buffers (docs/spec.md §4 step 4), int32
         ``[B, H, 2, capacity + 1]``, which the next decode step evicts
         through; None where the next step builds it."""
-        return getattr(self, "_tree", None)
-
+        return self._tree
 
     def _dims(self) -> tuple[int, int, int, int] | None:
         """``(B, H, D_k, D_v)`` of the rows stored (None when empty)."""
@@ -241,9 +246,10 @@ class L2NormCacheBase(_BaseCache):
         """
         previous = self._buffers()
         block = _block_signature(keys, values)
-        # check_block's verdict depends on the block's signature, the stored
-        # widths and the offset alone: on every decode step after the first
-        # it needs only the offset's bound.
+        # A block of the last passed block's signature passes again but for
+        # the offset's bound: the stored B, H and widths are that block's
+        # while only steps, _load and trim change the buffers (a buffer
+        # reassigned with another shape is the op's to refuse).
         if block is None or block != self._checked_block or self.offset + block[0][2] > INT32_MAX:
             check_block(keys, values, self._dims(), self.offset, getattr(self, "group_size", None))
         batch, heads, steps, key_dim = keys.shape
@@ -465,7 +471,7 @@ class L2NormCacheBase(_BaseCache):
         slot, and the order tree."""
         if self.keys is None:
             return 0
-        tree = getattr(self, "_tree", None)
+        tree = self._tree
         return sum(a.nbytes for rows in self._buffers() for a in _arrays(rows)) + (
             0 if tree is None else tree.nbytes)
 
