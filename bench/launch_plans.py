@@ -9,7 +9,8 @@ D 128), float16, B = 1 and 4, budget 2048. evict_and_fill runs through
 ``L2NormKVCache`` (its defaults, donated buffers, as a model drives it): a
 prompt of S = 4096 into an empty cache, the first decode step after it
 (4096 rows down to the budget: many leave) and a decode step at the budget
-(one leaves). protected_topk_gather is the op on fresh arrays: S = 4096
+(one leaves), in the slot layout and in the temporal one.
+protected_topk_gather is the op on fresh arrays: S = 4096
 new rows and no prior, and S = 1 onto 2048 prior rows. Only the first
 threadgroup of each dispatch runs (the plans do not depend on the rows):
 the outputs are not meant to be read.
@@ -41,17 +42,22 @@ def recorded(run) -> list[dict]:
     return log
 
 
-def cache_steps(batch: int, heads: int, dim: int):
-    cache = L2NormKVCache(budget=BUDGET)
+def cache_steps(batch: int, heads: int, dim: int, layout: str = "slots"):
+    cache = L2NormKVCache(budget=BUDGET, layout=layout)
 
     def step(steps: int) -> None:
         keys = mx.ones((batch, heads, steps, dim), mx.float16)
         out = cache.update_and_fetch(keys, keys)
         mx.eval(out)
 
-    yield "evict_and_fill prefill S=4096", lambda: step(PROMPT)
-    yield "evict_and_fill decode after prefill", lambda: step(1)
-    yield "evict_and_fill decode at budget", lambda: step(1)
+    suffix = "" if layout == "slots" else f" ({layout} layout)"
+    yield f"evict_and_fill prefill S=4096{suffix}", lambda: step(PROMPT)
+    yield f"evict_and_fill decode after prefill{suffix}", lambda: step(1)
+    yield f"evict_and_fill decode at budget{suffix}", lambda: step(1)
+
+
+def temporal_cache_steps(batch: int, heads: int, dim: int):
+    yield from cache_steps(batch, heads, dim, layout="temporal")
 
 
 def gather_steps(batch: int, heads: int, dim: int):
@@ -78,7 +84,7 @@ def main() -> None:
     with mlx_knorm.use_backend("metal-emulator"), mx.stream(mx.cpu):
         for model, heads, dim in MODELS:
             for batch in BATCHES:
-                for steps in (cache_steps, gather_steps):
+                for steps in (cache_steps, temporal_cache_steps, gather_steps):
                     for name, run in steps(batch, heads, dim):
                         for d in recorded(run):
                             lengths = ", ".join(str(b) for b in d["threadgroup_bytes"]) or "-"

@@ -395,15 +395,19 @@ inline void knorm_compact_temporal(
     KnormEvictHead stored,
     KnormEviction ev,
     KnormEvictBuffers b,
+    bool move_payloads,
     threadgroup uint* src,
     threadgroup uint* simd_totals,
     uint tid,
     uint lane,
     uint simd_group) {
-  // With every output in place, rows before the one evicted slot stay: a
-  // decode step starts at its chunk.
+  // With every output it writes in place, rows before the one evicted slot
+  // stay: a decode step starts at its chunk.
   uint base = 0;
-  if (ev.mode == kEvictOne && b.all_in_place()) {
+  const bool written_in_place = move_payloads
+      ? b.all_in_place()
+      : b.norms_in_place() && b.positions_in_place();
+  if (ev.mode == kEvictOne && written_in_place) {
     base = ev.evicted / kEvictGroupSize * kEvictGroupSize;
   }
   uint kept_before = base;
@@ -425,7 +429,7 @@ inline void knorm_compact_temporal(
         moves ? 1u : 0u, simd_totals, lane, simd_group).total != 0;
     const uint n = at.total;
     for (uint i = 0; i < kEvictMaxPayloads; ++i) {
-      if (i < b.payloads && (!b.payload_in_place(i) || any_moves)) {
+      if (move_payloads && i < b.payloads && (!b.payload_in_place(i) || any_moves)) {
         knorm_move_byte_rows<kEvictGroupSize>(b.rows[i], b.out_rows[i], b.payload_in_place(i), src,
                                               kept_before, n, b.row_bytes[i], b.row_unit[i], tid);
       }
@@ -441,6 +445,64 @@ inline void knorm_compact_temporal(
     kept_before += n;
     // The list is read before the next chunk writes it.
     threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+}
+
+// The scratch buffer of the temporal layout's wide decode step
+// (shift_groups_per_head != 0), in kRowUnitWide-byte aligned regions: the
+// evicted slot of each head (N uints), then for each payload the rows that
+// a block of knorm_shift_kept_rows reads past its own, head-major: block g
+// of a head moves slots [g kSplitRows, (g + 1) kSplitRows), and its last
+// row's source, slot (g + 1) kSplitRows, is the next block's first
+// destination, which that block may overwrite first.
+inline ulong knorm_shift_region_bytes(ulong bytes) {
+  return (bytes + kRowUnitWide - 1) / kRowUnitWide * kRowUnitWide;
+}
+
+inline ulong knorm_shift_region(constant KnormEvictParams& params, uint payload) {
+  ulong at = knorm_shift_region_bytes(ulong(params.heads) * sizeof(uint));
+  const ulong blocks = ulong(params.heads) * params.shift_groups_per_head;
+  for (uint i = 0; i < payload; ++i) {
+    at += knorm_shift_region_bytes(blocks * params.row_bytes[i]);
+  }
+  return at;
+}
+
+// The row in the scratch buffer of payload i's block g of head `head`.
+inline device uchar* knorm_shift_boundary(
+    constant KnormEvictParams& params,
+    device uchar* scratch,
+    uint payload,
+    uint head,
+    uint g) {
+  const ulong block = ulong(head) * params.shift_groups_per_head + g;
+  return scratch + knorm_shift_region(params, payload) + block * params.row_bytes[payload];
+}
+
+// Before the wide shift: the evicted slot, and the rows the blocks past it
+// read from the scratch buffer (those of the payloads shifted in place).
+inline void knorm_stage_shift(
+    constant KnormEvictParams& params,
+    KnormEvictBuffers b,
+    device uchar* scratch,
+    uint head,
+    uint evicted,
+    uint tid) {
+  if (tid == 0) {
+    ((device uint*)scratch)[head] = evicted;
+  }
+  for (uint i = 0; i < kEvictMaxPayloads; ++i) {
+    if (i >= b.payloads || !b.payload_in_place(i)) {
+      continue;
+    }
+    // Block g's boundary slot (g + 1) kSplitRows, when it lies past the
+    // evicted slot and below kept: g from evicted / kSplitRows on.
+    for (uint g = evicted / kSplitRows; g + 1 < params.shift_groups_per_head; ++g) {
+      const uint boundary = (g + 1) * kSplitRows;
+      knorm_copy_bytes(b.rows[i] + ulong(boundary) * b.row_bytes[i],
+                       knorm_shift_boundary(params, scratch, i, head, g), b.row_bytes[i],
+                       b.row_unit[i], tid, kEvictGroupSize);
+    }
   }
 }
 
@@ -632,6 +694,7 @@ template <typename K, uint kPerLane>
     device float* out_norms KNORM_BUFFER(22),
     device int* out_positions KNORM_BUFFER(23),
     constant KnormEvictParams& params KNORM_BUFFER(24),
+    device uchar* scratch KNORM_BUFFER(25),
     threadgroup ulong* cached_ranks KNORM_THREADGROUP_BUFFER(0),
     threadgroup uint* lists KNORM_THREADGROUP_BUFFER(1),
     uint head KNORM_ATTRIBUTE(threadgroup_position_in_grid),
@@ -679,8 +742,14 @@ template <typename K, uint kPerLane>
   // Step 2.
   if (params.temporal != 0) {
     // With kept_copied nothing leaves, and the copy was the whole compaction.
+    // With shift_groups_per_head, knorm_shift_kept_rows moves the payloads.
+    const bool shifts_wide = params.shift_groups_per_head != 0;
+    if (shifts_wide) {
+      knorm_stage_shift(params, b, scratch, head, ev.evicted, tid);
+    }
     if (params.kept_copied == 0) {
-      knorm_compact_temporal(stored, ev, b, lists, simd_totals, tid, lane, simd_group);
+      knorm_compact_temporal(stored, ev, b, !shifts_wide, lists, simd_totals, tid, lane,
+                             simd_group);
     }
   } else {
     // Outputs not updated in place start as a copy of the rows below kept,
@@ -758,6 +827,82 @@ template <uint kGroupSize>
       {out_rows_0, out_rows_1, out_rows_2, out_rows_3, out_rows_4, out_rows_5},
       norms, positions, out_norms, out_positions, 0u, {}, {}, 0u};
   knorm_copy_kept_slots(knorm_evict_buffers_of_head(params, head, batch), begin, end, tid);
+}
+
+// The payloads of the temporal layout's decode step, after
+// knorm_evict_and_fill (shift_groups_per_head != 0) found the evicted slot
+// e and kept the block boundaries in the scratch buffer: threadgroup g
+// moves slots [b kSplitRows, + kSplitRows) below kept of head
+// g / shift_groups_per_head, b = g % shift_groups_per_head, each from
+// the slot one past it from e on. Into a separate output every slot of
+// the block is written; in place only those from e on, the block's own
+// rows in waves (knorm_move_rows) and its last from the scratch buffer
+// (or from slot kept, which no block writes). A block then reads no slot
+// another block writes, so the blocks run in any order.
+template <uint kGroupSize>
+[[kernel]] void knorm_shift_kept_rows(
+    device const uchar* rows_0 KNORM_BUFFER(0),
+    device const uchar* rows_1 KNORM_BUFFER(1),
+    device const uchar* rows_2 KNORM_BUFFER(2),
+    device const uchar* rows_3 KNORM_BUFFER(3),
+    device const uchar* rows_4 KNORM_BUFFER(4),
+    device const uchar* rows_5 KNORM_BUFFER(5),
+    device uchar* out_rows_0 KNORM_BUFFER(6),
+    device uchar* out_rows_1 KNORM_BUFFER(7),
+    device uchar* out_rows_2 KNORM_BUFFER(8),
+    device uchar* out_rows_3 KNORM_BUFFER(9),
+    device uchar* out_rows_4 KNORM_BUFFER(10),
+    device uchar* out_rows_5 KNORM_BUFFER(11),
+    device uchar* scratch KNORM_BUFFER(12),
+    constant KnormEvictParams& params KNORM_BUFFER(13),
+    uint group KNORM_ATTRIBUTE(threadgroup_position_in_grid),
+    uint tid KNORM_ATTRIBUTE(thread_position_in_threadgroup)) {
+  static_assert(kGroupSize == kEvictGroupSize, "knorm_move_byte_rows runs with kEvictGroupSize threads");
+  KNORM_THREADGROUP_ARRAY(uint, src, kSplitRows);
+  const uint kept = params.kept;
+  const uint head = group / params.shift_groups_per_head;
+  const uint block = group % params.shift_groups_per_head;
+  const uint begin = block * kSplitRows;
+  // begin < kept; begin + kSplitRows may not fit in a uint.
+  const uint end = kept - begin > kSplitRows ? begin + kSplitRows : kept;
+  const uint evicted = ((device const uint*)scratch)[head];
+  device const uchar* const in_rows[kEvictMaxPayloads] = {rows_0, rows_1, rows_2,
+                                                          rows_3, rows_4, rows_5};
+  device uchar* const out_rows[kEvictMaxPayloads] = {out_rows_0, out_rows_1, out_rows_2,
+                                                     out_rows_3, out_rows_4, out_rows_5};
+  for (uint i = 0; i < kEvictMaxPayloads; ++i) {
+    if (i >= params.payloads) {
+      continue;
+    }
+    const uint row_bytes = params.row_bytes[i];
+    const uint unit = params.row_unit[i];
+    device const uchar* head_in = in_rows[i] + ulong(head) * params.slots * row_bytes;
+    device uchar* head_out = out_rows[i] + ulong(head) * params.out_slots * row_bytes;
+    const bool in_place = ((params.in_place >> i) & 1u) != 0;
+    // In place the rows below e stay, and the block's last row comes from
+    // the scratch buffer unless its source is slot kept.
+    const uint first = in_place && evicted > begin ? evicted : begin;
+    if (first >= end) {
+      continue;
+    }
+    const bool last_staged = in_place && end < kept;
+    const uint moved = end - first - (last_staged ? 1u : 0u);
+    for (uint p = tid; p < moved; p += kGroupSize) {
+      const uint slot = first + p;
+      src[p] = slot < evicted ? slot : slot + 1;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    knorm_move_byte_rows<kGroupSize>(head_in, head_out, in_place, src, first, moved, row_bytes,
+                                     unit, tid);
+    if (last_staged) {
+      // After every read of the row it overwrites (the waves end with a
+      // barrier on device memory).
+      knorm_copy_bytes(knorm_shift_boundary(params, scratch, i, head, block),
+                       head_out + ulong(end - 1) * row_bytes, row_bytes, unit, tid, kGroupSize);
+    }
+    // The list is read before the next payload writes it.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
 }
 
 // Step 3 of a cache step whose steps 1-2 ran before (knorm_evict_and_fill

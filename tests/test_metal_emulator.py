@@ -374,6 +374,48 @@ def test_evict_and_fill_copies_kept_slots_over_many_threadgroups(slots, filled, 
         assert_slots_equal(emulated, native, defined, f"donate={donate}")
 
 
+@pytest.mark.parametrize("kept", [129, 300])
+@pytest.mark.parametrize("evicted", [(0, 127, 128), (256, -1, 0)])
+def test_evict_and_fill_temporal_decode_shifts_over_many_threadgroups(kept, evicted):
+    """The temporal layout's decode step with few heads moves its payload
+    rows over blocks of 128 slots per head (knorm_shift_kept_rows), each
+    head evicting a slot of its own (a block's first or last, the last
+    stored one (-1), the first): in place (donated), into fresh buffers,
+    and with one payload held elsewhere (one in place, one not)."""
+    heads = 3
+    evicted = [kept if e == -1 else min(e, kept - 1) for e in evicted]
+    slots = kept + 1
+    norms = np.ones((heads, slots), np.float32)
+    for h, e in enumerate(evicted):
+        norms[h, e] = 9.0
+    args = evict_and_fill_arrays(np.random.default_rng(kept), heads, slots, 1, 8, 5,
+                                 key_palette="special", norms=mx.array(norms), layout="temporal")
+    config = dict(filled=slots, offset=slots, capacity=slots, budget=kept, n_sink=0, recent=0,
+                  keep="low", layout="temporal")
+    blocks = -(-kept // 128)
+    for donate in (False, True):
+        log = emulator_log(lambda: evict_and_fill_native_and_emulated(args, config, donate))
+        assert [(d["kernel"], d["groups"]) for d in log if d["kernel"] == "knorm_shift_kept_rows"] == \
+            [("knorm_shift_kept_rows", heads * blocks)]
+        native, emulated = evict_and_fill_native_and_emulated(args, config, donate)
+        assert_slots_equal(emulated, native, kept + 1, f"donate={donate}")
+        for h, e in enumerate(evicted):
+            assert native[3][h, :kept].tolist() == [p for p in range(slots) if p != e]
+    # The values held elsewhere: the keys shift in place, the values into a
+    # fresh buffer.
+    results = []
+    for emulate in (False, True):
+        arrays = [mx.array(np.array(a)) for a in args]
+        mx.eval(arrays)
+        values = arrays[1]
+        out = _native.ext.evict_and_fill(*arrays, **config, emulate_metal=emulate, stream=mx.cpu)
+        del arrays[:]
+        mx.eval(out)
+        results.append(out)
+        assert np.array_equal(np.array(values), np.array(args[1]), equal_nan=True)
+    assert_slots_equal(results[1], results[0], kept + 1, "values held")
+
+
 def emulator_log(run, **knobs):
     """The dispatches the emulator ran in ``run()``, with its debugging
     knobs (csrc/metal_emulator/run_plan.h) set meanwhile."""

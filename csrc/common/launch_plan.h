@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "mlx/allocator.h"
 #include "mlx/array.h"
 
 #include "common/dtype.h"
@@ -24,7 +25,9 @@ namespace mlx_knorm {
 
 // What is bound at [[buffer(i)]]: a primitive input, a primitive output, a
 // primitive output that an earlier dispatch of the same evaluation wrote and
-// this one reads (EarlierOutput), a uint constant, or a block of constants
+// this one reads (EarlierOutput), scratch memory the evaluation's dispatches
+// share (Scratch: `array` indexes the plans' scratch buffers, LaunchPlan::
+// scratch), a uint constant, or a block of constants
 // (a struct of uint32 fields, such as metal/knorm_defines.h's
 // KnormEvictParams). An array without elements has no Metal buffer (MLX's
 // allocator returns none for zero bytes), and a kernel argument left without
@@ -33,7 +36,7 @@ namespace mlx_knorm {
 // is a slot the kernel declares but this launch has no array for (an unused
 // payload, absent optional inputs).
 struct BufferSlot {
-  enum class Kind { Input, Output, EarlierOutput, Constant, Block };
+  enum class Kind { Input, Output, EarlierOutput, Scratch, Constant, Block };
   Kind kind = Kind::Constant;
   int array = -1;      // index into inputs or outputs; -1 for an unused slot
   uint32_t value = 0;  // for Kind::Constant
@@ -56,6 +59,14 @@ struct BufferSlot {
     slot.kind = kind;
     slot.array = i;
     slot.empty = arrays.at(i).size() == 0;
+    return slot;
+  }
+  // Scratch buffer `k` of the evaluation, read and written as raw bytes.
+  static BufferSlot scratch(int k) {
+    BufferSlot slot;
+    slot.kind = Kind::Scratch;
+    slot.array = k;
+    slot.raw = true;
     return slot;
   }
   // The same, read or written as raw bytes.
@@ -193,6 +204,12 @@ struct LaunchPlan {
   // eval_gpu sets with setThreadgroupMemoryLength and the emulator gives
   // the kernel, no more.
   std::vector<uint32_t> threadgroup_bytes;
+  // Bytes of the scratch buffers this dispatch and later ones of the
+  // evaluation use, each a multiple of kRowUnitWide: device memory no output
+  // holds, allocated before the first dispatch and released after the
+  // last (scratch_buffers). Kind::Scratch slot k binds the k-th entry of
+  // the plans' lists in order.
+  std::vector<uint64_t> scratch;
 };
 
 // What a GPU reports of the pipeline compiled from a plan's kernel
@@ -232,8 +249,29 @@ inline void check_pipeline(const LaunchPlan& plan, const PipelineLimits& limits)
 // emulator runs them one after the other).
 using LaunchPlans = std::vector<LaunchPlan>;
 
+// The scratch buffers of `plans`, uninitialised, as uint8 arrays of
+// kRowUnitWide columns (their bytes need not fit an int32 shape).
+inline std::vector<mlx::core::array> scratch_buffers(const std::vector<LaunchPlan>& plans) {
+  std::vector<mlx::core::array> buffers;
+  for (const LaunchPlan& plan : plans) {
+    for (const uint64_t bytes : plan.scratch) {
+      if (bytes == 0 || bytes % kRowUnitWide != 0 ||
+          bytes / kRowUnitWide > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
+        throw std::logic_error("mlx_knorm: the launch plan of " + plan.kernel +
+                               " asks for scratch of " + std::to_string(bytes) + " bytes");
+      }
+      mlx::core::array a({static_cast<int32_t>(bytes / kRowUnitWide), static_cast<int32_t>(kRowUnitWide)},
+                         mlx::core::uint8, nullptr, {});
+      a.set_data(mlx::core::allocator::malloc(a.nbytes()));
+      buffers.push_back(std::move(a));
+    }
+  }
+  return buffers;
+}
+
 // Binds slot i of the plan as [[buffer(i)]] through `bind`, which has
-// input(i, const array&, element), output(i, array&, element),
+// input(i, const array&, element), output(i, array&, element) (also for
+// scratch buffer k, scratch[k]),
 // earlier_output(i, const array&, element), constant(i, uint32_t),
 // block(i, const std::vector<uint32_t>&) and placeholder(i,
 // BufferSlot::Kind, const array*, element) for an array slot marked empty
@@ -244,10 +282,17 @@ void bind_slots(
     const LaunchPlan& plan,
     const std::vector<mlx::core::array>& inputs,
     std::vector<mlx::core::array>& outputs,
+    std::vector<mlx::core::array>& scratch,
     Binder& bind) {
   for (size_t i = 0; i < plan.buffers.size(); ++i) {
     const BufferSlot& slot = plan.buffers[i];
     const int idx = static_cast<int>(i);
+    // Read and written by the dispatches, as an output is.
+    if (slot.kind == BufferSlot::Kind::Scratch) {
+      mlx::core::array& a = scratch.at(slot.array);
+      bind.output(idx, a, slot_element(slot, &a));
+      continue;
+    }
     if (slot.kind == BufferSlot::Kind::Constant) {
       bind.constant(idx, slot.value);
       continue;

@@ -113,6 +113,7 @@ void dispatch_on_gpu(
     }
   }
   auto& encoder = mx::metal::get_command_encoder(s);
+  std::vector<mx::array> scratch = scratch_buffers(plans);
   bool encoded = false;
   for (size_t i = 0; i < plans.size(); ++i) {
     const LaunchPlan& plan = plans[i];
@@ -130,7 +131,7 @@ void dispatch_on_gpu(
     }
     encoder.set_compute_pipeline_state(kernels[i]);
     EncoderBinder binder{encoder};
-    bind_slots(plan, inputs, outputs, binder);
+    bind_slots(plan, inputs, outputs, scratch, binder);
     for (size_t t = 0; t < plan.threadgroup_bytes.size(); ++t) {
       encoder.set_threadgroup_memory_length(plan.threadgroup_bytes[t], static_cast<int>(t));
     }
@@ -138,6 +139,8 @@ void dispatch_on_gpu(
         MTL::Size(plan.groups, 1, 1), MTL::Size(plan.group_size, 1, 1));
     encoded = true;
   }
+  // Held until the command buffer completes.
+  encoder.add_temporaries(std::move(scratch));
 }
 
 } // namespace mlx_knorm

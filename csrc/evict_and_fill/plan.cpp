@@ -41,9 +41,19 @@ LaunchPlans evict_and_fill_plan(
   const int new_norms_index = 2 * m + 2;
   const int valid_index = new_norms_index + (config.norms_given ? 1 : 0);
   const int64_t kept = config.kept();
+  // The temporal layout's decode step (one row leaves) with few heads: the
+  // payload rows past the evicted one shift over many threadgroups
+  // (knorm_shift_kept_rows), not one per head.
+  const uint32_t shift_groups_per_head =
+      config.layout == Layout::Temporal && config.filled == kept + 1 && m > 0
+      ? split_blocks(inputs.n_heads(), kept)
+      : 0;
   // The new rows go to slots kept + j whatever steps 1-2 do, so a second
-  // dispatch can write them over many threadgroups.
-  const uint32_t groups_per_head = split_blocks(inputs.n_heads(), inputs.n_new());
+  // dispatch can write them over many threadgroups; after a wide shift,
+  // which reads slot kept, always.
+  const uint32_t split_new = split_blocks(inputs.n_heads(), inputs.n_new());
+  const uint32_t groups_per_head =
+      shift_groups_per_head != 0 && split_new == 0 ? 1 : split_new;
   // Steps 1-2 have nothing to do without stored rows, nor when none leaves
   // and every output is its input's buffer (a prompt in chunks).
   const uint32_t all_buffers = (1u << (m + 2)) - 1u;
@@ -80,6 +90,8 @@ LaunchPlans evict_and_fill_plan(
   // the compaction again, from threadgroup memory where they fit.
   const bool evicts_many = config.filled > kept + 1;
   params.cache_ranks = evicts_many && config.filled <= kEvictCachedRanks ? 1 : 0;
+  params.heads = static_cast<uint32_t>(inputs.n_heads());
+  params.shift_groups_per_head = shift_groups_per_head;
   for (int i = 0; i < m; ++i) {
     params.row_bytes[i] = static_cast<uint32_t>(inputs.row_bytes(i));
     params.row_unit[i] = row_unit_bytes(
@@ -92,6 +104,17 @@ LaunchPlans evict_and_fill_plan(
       ? std::string("given")
       : dtype_name(inputs.rows[0].dtype()) + "_" +
           std::to_string(squares_per_lane(inputs.rows[0].shape(-1)));
+  // The wide shift's scratch (metal/evict_and_fill.h, knorm_shift_region):
+  // the evicted slots, then each payload's block boundaries.
+  uint64_t shift_scratch = 0;
+  if (shift_groups_per_head != 0) {
+    auto region = [](uint64_t bytes) { return (bytes + kRowUnitWide - 1) / kRowUnitWide * kRowUnitWide; };
+    const uint64_t blocks = static_cast<uint64_t>(inputs.n_heads()) * shift_groups_per_head;
+    shift_scratch = region(static_cast<uint64_t>(inputs.n_heads()) * sizeof(uint32_t));
+    for (int i = 0; i < m; ++i) {
+      shift_scratch += region(blocks * inputs.row_bytes(i));
+    }
+  }
   LaunchPlans plans;
 
   if (copy_groups_per_head != 0) {
@@ -144,6 +167,12 @@ LaunchPlans evict_and_fill_plan(
     evict.buffers.push_back(BufferSlot::of(Kind::Output, outputs, m));
     evict.buffers.push_back(BufferSlot::of(Kind::Output, outputs, m + 1));
     evict.buffers.push_back(BufferSlot::block(params));
+    if (shift_groups_per_head != 0) {
+      evict.buffers.push_back(BufferSlot::scratch(0));
+      evict.scratch = {shift_scratch};
+    } else {
+      evict.buffers.push_back(BufferSlot::unused(Kind::Output, mx::uint8));
+    }
     // [[threadgroup(0)]]: the cached ranks; [[threadgroup(1)]]: the slot
     // layout's two queues when several rows leave, or the temporal
     // compaction's chunk of kept slots (which runs unless the copy of the
@@ -157,6 +186,22 @@ LaunchPlans evict_and_fill_plan(
         threadgroup_length(params.cache_ranks != 0 ? config.filled * sizeof(uint64_t) : 0),
         threadgroup_length(list_entries * sizeof(uint32_t))};
     plans.push_back(std::move(evict));
+  }
+  if (shift_groups_per_head != 0) {
+    LaunchPlan shift;
+    shift.source = "evict_and_fill";
+    shift.kernel = "knorm_shift_kept_rows";
+    shift.group_size = kEvictGroupSize;
+    shift.groups = static_cast<uint32_t>(inputs.n_heads()) * shift_groups_per_head;
+    for (int i = 0; i < static_cast<int>(kEvictMaxPayloads); ++i) {
+      shift.buffers.push_back(payload_slot(Kind::Input, arrays, 0, i, m));
+    }
+    for (int i = 0; i < static_cast<int>(kEvictMaxPayloads); ++i) {
+      shift.buffers.push_back(payload_slot(Kind::Output, outputs, 0, i, m));
+    }
+    shift.buffers.push_back(BufferSlot::scratch(0));
+    shift.buffers.push_back(BufferSlot::block(params));
+    plans.push_back(std::move(shift));
   }
   if (groups_per_head != 0) {
     LaunchPlan fill;

@@ -150,9 +150,10 @@ void run_dispatch(
     const LaunchPlan& plan,
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs,
+    std::vector<mx::array>& scratch,
     Staging& staging) {
   EmulatorBinder binder(plan.kernel, staging, plan.buffers.size());
-  bind_slots(plan, inputs, outputs, binder);
+  bind_slots(plan, inputs, outputs, scratch, binder);
   EmulatorDebug& debug = emulator_debug();
   std::vector<uint32_t> lengths = plan.threadgroup_bytes;
   for (uint32_t& length : lengths) {
@@ -196,6 +197,7 @@ void run_emulated_plan(
     }
   }
   Staging staging;
+  std::vector<mx::array> scratch = scratch_buffers(plans);
   std::vector<bool> written(outputs.size(), false);
   for (const LaunchPlan& plan : plans) {
     for (const BufferSlot& slot : plan.buffers) {
@@ -206,7 +208,7 @@ void run_emulated_plan(
             std::to_string(slot.array) + " before any dispatch writes it");
       }
     }
-    run_dispatch(plan, inputs, outputs, staging);
+    run_dispatch(plan, inputs, outputs, scratch, staging);
     for (const BufferSlot& slot : plan.buffers) {
       if (plan.groups > 0 && slot.kind == BufferSlot::Kind::Output && slot.array >= 0) {
         written.at(slot.array) = true;
