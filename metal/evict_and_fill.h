@@ -364,17 +364,15 @@ inline void knorm_move_pairs(
 
 // The buffers of head `head`, from those of the whole batch (`batch`: the
 // bindings, as bound) and the step's constants.
-inline KnormEvictBuffers knorm_evict_buffers_of_head(
+// The same for the payloads alone (a kernel that binds no norms or
+// positions leaves them null).
+inline KnormEvictBuffers knorm_evict_payloads_of_head(
     constant KnormEvictParams& params,
     uint head,
     KnormEvictBuffers batch) {
   const ulong in_row = ulong(head) * params.slots;
   const ulong out_row = ulong(head) * params.out_slots;
   KnormEvictBuffers b = batch;
-  b.norms = batch.norms + in_row;
-  b.positions = batch.positions + in_row;
-  b.out_norms = batch.out_norms + out_row;
-  b.out_positions = batch.out_positions + out_row;
   b.payloads = params.payloads;
   b.in_place = params.in_place;
   for (uint i = 0; i < kEvictMaxPayloads; ++i) {
@@ -385,6 +383,20 @@ inline KnormEvictBuffers knorm_evict_buffers_of_head(
       b.out_rows[i] += out_row * params.row_bytes[i];
     }
   }
+  return b;
+}
+
+inline KnormEvictBuffers knorm_evict_buffers_of_head(
+    constant KnormEvictParams& params,
+    uint head,
+    KnormEvictBuffers batch) {
+  const ulong in_row = ulong(head) * params.slots;
+  const ulong out_row = ulong(head) * params.out_slots;
+  KnormEvictBuffers b = knorm_evict_payloads_of_head(params, head, batch);
+  b.norms = batch.norms + in_row;
+  b.positions = batch.positions + in_row;
+  b.out_norms = batch.out_norms + out_row;
+  b.out_positions = batch.out_positions + out_row;
   return b;
 }
 
@@ -449,25 +461,13 @@ inline void knorm_compact_temporal(
 }
 
 // The scratch buffer of the temporal layout's wide decode step
-// (shift_groups_per_head != 0), in kRowUnitWide-byte aligned regions: the
-// evicted slot of each head (N uints), then for each payload the rows that
-// a block of knorm_shift_kept_rows reads past its own, head-major: block g
-// of a head moves slots [g kSplitRows, (g + 1) kSplitRows), and its last
-// row's source, slot (g + 1) kSplitRows, is the next block's first
-// destination, which that block may overwrite first.
-inline ulong knorm_shift_region_bytes(ulong bytes) {
-  return (bytes + kRowUnitWide - 1) / kRowUnitWide * kRowUnitWide;
-}
-
-inline ulong knorm_shift_region(constant KnormEvictParams& params, uint payload) {
-  ulong at = knorm_shift_region_bytes(ulong(params.heads) * sizeof(uint));
-  const ulong blocks = ulong(params.heads) * params.shift_groups_per_head;
-  for (uint i = 0; i < payload; ++i) {
-    at += knorm_shift_region_bytes(blocks * params.row_bytes[i]);
-  }
-  return at;
-}
-
+// (shift_groups_per_head != 0), as csrc/evict_and_fill/plan.cpp lays it
+// out: the evicted slot of each head (N uints), then from
+// shift_scratch_units[i] on the rows of payload i that a block of
+// knorm_shift_kept_rows reads past its own, head-major: block g of a head
+// moves slots [g kSplitRows, (g + 1) kSplitRows), and its last row's
+// source, slot (g + 1) kSplitRows, is the next block's first destination,
+// which that block may overwrite first.
 // The row in the scratch buffer of payload i's block g of head `head`.
 inline device uchar* knorm_shift_boundary(
     constant KnormEvictParams& params,
@@ -476,7 +476,8 @@ inline device uchar* knorm_shift_boundary(
     uint head,
     uint g) {
   const ulong block = ulong(head) * params.shift_groups_per_head + g;
-  return scratch + knorm_shift_region(params, payload) + block * params.row_bytes[payload];
+  return scratch + ulong(params.shift_scratch_units[payload]) * kRowUnitWide +
+      block * params.row_bytes[payload];
 }
 
 // Before the wide shift: the evicted slot, and the rows the blocks past it
@@ -866,19 +867,18 @@ template <uint kGroupSize>
   // begin < kept; begin + kSplitRows may not fit in a uint.
   const uint end = kept - begin > kSplitRows ? begin + kSplitRows : kept;
   const uint evicted = ((device const uint*)scratch)[head];
-  device const uchar* const in_rows[kEvictMaxPayloads] = {rows_0, rows_1, rows_2,
-                                                          rows_3, rows_4, rows_5};
-  device uchar* const out_rows[kEvictMaxPayloads] = {out_rows_0, out_rows_1, out_rows_2,
-                                                     out_rows_3, out_rows_4, out_rows_5};
+  const KnormEvictBuffers batch = {
+      {rows_0, rows_1, rows_2, rows_3, rows_4, rows_5},
+      {out_rows_0, out_rows_1, out_rows_2, out_rows_3, out_rows_4, out_rows_5},
+      nullptr, nullptr, nullptr, nullptr, 0u, {}, {}, 0u};
+  const KnormEvictBuffers b = knorm_evict_payloads_of_head(params, head, batch);
   for (uint i = 0; i < kEvictMaxPayloads; ++i) {
-    if (i >= params.payloads) {
+    if (i >= b.payloads) {
       continue;
     }
-    const uint row_bytes = params.row_bytes[i];
-    const uint unit = params.row_unit[i];
-    device const uchar* head_in = in_rows[i] + ulong(head) * params.slots * row_bytes;
-    device uchar* head_out = out_rows[i] + ulong(head) * params.out_slots * row_bytes;
-    const bool in_place = ((params.in_place >> i) & 1u) != 0;
+    const uint row_bytes = b.row_bytes[i];
+    const uint unit = b.row_unit[i];
+    const bool in_place = b.payload_in_place(i);
     // In place the rows below e stay, and the block's last row comes from
     // the scratch buffer unless its source is slot kept.
     const uint first = in_place && evicted > begin ? evicted : begin;
@@ -892,13 +892,14 @@ template <uint kGroupSize>
       src[p] = slot < evicted ? slot : slot + 1;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    knorm_move_byte_rows<kGroupSize>(head_in, head_out, in_place, src, first, moved, row_bytes,
-                                     unit, tid);
+    knorm_move_byte_rows<kGroupSize>(b.rows[i], b.out_rows[i], in_place, src, first, moved,
+                                     row_bytes, unit, tid);
     if (last_staged) {
       // After every read of the row it overwrites (the waves end with a
       // barrier on device memory).
       knorm_copy_bytes(knorm_shift_boundary(params, scratch, i, head, block),
-                       head_out + ulong(end - 1) * row_bytes, row_bytes, unit, tid, kGroupSize);
+                       b.out_rows[i] + ulong(end - 1) * row_bytes, row_bytes, unit, tid,
+                       kGroupSize);
     }
     // The list is read before the next payload writes it.
     threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -149,17 +149,20 @@ struct KnormEvictParams {
   // 1: several rows leave and the ranks of slots [0, filled) fit the
   // threadgroup buffer the plan sized for them (at most kEvictCachedRanks).
   uint32_t cache_ranks;
-  uint32_t heads;  // N
   // The temporal layout's decode step with few heads: nonzero, the
   // payloads' rows shift over that many threadgroups per head of
   // knorm_shift_kept_rows (kSplitRows rows each), after
   // knorm_evict_and_fill found the evicted slot and kept what the shift
-  // needs in the scratch buffer (knorm_shift_scratch); 0: knorm_evict_and_fill
+  // needs in the scratch buffer (knorm_shift_boundary); 0: knorm_evict_and_fill
   // moves them.
   uint32_t shift_groups_per_head;
   uint32_t row_bytes[kEvictMaxPayloads];  // bytes of one row of payload i
   // Bytes of the units payload i's rows move in (knorm_copy_bytes).
   uint32_t row_unit[kEvictMaxPayloads];
+  // With shift_groups_per_head: where payload i's block boundaries start in
+  // the scratch buffer, in kRowUnitWide-byte units (the heads' evicted
+  // slots start at 0).
+  uint32_t shift_scratch_units[kEvictMaxPayloads];
 };
 
 // The constants of the gather kernels, bound as one block at their last

@@ -90,7 +90,6 @@ LaunchPlans evict_and_fill_plan(
   // the compaction again, from threadgroup memory where they fit.
   const bool evicts_many = config.filled > kept + 1;
   params.cache_ranks = evicts_many && config.filled <= kEvictCachedRanks ? 1 : 0;
-  params.heads = static_cast<uint32_t>(inputs.n_heads());
   params.shift_groups_per_head = shift_groups_per_head;
   for (int i = 0; i < m; ++i) {
     params.row_bytes[i] = static_cast<uint32_t>(inputs.row_bytes(i));
@@ -104,16 +103,20 @@ LaunchPlans evict_and_fill_plan(
       ? std::string("given")
       : dtype_name(inputs.rows[0].dtype()) + "_" +
           std::to_string(squares_per_lane(inputs.rows[0].shape(-1)));
-  // The wide shift's scratch (metal/evict_and_fill.h, knorm_shift_region):
-  // the evicted slots, then each payload's block boundaries.
+  // The wide shift's scratch (metal/evict_and_fill.h, knorm_shift_boundary),
+  // in kRowUnitWide-byte units: the evicted slots, then each payload's block
+  // boundaries. An offset fits a uint32 whenever the whole does
+  // (scratch_buffers refuses more than 2^31 - 1 units).
   uint64_t shift_scratch = 0;
   if (shift_groups_per_head != 0) {
-    auto region = [](uint64_t bytes) { return (bytes + kRowUnitWide - 1) / kRowUnitWide * kRowUnitWide; };
+    auto units = [](uint64_t bytes) { return (bytes + kRowUnitWide - 1) / kRowUnitWide; };
     const uint64_t blocks = static_cast<uint64_t>(inputs.n_heads()) * shift_groups_per_head;
-    shift_scratch = region(static_cast<uint64_t>(inputs.n_heads()) * sizeof(uint32_t));
+    uint64_t at = units(static_cast<uint64_t>(inputs.n_heads()) * sizeof(uint32_t));
     for (int i = 0; i < m; ++i) {
-      shift_scratch += region(blocks * inputs.row_bytes(i));
+      params.shift_scratch_units[i] = static_cast<uint32_t>(at);
+      at += units(blocks * inputs.row_bytes(i));
     }
+    shift_scratch = at * kRowUnitWide;
   }
   LaunchPlans plans;
 
