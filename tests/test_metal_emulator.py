@@ -13,6 +13,7 @@ below cross those boundaries.
 
 from __future__ import annotations
 
+import itertools
 import re
 import subprocess
 import sys
@@ -393,12 +394,14 @@ def test_evict_and_fill_temporal_decode_shifts_over_many_threadgroups(kept, evic
     config = dict(filled=slots, offset=slots, capacity=slots, budget=kept, n_sink=0, recent=0,
                   keep="low", layout="temporal")
     blocks = -(-kept // 128)
-    for donate in (False, True):
-        log = emulator_log(lambda: evict_and_fill_native_and_emulated(args, config, donate))
+    for donate, reverse in itertools.product((False, True), (False, True)):
+        results = []
+        log = emulator_log(lambda: results.extend(evict_and_fill_native_and_emulated(args, config, donate)),
+                           reverse_groups=reverse)
         assert [(d["kernel"], d["groups"]) for d in log if d["kernel"] == "knorm_shift_kept_rows"] == \
             [("knorm_shift_kept_rows", heads * blocks)]
-        native, emulated = evict_and_fill_native_and_emulated(args, config, donate)
-        assert_slots_equal(emulated, native, kept + 1, f"donate={donate}")
+        native, emulated = results
+        assert_slots_equal(emulated, native, kept + 1, f"donate={donate} reverse={reverse}")
         for h, e in enumerate(evicted):
             assert native[3][h, :kept].tolist() == [p for p in range(slots) if p != e]
     # The values held elsewhere: the keys shift in place, the values into a

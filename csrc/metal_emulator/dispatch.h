@@ -21,14 +21,16 @@ struct EmulatedBuffer {
 
 // Runs the kernel registered under host name `kernel` over `groups`
 // threadgroups of `group_size` threads; buffers[i] is [[buffer(i)]] and
-// threadgroup_bytes[i] the length of [[threadgroup(i)]]. Returns the
-// threadgroup memory a threadgroup had (those lengths and what the kernel
-// declares itself), 0 for no threadgroup.
+// threadgroup_bytes[i] the length of [[threadgroup(i)]]; the threadgroups
+// run one at a time, from the last to the first with `reverse_groups`.
+// Returns the threadgroup memory a threadgroup had (those lengths and what
+// the kernel declares itself), 0 for no threadgroup.
 size_t run_emulated_kernel(
     const std::string& kernel,
     uint32_t groups,
     uint32_t group_size,
     const std::vector<EmulatedBuffer>& buffers,
-    const std::vector<uint32_t>& threadgroup_bytes);
+    const std::vector<uint32_t>& threadgroup_bytes,
+    bool reverse_groups);
 
 } // namespace mlx_knorm

@@ -70,7 +70,8 @@ inline std::vector<Guard> threadgroup_layout(
 }
 
 // Runs n_groups threadgroups of group_size threads, one threadgroup at a
-// time, all threads of a group concurrently. Throws on an unknown kernel, a
+// time (first to last, or last to first with reverse_groups: a GPU runs
+// them in any order), all threads of a group concurrently. Throws on an unknown kernel, a
 // binding that does not match the kernel's signature, divergent barriers,
 // conflicting threadgroup writes, or threads that cannot be started (after
 // joining those that were).
@@ -81,7 +82,8 @@ inline size_t dispatch(
     uint32_t n_groups,
     uint32_t group_size,
     const std::vector<mlx_knorm::EmulatedBuffer>& buffers,
-    const std::vector<uint32_t>& threadgroup_lengths) {
+    const std::vector<uint32_t>& threadgroup_lengths,
+    bool reverse_groups = false) {
   auto it = kernel_registry().find(kernel);
   if (it == kernel_registry().end()) {
     throw std::runtime_error("metal emulator: no kernel named " + kernel);
@@ -124,7 +126,8 @@ inline size_t dispatch(
     context.lane = thread % kSimdWidth;
     context.simd_group = thread / kSimdWidth;
     current_thread() = &context;
-    for (uint32_t g = 0; g < n_groups; ++g) {
+    for (uint32_t turn = 0; turn < n_groups; ++turn) {
+      const uint32_t g = reverse_groups ? n_groups - 1 - turn : turn;
       if (thread == 0) {
         HiddenFromTsan hidden;
         group->memory.start_group();

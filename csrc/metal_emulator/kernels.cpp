@@ -21,8 +21,10 @@ size_t run_emulated_kernel(
     uint32_t groups,
     uint32_t group_size,
     const std::vector<EmulatedBuffer>& buffers,
-    const std::vector<uint32_t>& threadgroup_bytes) {
-  return metal_emu::dispatch(kernel, groups, group_size, buffers, threadgroup_bytes);
+    const std::vector<uint32_t>& threadgroup_bytes,
+    bool reverse_groups) {
+  return metal_emu::dispatch(kernel, groups, group_size, buffers, threadgroup_bytes,
+                             reverse_groups);
 }
 
 } // namespace mlx_knorm

@@ -40,10 +40,13 @@ struct EmulatedDispatch {
 // runs one threadgroup of each dispatch (the outputs are then wrong: for
 // reading the plans of large shapes); `threadgroup_shortfall` takes that
 // many bytes off each [[threadgroup(i)]] length above it (a broken plan,
-// which the emulator must catch).
+// which the emulator must catch); `reverse_groups` runs each dispatch's
+// threadgroups last to first (blocks that read what other blocks of their
+// dispatch write then read it already written).
 struct EmulatorDebug {
   bool record = false;
   bool first_group_only = false;
+  bool reverse_groups = false;
   uint32_t threadgroup_shortfall = 0;
   std::vector<EmulatedDispatch> log;
 };
