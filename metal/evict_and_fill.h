@@ -402,12 +402,14 @@ inline KnormEvictBuffers knorm_evict_buffers_of_head(
 
 // The temporal layout: kept slots, in slot order, to [0, kept), one chunk
 // of kEvictGroupSize slots at a time. src holds a chunk's kept slots, which
-// go to kept_before onwards.
+// go to kept_before onwards. Unless null, `sources` (kept entries) gets
+// each output slot's source slot, for the payloads' wide compaction.
 inline void knorm_compact_temporal(
     KnormEvictHead stored,
     KnormEviction ev,
     KnormEvictBuffers b,
     bool move_payloads,
+    device uint* sources,
     threadgroup uint* src,
     threadgroup uint* simd_totals,
     uint tid,
@@ -434,6 +436,9 @@ inline void knorm_compact_temporal(
         knorm_block_scan<kEvictGroupSize>(keep ? 1u : 0u, simd_totals, lane, simd_group);
     if (keep) {
       src[at.exclusive] = s;
+      if (sources != nullptr) {
+        sources[kept_before + at.exclusive] = s;
+      }
     }
     // Its barriers also make the list visible to the whole group.
     const bool moves = keep && kept_before + at.exclusive != s;
@@ -460,10 +465,74 @@ inline void knorm_compact_temporal(
   }
 }
 
+// The scratch buffer of the temporal layout's wide compaction
+// (compact_groups_per_head != 0), as csrc/evict_and_fill/plan.cpp lays it
+// out: each head's kept source slots (N x kept uints), then from
+// scratch_units[i] on, for payload i when it is compacted in place, a
+// staged copy of its rows that move, at their destination slots (N x kept
+// rows).
+inline device uint* knorm_compaction_sources(
+    constant KnormEvictParams& params,
+    device uchar* scratch,
+    uint head) {
+  return (device uint*)scratch + ulong(head) * params.kept;
+}
+
+inline device uchar* knorm_compaction_staged(
+    constant KnormEvictParams& params,
+    device uchar* scratch,
+    uint payload,
+    uint head) {
+  return scratch + ulong(params.scratch_units[payload]) * kRowUnitWide +
+      ulong(head) * params.kept * params.row_bytes[payload];
+}
+
+// A block of the wide compaction: output slots [begin, end) of its head,
+// their sources in src, and `first`, the first of them that moves. Sources
+// increase and lie at or past their slots, so the slots that stay form a
+// prefix of [0, kept) (they are the same in every block of a head).
+struct KnormCompactionBlock {
+  uint head;
+  uint begin;
+  uint end;
+  uint first;
+};
+
+// Reads the sources of threadgroup `group`'s block into src (kSplitRows
+// entries) and finds its first slot that moves. Every thread calls it.
+template <uint kGroupSize>
+inline KnormCompactionBlock knorm_compaction_block(
+    constant KnormEvictParams& params,
+    device uchar* scratch,
+    threadgroup uint* src,
+    threadgroup uint* simd_totals,
+    uint group,
+    uint tid,
+    uint lane,
+    uint simd_group) {
+  KnormCompactionBlock block;
+  const uint kept = params.kept;
+  block.head = group / params.compact_groups_per_head;
+  block.begin = (group % params.compact_groups_per_head) * kSplitRows;
+  // begin < kept; begin + kSplitRows may not fit in a uint.
+  block.end = kept - block.begin > kSplitRows ? block.begin + kSplitRows : kept;
+  const device uint* sources = knorm_compaction_sources(params, scratch, block.head);
+  const uint n = block.end - block.begin;
+  bool stays = false;
+  if (tid < n) {
+    src[tid] = sources[block.begin + tid];
+    stays = src[tid] == block.begin + tid;
+  }
+  // Its barriers also make src visible to the whole group.
+  block.first = block.begin +
+      knorm_block_scan<kGroupSize>(stays ? 1u : 0u, simd_totals, lane, simd_group).total;
+  return block;
+}
+
 // The scratch buffer of the temporal layout's wide decode step
 // (shift_groups_per_head != 0), as csrc/evict_and_fill/plan.cpp lays it
 // out: the evicted slot of each head (N uints), then from
-// shift_scratch_units[i] on the rows of payload i that a block of
+// scratch_units[i] on the rows of payload i that a block of
 // knorm_shift_kept_rows reads past its own, head-major: block g of a head
 // moves slots [g kSplitRows, (g + 1) kSplitRows), and its last row's
 // source, slot (g + 1) kSplitRows, is the next block's first destination,
@@ -476,7 +545,7 @@ inline device uchar* knorm_shift_boundary(
     uint head,
     uint g) {
   const ulong block = ulong(head) * params.shift_groups_per_head + g;
-  return scratch + ulong(params.shift_scratch_units[payload]) * kRowUnitWide +
+  return scratch + ulong(params.scratch_units[payload]) * kRowUnitWide +
       block * params.row_bytes[payload];
 }
 
@@ -744,13 +813,18 @@ template <typename K, uint kPerLane>
   if (params.temporal != 0) {
     // With kept_copied nothing leaves, and the copy was the whole compaction.
     // With shift_groups_per_head, knorm_shift_kept_rows moves the payloads.
+    // With compact_groups_per_head, knorm_stage_compaction and
+    // knorm_compact_kept_rows move them, from the sources noted here.
     const bool shifts_wide = params.shift_groups_per_head != 0;
+    const bool compacts_wide = params.compact_groups_per_head != 0;
     if (shifts_wide) {
       knorm_stage_shift(params, b, scratch, head, ev.evicted, tid);
     }
     if (params.kept_copied == 0) {
-      knorm_compact_temporal(stored, ev, b, !shifts_wide, lists, simd_totals, tid, lane,
-                             simd_group);
+      device uint* sources = compacts_wide ? knorm_compaction_sources(params, scratch, head)
+                                           : nullptr;
+      knorm_compact_temporal(stored, ev, b, !shifts_wide && !compacts_wide, sources, lists,
+                             simd_totals, tid, lane, simd_group);
     }
   } else {
     // Outputs not updated in place start as a copy of the rows below kept,
@@ -903,6 +977,103 @@ template <uint kGroupSize>
     }
     // The list is read before the next payload writes it.
     threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+}
+
+// The temporal layout's step with several rows leaving and few heads
+// (compact_groups_per_head != 0), after knorm_evict_and_fill noted each
+// head's sources (knorm_compaction_sources) and before
+// knorm_compact_kept_rows: threadgroup g copies, of every payload
+// compacted in place, the rows that move into slots [b kSplitRows, +
+// kSplitRows) below kept of head g / compact_groups_per_head, b = g %
+// compact_groups_per_head, to the scratch buffer. It writes no output, so
+// its blocks read the rows as they were, in any order.
+template <uint kGroupSize>
+[[kernel]] void knorm_stage_compaction(
+    device const uchar* rows_0 KNORM_BUFFER(0),
+    device const uchar* rows_1 KNORM_BUFFER(1),
+    device const uchar* rows_2 KNORM_BUFFER(2),
+    device const uchar* rows_3 KNORM_BUFFER(3),
+    device const uchar* rows_4 KNORM_BUFFER(4),
+    device const uchar* rows_5 KNORM_BUFFER(5),
+    device uchar* scratch KNORM_BUFFER(6),
+    constant KnormEvictParams& params KNORM_BUFFER(7),
+    uint group KNORM_ATTRIBUTE(threadgroup_position_in_grid),
+    uint tid KNORM_ATTRIBUTE(thread_position_in_threadgroup),
+    uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
+    uint simd_group KNORM_ATTRIBUTE(simdgroup_index_in_threadgroup)) {
+  static_assert(kGroupSize == kEvictGroupSize, "knorm_move_byte_rows runs with kEvictGroupSize threads");
+  static_assert(kSplitRows <= kGroupSize, "a thread reads one source of a block");
+  KNORM_THREADGROUP_ARRAY(uint, src, kSplitRows);
+  KNORM_THREADGROUP_ARRAY(uint, simd_totals, kEvictSimdGroups);
+  const KnormCompactionBlock block = knorm_compaction_block<kGroupSize>(
+      params, scratch, src, simd_totals, group, tid, lane, simd_group);
+  const KnormEvictBuffers batch = {
+      {rows_0, rows_1, rows_2, rows_3, rows_4, rows_5},
+      {},
+      nullptr, nullptr, nullptr, nullptr, 0u, {}, {}, 0u};
+  const KnormEvictBuffers b = knorm_evict_payloads_of_head(params, block.head, batch);
+  for (uint i = 0; i < kEvictMaxPayloads; ++i) {
+    if (i < b.payloads && b.payload_in_place(i)) {
+      knorm_move_byte_rows<kGroupSize>(
+          b.rows[i], knorm_compaction_staged(params, scratch, i, block.head), false,
+          src + (block.first - block.begin), block.first, block.end - block.first,
+          b.row_bytes[i], b.row_unit[i], tid);
+    }
+  }
+}
+
+// The payloads of the temporal layout's step with several rows leaving and
+// few heads, after knorm_stage_compaction: threadgroup g writes slots
+// [b kSplitRows, + kSplitRows) below kept of head
+// g / compact_groups_per_head, b = g % compact_groups_per_head, of every
+// payload: in place its rows that move, from the scratch buffer; into a
+// separate output every slot, from its source.
+template <uint kGroupSize>
+[[kernel]] void knorm_compact_kept_rows(
+    device const uchar* rows_0 KNORM_BUFFER(0),
+    device const uchar* rows_1 KNORM_BUFFER(1),
+    device const uchar* rows_2 KNORM_BUFFER(2),
+    device const uchar* rows_3 KNORM_BUFFER(3),
+    device const uchar* rows_4 KNORM_BUFFER(4),
+    device const uchar* rows_5 KNORM_BUFFER(5),
+    device uchar* out_rows_0 KNORM_BUFFER(6),
+    device uchar* out_rows_1 KNORM_BUFFER(7),
+    device uchar* out_rows_2 KNORM_BUFFER(8),
+    device uchar* out_rows_3 KNORM_BUFFER(9),
+    device uchar* out_rows_4 KNORM_BUFFER(10),
+    device uchar* out_rows_5 KNORM_BUFFER(11),
+    device uchar* scratch KNORM_BUFFER(12),
+    constant KnormEvictParams& params KNORM_BUFFER(13),
+    uint group KNORM_ATTRIBUTE(threadgroup_position_in_grid),
+    uint tid KNORM_ATTRIBUTE(thread_position_in_threadgroup),
+    uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
+    uint simd_group KNORM_ATTRIBUTE(simdgroup_index_in_threadgroup)) {
+  static_assert(kGroupSize == kEvictGroupSize, "knorm_move_byte_rows runs with kEvictGroupSize threads");
+  static_assert(kSplitRows <= kGroupSize, "a thread reads one source of a block");
+  KNORM_THREADGROUP_ARRAY(uint, src, kSplitRows);
+  KNORM_THREADGROUP_ARRAY(uint, simd_totals, kEvictSimdGroups);
+  const KnormCompactionBlock block = knorm_compaction_block<kGroupSize>(
+      params, scratch, src, simd_totals, group, tid, lane, simd_group);
+  const KnormEvictBuffers batch = {
+      {rows_0, rows_1, rows_2, rows_3, rows_4, rows_5},
+      {out_rows_0, out_rows_1, out_rows_2, out_rows_3, out_rows_4, out_rows_5},
+      nullptr, nullptr, nullptr, nullptr, 0u, {}, {}, 0u};
+  const KnormEvictBuffers b = knorm_evict_payloads_of_head(params, block.head, batch);
+  for (uint i = 0; i < kEvictMaxPayloads; ++i) {
+    if (i >= b.payloads) {
+      continue;
+    }
+    const ulong bytes = b.row_bytes[i];
+    if (b.payload_in_place(i)) {
+      const device uchar* staged = knorm_compaction_staged(params, scratch, i, block.head);
+      knorm_copy_bytes(staged + block.first * bytes, b.out_rows[i] + block.first * bytes,
+                       (block.end - block.first) * bytes, b.row_unit[i], tid, kGroupSize);
+    } else {
+      knorm_move_byte_rows<kGroupSize>(b.rows[i], b.out_rows[i], false, src, block.begin,
+                                       block.end - block.begin, b.row_bytes[i], b.row_unit[i],
+                                       tid);
+    }
   }
 }
 

@@ -2,7 +2,7 @@
 // and its fill, one per source of the new rows' norms (the first payload as
 // float16, bfloat16 or float32 keys, with each squares-per-lane count, or
 // given norms), the copy of the kept slots, the temporal layout's wide
-// decode step and the order tree's build
+// decode step and wide compaction, and the order tree's build
 // (order_tree.h); under the host names that csrc/evict_and_fill/plan.cpp
 // launches. The metallib build and the JIT path
 // compile this file; the emulator includes it
@@ -30,4 +30,6 @@ KNORM_EVICT_INSTANCES(float32, float)
 KNORM_EVICT_INSTANCE(given, KnormGivenNorms, 1)
 KNORM_KERNEL_INSTANCE("knorm_copy_kept_rows", knorm_copy_kept_rows<kEvictGroupSize>)
 KNORM_KERNEL_INSTANCE("knorm_shift_kept_rows", knorm_shift_kept_rows<kEvictGroupSize>)
+KNORM_KERNEL_INSTANCE("knorm_stage_compaction", knorm_stage_compaction<kEvictGroupSize>)
+KNORM_KERNEL_INSTANCE("knorm_compact_kept_rows", knorm_compact_kept_rows<kEvictGroupSize>)
 KNORM_KERNEL_INSTANCE("knorm_build_order_tree", knorm_build_order_tree<kEvictGroupSize>)

@@ -156,13 +156,22 @@ struct KnormEvictParams {
   // needs in the scratch buffer (knorm_shift_boundary); 0: knorm_evict_and_fill
   // moves them.
   uint32_t shift_groups_per_head;
+  // The temporal layout's step with several rows leaving, few heads and
+  // more than kSplitRows kept: nonzero, the payloads' rows move over that
+  // many threadgroups per head (kSplitRows slots each) of
+  // knorm_stage_compaction (the rows of payloads in place, to the scratch
+  // buffer) and knorm_compact_kept_rows, after knorm_evict_and_fill noted
+  // each kept slot's source in the scratch buffer
+  // (knorm_compaction_sources); 0: knorm_evict_and_fill moves them.
+  uint32_t compact_groups_per_head;
   uint32_t row_bytes[kEvictMaxPayloads];  // bytes of one row of payload i
   // Bytes of the units payload i's rows move in (knorm_copy_bytes).
   uint32_t row_unit[kEvictMaxPayloads];
-  // With shift_groups_per_head: where payload i's block boundaries start in
-  // the scratch buffer, in kRowUnitWide-byte units (the heads' evicted
-  // slots start at 0).
-  uint32_t shift_scratch_units[kEvictMaxPayloads];
+  // Where payload i's region of the scratch buffer starts, in
+  // kRowUnitWide-byte units: with shift_groups_per_head its block
+  // boundaries (the heads' evicted slots start at 0), with
+  // compact_groups_per_head its staged rows (the sources start at 0).
+  uint32_t scratch_units[kEvictMaxPayloads];
 };
 
 // The constants of the gather kernels, bound as one block at their last

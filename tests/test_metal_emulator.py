@@ -419,6 +419,113 @@ def test_evict_and_fill_temporal_decode_shifts_over_many_threadgroups(kept, evic
     assert_slots_equal(results[1], results[0], kept + 1, "values held")
 
 
+@pytest.mark.parametrize(
+    "slots, filled, budget, n_new, recent",
+    [
+        (700, 650, 300, 50, 0),   # a prompt chunk past the budget: 350 leave, three blocks
+        (400, 260, 129, 3, 1),    # kept one past a block: the last block one slot
+        (600, 600, 513, 0, 40),   # few leave, late: most blocks' slots stay
+    ],
+)
+def test_evict_and_fill_temporal_compaction_moves_over_many_threadgroups(slots, filled, budget, n_new, recent):
+    """The temporal layout's step with several rows leaving and few heads
+    moves its payload rows over blocks of 128 slots per head
+    (knorm_compact_kept_rows), the rows moving in place staged in the
+    scratch buffer first (knorm_stage_compaction): in place, into fresh
+    buffers, and with one payload held elsewhere."""
+    heads = 3
+    args = evict_and_fill_arrays(np.random.default_rng(slots + filled), heads, slots, n_new, 8, 5,
+                                 key_palette="special", norm_palette="ties", layout="temporal")
+    config = dict(filled=filled, offset=filled, capacity=slots, budget=budget, n_sink=2, recent=recent,
+                  keep="low", layout="temporal")
+    blocks = -(-budget // 128)
+    for donate, reverse in itertools.product((False, True), (False, True)):
+        results = []
+        log = emulator_log(lambda: results.extend(evict_and_fill_native_and_emulated(args, config, donate)),
+                           reverse_groups=reverse)
+        wide = [(d["kernel"], d["groups"]) for d in log
+                if d["kernel"] in ("knorm_stage_compaction", "knorm_compact_kept_rows")]
+        assert wide == ([("knorm_stage_compaction", heads * blocks)] if donate else []) + \
+            [("knorm_compact_kept_rows", heads * blocks)]
+        native, emulated = results
+        assert_slots_equal(emulated, native, budget + n_new, f"donate={donate} reverse={reverse}")
+        positions = np.array(native[3][:, :budget])
+        assert (np.diff(positions, axis=1) > 0).all()
+    results = []
+    for emulate in (False, True):
+        arrays = [mx.array(np.array(a)) for a in args]
+        mx.eval(arrays)
+        values = arrays[1]
+        out = _native.ext.evict_and_fill(*arrays, **config, emulate_metal=emulate, stream=mx.cpu)
+        del arrays[:]
+        mx.eval(out)
+        results.append(out)
+        assert np.array_equal(np.array(values), np.array(args[1]), equal_nan=True)
+    assert_slots_equal(results[1], results[0], budget + n_new, "values held")
+
+
+@pytest.mark.parametrize("hold", [None, 2, 4])
+def test_evict_and_fill_temporal_decode_shifts_quantized_payloads_over_many_threadgroups(hold):
+    """The wide shift of a quantized cache's six payloads (mlx-lm's packed
+    rows, scales and biases for keys and values, each its own width and
+    dtype) across blocks of 128 slots: in place, into fresh buffers, and
+    with one payload held elsewhere (the others in place), each head
+    evicting a slot of its own."""
+    heads, kept = 2, 300
+    slots = kept + 1
+    rng = np.random.default_rng(kept if hold is None else hold)
+    widths = [(mx.uint32, 16), (mx.float16, 2), (mx.float16, 2), (mx.uint32, 8), (mx.bfloat16, 1), (mx.float16, 1)]
+
+    def payload(dtype, width, rows):
+        bits = rng.integers(0, 2**32, size=(heads, rows, width), dtype=np.uint32)
+        return bits if dtype == mx.uint32 else bits.astype(np.uint16)
+
+    def as_mx(bits, dtype):
+        return mx.array(bits).view(dtype)
+
+    norms = np.ones((heads, slots), np.float32)
+    evicted = [127, 290]
+    for h, e in enumerate(evicted):
+        norms[h, e] = 9.0
+    stored = [payload(d, w, slots) for d, w in widths]
+    new = [as_mx(payload(d, w, 1), d) for d, w in widths]
+    positions = mx.broadcast_to(mx.arange(slots, dtype=mx.int32), (heads, slots))
+    config = dict(filled=slots, offset=slots, capacity=slots, budget=kept, n_sink=0, recent=0,
+                  keep="low", layout="temporal", new_norms=mx.ones((heads, 1)))
+    for donate in (False, True):
+        results = []
+        for emulate in (False, True):
+            arrays = [as_mx(bits, d) for bits, (d, _) in zip(stored, widths)]
+            arrays += [mx.array(norms), mx.array(np.array(positions))]
+            mx.eval(arrays)
+            held = arrays[hold] if hold is not None else None
+            args = (tuple(arrays[:3]), tuple(arrays[3:6]), arrays[6], arrays[7], tuple(new[:3]), tuple(new[3:]))
+            step = lambda: _native.ext.evict_and_fill(*args, **config, emulate_metal=emulate, stream=mx.cpu)
+            if donate:
+                del arrays[:]
+            if emulate:
+                out = []
+                log = emulator_log(lambda: out.append(step()) or mx.eval(out[0]), reverse_groups=donate)
+                assert [(d["kernel"], d["groups"]) for d in log if d["kernel"] == "knorm_shift_kept_rows"] == \
+                    [("knorm_shift_kept_rows", heads * 3)]
+                out = out[0]
+            else:
+                out = step()
+            del args
+            mx.eval(out)
+            results.append(out)
+            if held is not None:
+                assert np.array_equal(np.array(held.view(mx.uint8)).view(stored[hold].dtype), stored[hold])
+        native, emulated = results
+        for i, (a, b) in enumerate(zip(native, emulated)):
+            assert_bitwise_equal(b[:, : kept + 1], a[:, : kept + 1], f"output {i} donate={donate} hold={hold}")
+        for h, e in enumerate(evicted):
+            assert native[7][h, :kept].tolist() == [p for p in range(slots) if p != e]
+            for i in range(6):
+                got = np.array(native[i].view(mx.uint8)).view(stored[i].dtype)[h, :kept]
+                assert np.array_equal(got, np.delete(stored[i][h], e, axis=0))
+
+
 def emulator_log(run, **knobs):
     """The dispatches the emulator ran in ``run()``, with its debugging
     knobs (csrc/metal_emulator/run_plan.h) set meanwhile."""

@@ -3,6 +3,7 @@
 // emulator runs (emulated.cpp). Built everywhere.
 #include "evict_and_fill/evict_and_fill.h"
 
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -48,16 +49,36 @@ LaunchPlans evict_and_fill_plan(
       config.layout == Layout::Temporal && config.filled == kept + 1 && m > 0
       ? split_blocks(inputs.n_heads(), kept)
       : 0;
-  // The new rows go to slots kept + j whatever steps 1-2 do, so a second
-  // dispatch can write them over many threadgroups; after a wide shift,
-  // which reads slot kept, always.
-  const uint32_t split_new = split_blocks(inputs.n_heads(), inputs.n_new());
-  const uint32_t groups_per_head =
-      shift_groups_per_head != 0 && split_new == 0 ? 1 : split_new;
-  // Steps 1-2 have nothing to do without stored rows, nor when none leaves
-  // and every output is its input's buffer (a prompt in chunks).
+  // The temporal layout's step with several rows leaving, few heads and
+  // more than kSplitRows kept: the payload rows move over many threadgroups
+  // too (knorm_compact_kept_rows), those moving in place staged in the
+  // scratch buffer first (knorm_stage_compaction), so that no block reads a
+  // slot another writes. The scratch then holds the moving K/V of one
+  // layer; past what its offsets can address, one threadgroup per head.
+  const bool evicts_many = config.filled > kept + 1;
   const uint32_t all_buffers = (1u << (m + 2)) - 1u;
   const uint32_t in_place = in_place_mask(arrays, outputs, m + 2);
+  auto units = [](uint64_t bytes) { return (bytes + kRowUnitWide - 1) / kRowUnitWide; };
+  const uint64_t head_slots = static_cast<uint64_t>(inputs.n_heads()) * kept;
+  uint64_t compact_scratch_units = units(head_slots * sizeof(uint32_t));
+  for (int i = 0; i < m; ++i) {
+    if ((in_place >> i) & 1u) {
+      compact_scratch_units += units(head_slots * inputs.row_bytes(i));
+    }
+  }
+  const uint32_t compact_groups_per_head =
+      config.layout == Layout::Temporal && evicts_many && m > 0 &&
+          compact_scratch_units <= std::numeric_limits<int32_t>::max()
+      ? split_blocks(inputs.n_heads(), kept)
+      : 0;
+  // The new rows go to slots kept + j whatever steps 1-2 do, so a second
+  // dispatch can write them over many threadgroups; after a wide shift or
+  // compaction, which read slots from kept on, always.
+  const uint32_t split_new = split_blocks(inputs.n_heads(), inputs.n_new());
+  const bool moves_wide = shift_groups_per_head != 0 || compact_groups_per_head != 0;
+  const uint32_t groups_per_head = moves_wide && split_new == 0 ? 1 : split_new;
+  // Steps 1-2 have nothing to do without stored rows, nor when none leaves
+  // and every output is its input's buffer (a prompt in chunks).
   // Slots [0, kept) of the outputs not in place start as a copy of the
   // input's in the slot layout (and in the temporal one when nothing
   // leaves): with few heads, over many threadgroups in a dispatch of its
@@ -88,9 +109,9 @@ LaunchPlans evict_and_fill_plan(
   params.copy_groups_per_head = copy_groups_per_head;
   // Several rows leave: the radix select reads every rank eight times and
   // the compaction again, from threadgroup memory where they fit.
-  const bool evicts_many = config.filled > kept + 1;
   params.cache_ranks = evicts_many && config.filled <= kEvictCachedRanks ? 1 : 0;
   params.shift_groups_per_head = shift_groups_per_head;
+  params.compact_groups_per_head = compact_groups_per_head;
   for (int i = 0; i < m; ++i) {
     params.row_bytes[i] = static_cast<uint32_t>(inputs.row_bytes(i));
     params.row_unit[i] = row_unit_bytes(
@@ -103,21 +124,31 @@ LaunchPlans evict_and_fill_plan(
       ? std::string("given")
       : dtype_name(inputs.rows[0].dtype()) + "_" +
           std::to_string(squares_per_lane(inputs.rows[0].shape(-1)));
-  // The wide shift's scratch (metal/evict_and_fill.h, knorm_shift_boundary),
-  // in kRowUnitWide-byte units: the evicted slots, then each payload's block
-  // boundaries. An offset fits a uint32 whenever the whole does
-  // (scratch_buffers refuses more than 2^31 - 1 units).
-  uint64_t shift_scratch = 0;
+  // The scratch buffer, in kRowUnitWide-byte units (scratch_buffers
+  // refuses more than 2^31 - 1, so every offset fits a uint32). The wide
+  // shift's (metal/evict_and_fill.h, knorm_shift_boundary): the evicted
+  // slots, then each payload's block boundaries. The wide compaction's
+  // (knorm_compaction_sources): the sources, then each payload's staged
+  // rows where it moves in place.
+  uint64_t scratch_units = 0;
   if (shift_groups_per_head != 0) {
-    auto units = [](uint64_t bytes) { return (bytes + kRowUnitWide - 1) / kRowUnitWide; };
     const uint64_t blocks = static_cast<uint64_t>(inputs.n_heads()) * shift_groups_per_head;
-    uint64_t at = units(static_cast<uint64_t>(inputs.n_heads()) * sizeof(uint32_t));
+    scratch_units = units(static_cast<uint64_t>(inputs.n_heads()) * sizeof(uint32_t));
     for (int i = 0; i < m; ++i) {
-      params.shift_scratch_units[i] = static_cast<uint32_t>(at);
-      at += units(blocks * inputs.row_bytes(i));
+      params.scratch_units[i] = static_cast<uint32_t>(scratch_units);
+      scratch_units += units(blocks * inputs.row_bytes(i));
     }
-    shift_scratch = at * kRowUnitWide;
+  } else if (compact_groups_per_head != 0) {
+    scratch_units = units(head_slots * sizeof(uint32_t));
+    for (int i = 0; i < m; ++i) {
+      if ((in_place >> i) & 1u) {
+        params.scratch_units[i] = static_cast<uint32_t>(scratch_units);
+        scratch_units += units(head_slots * inputs.row_bytes(i));
+      }
+    }
   }
+  const uint64_t scratch = scratch_units * kRowUnitWide;
+  const bool stages_compaction = compact_groups_per_head != 0 && (in_place & ((1u << m) - 1u)) != 0;
   LaunchPlans plans;
 
   if (copy_groups_per_head != 0) {
@@ -170,9 +201,9 @@ LaunchPlans evict_and_fill_plan(
     evict.buffers.push_back(BufferSlot::of(Kind::Output, outputs, m));
     evict.buffers.push_back(BufferSlot::of(Kind::Output, outputs, m + 1));
     evict.buffers.push_back(BufferSlot::block(params));
-    if (shift_groups_per_head != 0) {
+    if (scratch != 0) {
       evict.buffers.push_back(BufferSlot::scratch(0));
-      evict.scratch = {shift_scratch};
+      evict.scratch = {scratch};
     } else {
       evict.buffers.push_back(BufferSlot::unused(Kind::Output, mx::uint8));
     }
@@ -205,6 +236,35 @@ LaunchPlans evict_and_fill_plan(
     shift.buffers.push_back(BufferSlot::scratch(0));
     shift.buffers.push_back(BufferSlot::block(params));
     plans.push_back(std::move(shift));
+  }
+  if (stages_compaction) {
+    LaunchPlan stage;
+    stage.source = "evict_and_fill";
+    stage.kernel = "knorm_stage_compaction";
+    stage.group_size = kEvictGroupSize;
+    stage.groups = static_cast<uint32_t>(inputs.n_heads()) * compact_groups_per_head;
+    for (int i = 0; i < static_cast<int>(kEvictMaxPayloads); ++i) {
+      stage.buffers.push_back(payload_slot(Kind::Input, arrays, 0, i, m));
+    }
+    stage.buffers.push_back(BufferSlot::scratch(0));
+    stage.buffers.push_back(BufferSlot::block(params));
+    plans.push_back(std::move(stage));
+  }
+  if (compact_groups_per_head != 0) {
+    LaunchPlan compact;
+    compact.source = "evict_and_fill";
+    compact.kernel = "knorm_compact_kept_rows";
+    compact.group_size = kEvictGroupSize;
+    compact.groups = static_cast<uint32_t>(inputs.n_heads()) * compact_groups_per_head;
+    for (int i = 0; i < static_cast<int>(kEvictMaxPayloads); ++i) {
+      compact.buffers.push_back(payload_slot(Kind::Input, arrays, 0, i, m));
+    }
+    for (int i = 0; i < static_cast<int>(kEvictMaxPayloads); ++i) {
+      compact.buffers.push_back(payload_slot(Kind::Output, outputs, 0, i, m));
+    }
+    compact.buffers.push_back(BufferSlot::scratch(0));
+    compact.buffers.push_back(BufferSlot::block(params));
+    plans.push_back(std::move(compact));
   }
   if (groups_per_head != 0) {
     LaunchPlan fill;

@@ -175,6 +175,17 @@ BROKEN_KERNELS = (
         "run",
         {"thread": (TSAN_RACE, "knorm_gather_rows")},
     ),
+    # The temporal layout's wide compaction moving the rows of a payload in
+    # place from the buffer it writes rather than from their staged copies:
+    # blocks (and threads of one block) overwrite rows others still read.
+    BrokenKernel(
+        "compaction_unstaged",
+        (("evict_and_fill.h",
+          "    if (b.payload_in_place(i)) {\n      const device uchar* staged",
+          "    if (false) {\n      const device uchar* staged"),),
+        "run",
+        {"thread": (TSAN_RACE, "knorm_compact_kept_rows")},
+    ),
     # The cached ranks of a step where several rows leave written two slots
     # past the filled ones: past the [[threadgroup(0)]] length its plan set.
     BrokenKernel(

@@ -420,9 +420,12 @@ constexpr int kSplitCaseRows = 2 * static_cast<int>(kSplitRows) - 1;
 // Every output in place, temporal layout, rows spanning three 256-slot
 // chunks: a decode step (rows after the evicted one shift down by one), a
 // step evicting 300 rows, and one evicting 300 rows with a block of
-// kSplitCaseRows new ones (written by a second dispatch). The in-place compaction moves rows
-// onto rows other threads still read; only the waves' barriers keep that
-// apart.
+// kSplitCaseRows new ones (written by a second dispatch). The in-place
+// compaction moves rows onto rows other threads still read: the norms and
+// positions in the waves of one threadgroup a head, whose barriers keep
+// that apart; the K/V rows over 128-slot blocks (the wide shift, the wide
+// compaction), which the boundary rows or the staged copies in the scratch
+// buffer keep apart.
 std::vector<EvictAndFillCase> in_place_evict_and_fill_cases() {
   std::vector<EvictAndFillCase> cases;
   for (const auto [excess, n_new] : {std::pair{1, 1}, std::pair{300, 1}, std::pair{300, kSplitCaseRows}}) {
