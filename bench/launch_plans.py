@@ -10,8 +10,9 @@ D 128), float16, B = 1 and 4, budget 2048. evict_and_fill runs through
 prompt of S = 4096 into an empty cache, the first decode step after it
 (4096 rows down to the budget: many leave) and a decode step at the budget
 (one leaves), in the slot layout and in the temporal one.
-protected_topk_gather is the op on fresh arrays: S = 4096
-new rows and no prior, and S = 1 onto 2048 prior rows. Only the first
+protected_topk_gather is the op: S = 4096 new rows and no
+prior, and S = 1 onto 2048 prior rows, held by the caller and donated (in
+place). Only the first
 threadgroup of each dispatch runs (the plans do not depend on the rows):
 the outputs are not meant to be read.
 
@@ -61,19 +62,23 @@ def temporal_cache_steps(batch: int, heads: int, dim: int):
 
 
 def gather_steps(batch: int, heads: int, dim: int):
-    def gather(n_prior: int, n_new: int) -> None:
+    def gather(n_prior: int, n_new: int, donate: bool = False) -> None:
         # The op's heads are the batch's: [B * H, S, D].
         def rows(n, d):
             return mx.ones((batch * heads, n, d), mx.float16)
 
+        prior = [rows(n_prior, dim), rows(n_prior, dim), mx.ones((batch * heads, n_prior), mx.float32)]
+        mx.eval(prior)
         out = mlx_knorm.protected_topk_gather(
-            rows(n_prior, dim), rows(n_prior, dim), mx.ones((batch * heads, n_prior), mx.float32),
-            rows(n_new, dim), rows(n_new, dim), mx.ones((batch * heads, n_new), mx.float32),
+            *prior, rows(n_new, dim), rows(n_new, dim), mx.ones((batch * heads, n_new), mx.float32),
             budget=BUDGET, n_sink=4, recent=0, keep="low")
+        if donate:
+            del prior[:]
         mx.eval(out)
 
     yield "gather prefill S=4096", lambda: gather(0, PROMPT)
     yield "gather decode S=1", lambda: gather(BUDGET, 1)
+    yield "gather decode S=1 in place", lambda: gather(BUDGET, 1, donate=True)
 
 
 def main() -> None:

@@ -17,7 +17,11 @@
 // most of a GPU idle while the rows move, so the launch plan splits the step
 // in two dispatches: knorm_protected_topk_gather with copy_rows = 0 selects
 // (and compacts in place), then knorm_gather_rows copies the rows from the
-// indices, kSplitRows output rows per threadgroup.
+// indices, kSplitRows output rows per threadgroup. Keys or values in place
+// then move in three (stage_prior): the selection leaves them,
+// knorm_stage_prior_rows copies their prior rows that move to a scratch
+// buffer, and knorm_gather_rows writes them from there, since a block's
+// sources may lie in any later block's rows.
 //
 // Instantiated in protected_topk_gather.metal; launched by the plans of
 // csrc/protected_topk_gather/plan.cpp. Compiles as Metal Shading Language
@@ -119,7 +123,9 @@ inline void knorm_compact(
 // bytes (knorm_copy_bits) so that loads and stores coalesce; the bits move
 // as they are. With skip_prior (the output is its prior's buffer,
 // compacted in place) rows from the prior are already there and only new
-// rows are written.
+// rows are written, unless `staged` is given (stage_prior): then the prior
+// rows that move come from there, at their output rows, and only those
+// already where they belong are not written.
 template <typename T>
 inline void knorm_copy_rows(
     uint head_index,
@@ -133,6 +139,7 @@ inline void knorm_copy_rows(
     uint begin,
     uint end,
     bool skip_prior,
+    device const T* staged,
     uint dim,
     uint unit,
     uint lane,
@@ -140,6 +147,7 @@ inline void knorm_copy_rows(
   device const T* prior_rows = prior + ulong(head_index) * n_prior * dim;
   device const T* new_rows = fresh + ulong(head_index) * n_new * dim;
   device T* head_rows = out + ulong(head_index) * kept * dim;
+  device const T* staged_rows = staged + ulong(head_index) * kept * dim;
   const KnormRowLanes lanes = knorm_row_lanes(dim * uint(sizeof(T)) / unit, lane);
   if (lanes.row >= lanes.rows) {
     return;
@@ -148,13 +156,75 @@ inline void knorm_copy_rows(
   const uint stride = kGatherSimdGroups * lanes.rows;
   for (uint p = begin + simd_group * lanes.rows + lanes.row; p < end; p += stride) {
     const uint j = row_indices[p];
-    if (j < n_prior && skip_prior) {
-      continue;
-    }
     device const T* src = j < n_prior ? prior_rows + ulong(j) * dim
                                       : new_rows + ulong(j - n_prior) * dim;
+    if (j < n_prior && skip_prior) {
+      if (staged == nullptr || j == p) {
+        continue;
+      }
+      src = staged_rows + ulong(p) * dim;
+    }
     knorm_copy_bits(src, head_rows + ulong(p) * dim, dim, unit, lanes.first, lanes.stride);
   }
+}
+
+// Before knorm_gather_rows with stage_prior: the prior rows of output rows
+// [begin, end) of one head that move (indices below n_prior other than
+// their output row), to the same rows of `staged`, as knorm_copy_rows
+// copies.
+template <typename T>
+inline void knorm_stage_rows(
+    uint head_index,
+    uint n_prior,
+    uint kept,
+    device const uint* row_indices,
+    device const T* prior,
+    device T* staged,
+    uint begin,
+    uint end,
+    uint dim,
+    uint unit,
+    uint lane,
+    uint simd_group) {
+  device const T* prior_rows = prior + ulong(head_index) * n_prior * dim;
+  device T* staged_rows = staged + ulong(head_index) * kept * dim;
+  const KnormRowLanes lanes = knorm_row_lanes(dim * uint(sizeof(T)) / unit, lane);
+  if (lanes.row >= lanes.rows) {
+    return;
+  }
+  const uint stride = kGatherSimdGroups * lanes.rows;
+  for (uint p = begin + simd_group * lanes.rows + lanes.row; p < end; p += stride) {
+    const uint j = row_indices[p];
+    if (j < n_prior && j != p) {
+      knorm_copy_bits(prior_rows + ulong(j) * dim, staged_rows + ulong(p) * dim, dim, unit,
+                      lanes.first, lanes.stride);
+    }
+  }
+}
+
+// The output rows [begin, end) of head `head` that threadgroup `group` of a
+// split gather's row dispatches takes: kSplitRows of them from
+// first_row + b * kSplitRows, b = group % groups_per_head.
+struct KnormGatherBlock {
+  uint head;
+  uint begin;
+  uint end;
+};
+
+inline KnormGatherBlock knorm_gather_block(constant KnormGatherParams& params, uint group) {
+  KnormGatherBlock block;
+  block.head = group / params.groups_per_head;
+  block.begin = params.first_row + (group % params.groups_per_head) * kSplitRows;
+  // begin < kept; begin + kSplitRows may not fit in a uint.
+  block.end = params.kept - block.begin > kSplitRows ? block.begin + kSplitRows : params.kept;
+  return block;
+}
+
+// The staged keys and values of a gather with stage_prior, in the scratch
+// buffer (csrc/protected_topk_gather/plan.cpp lays it out).
+template <typename T>
+inline device T* knorm_staged(device uchar* scratch, uint units) {
+  return (device T*)(scratch + ulong(units) * kRowUnitWide);
 }
 
 // One head's outputs, with the bits of in_place: keys 1, values 2, norms 4
@@ -287,9 +357,11 @@ template <typename K, typename V>
   threadgroup_barrier(mem_flags::mem_device);
   uint prior_kept = 0;
   if (in_place != 0) {
+    // With stage_prior the keys and values move in later dispatches.
+    const uint moved_here = params.stage_prior != 0 ? in_place & 4u : in_place;
     const KnormGatherOutputs<K, V> out = {
         out_keys + ulong(row) * kept * key_dim, out_values + ulong(row) * kept * value_dim,
-        row_norms, key_dim, value_dim, key_unit, value_unit, in_place};
+        row_norms, key_dim, value_dim, key_unit, value_unit, moved_here};
     // Each wave of knorm_move_rows ends with a barrier on device memory: the
     // prior rows are read before the new rows below replace them.
     prior_kept = knorm_compact_in_place(head, row_indices, out, sources, simd_totals, tid,
@@ -298,11 +370,11 @@ template <typename K, typename V>
   // The rows an output in place still lacks are the new ones.
   if (params.copy_rows != 0) {
     knorm_copy_rows(row, n_prior, n_new, kept, row_indices, prior_keys, new_keys, out_keys,
-                    (in_place & 1u) != 0 ? prior_kept : 0u, kept, false, key_dim, key_unit,
-                    lane, simd_group);
+                    (in_place & 1u) != 0 ? prior_kept : 0u, kept, false,
+                    (device const K*)nullptr, key_dim, key_unit, lane, simd_group);
     knorm_copy_rows(row, n_prior, n_new, kept, row_indices, prior_values, new_values,
                     out_values, (in_place & 2u) != 0 ? prior_kept : 0u, kept, false,
-                    value_dim, value_unit, lane, simd_group);
+                    (device const V*)nullptr, value_dim, value_unit, lane, simd_group);
   }
   if (norms_in_place) {
     for (uint p = prior_kept + tid; p < kept; p += kGatherGroupSize) {
@@ -311,12 +383,42 @@ template <typename K, typename V>
   }
 }
 
+// The prior rows that move of a gather's keys and values in place, with
+// stage_prior, after the selection wrote the indices: threadgroup g copies
+// those of its block of output rows (knorm_gather_block; first_row is 0) to
+// the scratch buffer. It writes no output, so its blocks read the prior
+// rows as they were.
+template <typename K, typename V>
+[[kernel]] void knorm_stage_prior_rows(
+    device const K* prior_keys KNORM_BUFFER(0),
+    device const V* prior_values KNORM_BUFFER(1),
+    device const uint* indices KNORM_BUFFER(2),
+    device uchar* scratch KNORM_BUFFER(3),
+    constant KnormGatherParams& params KNORM_BUFFER(4),
+    uint group KNORM_ATTRIBUTE(threadgroup_position_in_grid),
+    uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
+    uint simd_group KNORM_ATTRIBUTE(simdgroup_index_in_threadgroup)) {
+  const uint kept = params.kept;
+  const KnormGatherBlock block = knorm_gather_block(params, group);
+  device const uint* row_indices = indices + ulong(block.head) * kept;
+  if ((params.in_place & 1u) != 0) {
+    knorm_stage_rows(block.head, params.n_prior, kept, row_indices, prior_keys,
+                     knorm_staged<K>(scratch, params.staged_key_units), block.begin, block.end,
+                     params.key_dim, params.key_unit, lane, simd_group);
+  }
+  if ((params.in_place & 2u) != 0) {
+    knorm_stage_rows(block.head, params.n_prior, kept, row_indices, prior_values,
+                     knorm_staged<V>(scratch, params.staged_value_units), block.begin,
+                     block.end, params.value_dim, params.value_unit, lane, simd_group);
+  }
+}
+
 // The key and value rows of a gather whose selection ran before
 // (knorm_protected_topk_gather with copy_rows = 0 wrote the indices, and
-// compacted the outputs that are in place): threadgroup g copies output rows
-// [first_row + b * kSplitRows, + kSplitRows) of head
-// g / groups_per_head, b = g % groups_per_head. Rows below first_row are
-// kept prior rows of outputs in place, which are already compacted.
+// compacted the outputs that are in place unless stage_prior, whose moving
+// rows knorm_stage_prior_rows staged): threadgroup g copies its block of
+// output rows (knorm_gather_block). Rows below first_row are kept prior
+// rows of outputs in place, which are already compacted.
 template <typename K, typename V>
 [[kernel]] void knorm_gather_rows(
     device const K* prior_keys KNORM_BUFFER(0),
@@ -327,6 +429,7 @@ template <typename K, typename V>
     device K* out_keys KNORM_BUFFER(5),
     device V* out_values KNORM_BUFFER(6),
     constant KnormGatherParams& params KNORM_BUFFER(7),
+    device uchar* scratch KNORM_BUFFER(8),
     uint group KNORM_ATTRIBUTE(threadgroup_position_in_grid),
     uint lane KNORM_ATTRIBUTE(thread_index_in_simdgroup),
     uint simd_group KNORM_ATTRIBUTE(simdgroup_index_in_threadgroup)) {
@@ -338,18 +441,22 @@ template <typename K, typename V>
   const uint in_place = params.in_place;
   const uint key_unit = params.key_unit;
   const uint value_unit = params.value_unit;
-  const uint first_row = params.first_row;
-  const uint groups_per_head = params.groups_per_head;
-  const uint head = group / groups_per_head;
-  const uint begin = first_row + (group % groups_per_head) * kSplitRows;
-  // begin < kept; begin + kSplitRows may not fit in a uint.
-  const uint end = kept - begin > kSplitRows ? begin + kSplitRows : kept;
+  const KnormGatherBlock block = knorm_gather_block(params, group);
+  const uint head = block.head;
+  const uint begin = block.begin;
+  const uint end = block.end;
   device const uint* row_indices = indices + ulong(head) * kept;
+  const bool staged = params.stage_prior != 0;
   knorm_copy_rows(head, n_prior, n_new, kept, row_indices, prior_keys, new_keys, out_keys,
-                  begin, end, (in_place & 1u) != 0, key_dim, key_unit, lane, simd_group);
+                  begin, end, (in_place & 1u) != 0,
+                  staged ? (device const K*)knorm_staged<K>(scratch, params.staged_key_units)
+                         : (device const K*)nullptr,
+                  key_dim, key_unit, lane, simd_group);
   knorm_copy_rows(head, n_prior, n_new, kept, row_indices, prior_values, new_values,
-                  out_values, begin, end, (in_place & 2u) != 0, value_dim, value_unit, lane,
-                  simd_group);
+                  out_values, begin, end, (in_place & 2u) != 0,
+                  staged ? (device const V*)knorm_staged<V>(scratch, params.staged_value_units)
+                         : (device const V*)nullptr,
+                  value_dim, value_unit, lane, simd_group);
 }
 
 #endif // MLX_KNORM_METAL_PROTECTED_TOPK_GATHER_H

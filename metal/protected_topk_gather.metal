@@ -11,7 +11,10 @@
       knorm_protected_topk_gather<ktype, vtype>)                           \
   KNORM_KERNEL_INSTANCE(                                                   \
       "knorm_gather_rows_" #kname "_" #vname,                              \
-      knorm_gather_rows<ktype, vtype>)
+      knorm_gather_rows<ktype, vtype>)                                     \
+  KNORM_KERNEL_INSTANCE(                                                   \
+      "knorm_stage_prior_rows_" #kname "_" #vname,                         \
+      knorm_stage_prior_rows<ktype, vtype>)
 #define KNORM_GATHER_INSTANCES(kname, ktype)             \
   KNORM_GATHER_INSTANCE(kname, ktype, float16, half)     \
   KNORM_GATHER_INSTANCE(kname, ktype, bfloat16, bfloat)  \

@@ -66,6 +66,40 @@ def test_protected_topk_gather_edges(n_prior, n_new, budget, n_sink, recent, pal
         assert_bitwise_equal(b, a, name)
 
 
+@pytest.mark.parametrize("n_new", [1, 50, 300])
+@pytest.mark.parametrize("donated", [(0, 1, 2), (0,), (1, 2)])
+def test_protected_topk_gather_in_place_moves_over_many_threadgroups(n_new, donated):
+    """A gather whose keys or values are compacted in place, with few heads
+    and more than 128 rows kept: the prior rows that move are staged over
+    blocks of 128 output rows (knorm_stage_prior_rows), then written with
+    the new rows (knorm_gather_rows), not moved by one threadgroup a head;
+    the threadgroups in either order, the donated prior arrays (keys,
+    values, norms) in any combination, the others held."""
+    heads, kept = 3, 300
+    rng = np.random.default_rng(n_new + len(donated))
+    arrays = protected_topk_gather_arrays(rng, heads, kept, n_new, 8, 5, key_palette="special",
+                                          norm_palette="ties")
+    blocks = -(-kept // 128)
+    for reverse in (False, True):
+        results = []
+        for emulate in (False, True):
+            prior = [mx.array(np.array(a)) for a in arrays[:3]]
+            mx.eval(prior)
+            held = {i: prior[i] for i in range(3) if i not in donated}
+            out = _native.ext.protected_topk_gather(*prior, *arrays[3:], kept, 2, 7, "low",
+                                                    emulate_metal=emulate, stream=mx.cpu)
+            del prior
+            log = emulator_log(lambda: mx.eval(out), reverse_groups=reverse)
+            results.append(out)
+            if emulate:
+                assert [(d["kernel"].rsplit("_float", 2)[0], d["groups"]) for d in log[1:]] == [
+                    ("knorm_stage_prior_rows", heads * blocks), ("knorm_gather_rows", heads * blocks)]
+            for i, a in held.items():
+                assert_bitwise_equal(a, arrays[i], f"held prior {i}")
+        for name, a, b in zip(("keys", "values", "norms", "indices"), *results):
+            assert_bitwise_equal(b, a, f"{name} reverse={reverse}")
+
+
 def test_protected_topk_gather_all_equal_scores_keep_earliest():
     n_prior, budget = 300, 40
     args = (

@@ -4,6 +4,8 @@
 #include "protected_topk_gather/protected_topk_gather.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <string>
 
 #include "common/dtype.h"
@@ -27,10 +29,31 @@ LaunchPlans protected_topk_gather_plan(
       row_unit({&inputs.prior_keys, &inputs.new_keys, &outputs[0]}, inputs.key_dim());
   const uint32_t value_unit =
       row_unit({&inputs.prior_values, &inputs.new_values, &outputs[1]}, inputs.value_dim());
+  // Keys or values in place with few heads and more than kSplitRows kept:
+  // their prior rows that move are staged in a scratch buffer over many
+  // threadgroups (knorm_stage_prior_rows), then written with the rest
+  // (knorm_gather_rows), rather than compacted by one threadgroup a head.
+  // The scratch then holds the kept K/V of one layer's outputs in place;
+  // past what its offsets can address, the selection compacts them.
+  auto units = [](uint64_t bytes) { return (bytes + kRowUnitWide - 1) / kRowUnitWide; };
+  const uint64_t head_rows = static_cast<uint64_t>(inputs.n_heads()) * sel.kept;
+  uint64_t scratch_units = 0;
+  uint64_t staged_key_units = 0;
+  uint64_t staged_value_units = 0;
+  if (in_place & 1u) {
+    staged_key_units = scratch_units;
+    scratch_units += units(head_rows * inputs.key_dim() * inputs.prior_keys.itemsize());
+  }
+  if (in_place & 2u) {
+    staged_value_units = scratch_units;
+    scratch_units += units(head_rows * inputs.value_dim() * inputs.prior_values.itemsize());
+  }
+  const bool stage_prior = (in_place & 3u) != 0 && split_blocks(inputs.n_heads(), sel.kept) != 0 &&
+      scratch_units <= std::numeric_limits<int32_t>::max();
   // Outputs in place hold their kept prior rows after the selection's
   // compaction, so of them only the new rows, at most min(S, kept) at the
   // end, are copied.
-  const bool kv_in_place = (in_place & 3u) == 3u;
+  const bool kv_in_place = (in_place & 3u) == 3u && !stage_prior;
   const int64_t first_row =
       kv_in_place ? sel.kept - std::min<int64_t>(inputs.n_new(), sel.kept) : 0;
   const uint32_t groups_per_head = split_blocks(inputs.n_heads(), sel.kept - first_row);
@@ -64,10 +87,13 @@ LaunchPlans protected_topk_gather_plan(
   params.groups_per_head = groups_per_head;
   const int64_t n_total = sel.n_total;
   params.cache_norms = mid_keep > 0 && n_total <= kGatherCachedNorms ? 1 : 0;
+  params.stage_prior = stage_prior ? 1 : 0;
+  params.staged_key_units = stage_prior ? static_cast<uint32_t>(staged_key_units) : 0;
+  params.staged_value_units = stage_prior ? static_cast<uint32_t>(staged_value_units) : 0;
   select.buffers = array_slots(arrays, outputs);
   select.buffers.push_back(BufferSlot::block(params));
   // [[threadgroup(0)]]: the cached norms; [[threadgroup(1)]]: a chunk's
-  // sources, used only by an output in place.
+  // sources, used only by an output the selection compacts in place.
   select.threadgroup_bytes = {
       threadgroup_length(params.cache_norms != 0 ? n_total * sizeof(float) : 0),
       threadgroup_length(in_place != 0 ? kGatherGroupSize * sizeof(uint32_t) : 0)};
@@ -75,12 +101,28 @@ LaunchPlans protected_topk_gather_plan(
     return {select};
   }
 
+  using Kind = BufferSlot::Kind;
+  LaunchPlans plans = {select};
+  if (stage_prior) {
+    plans[0].scratch = {scratch_units * kRowUnitWide};
+    LaunchPlan stage;
+    stage.source = "protected_topk_gather";
+    stage.kernel = "knorm_stage_prior_rows_" + types;
+    stage.group_size = kGatherGroupSize;
+    stage.groups = static_cast<uint32_t>(inputs.n_heads()) * groups_per_head;
+    stage.buffers = {
+        BufferSlot::of(Kind::Input, arrays, 0),  // prior keys
+        BufferSlot::of(Kind::Input, arrays, 1),  // prior values
+        BufferSlot::of(Kind::EarlierOutput, outputs, 3),  // indices
+        BufferSlot::scratch(0),
+        BufferSlot::block(params)};
+    plans.push_back(std::move(stage));
+  }
   LaunchPlan copy;
   copy.source = "protected_topk_gather";
   copy.kernel = "knorm_gather_rows_" + types;
   copy.group_size = kGatherGroupSize;
   copy.groups = static_cast<uint32_t>(inputs.n_heads()) * groups_per_head;
-  using Kind = BufferSlot::Kind;
   copy.buffers = {
       BufferSlot::of(Kind::Input, arrays, 0),  // prior keys
       BufferSlot::of(Kind::Input, arrays, 1),  // prior values
@@ -89,8 +131,10 @@ LaunchPlans protected_topk_gather_plan(
       BufferSlot::of(Kind::EarlierOutput, outputs, 3),  // indices
       BufferSlot::of(Kind::Output, outputs, 0),
       BufferSlot::of(Kind::Output, outputs, 1),
-      BufferSlot::block(params)};
-  return {select, copy};
+      BufferSlot::block(params),
+      stage_prior ? BufferSlot::scratch(0) : BufferSlot::unused(Kind::Output, mx::uint8)};
+  plans.push_back(std::move(copy));
+  return plans;
 }
 
 } // namespace mlx_knorm

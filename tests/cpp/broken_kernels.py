@@ -107,8 +107,8 @@ BROKEN_KERNELS = (
     BrokenKernel(
         "unguarded_copy_tail",
         (("protected_topk_gather.h",
-          "  const uint end = kept - begin > kSplitRows ? begin + kSplitRows : kept;\n",
-          "  const uint end = begin + kSplitRows;\n"),),
+          "  block.end = params.kept - block.begin > kSplitRows ? block.begin + kSplitRows : params.kept;\n",
+          "  block.end = block.begin + kSplitRows;\n"),),
         "run",
         {"address": ("heap-buffer-overflow", "knorm_gather_rows")},
     ),
@@ -170,8 +170,8 @@ BROKEN_KERNELS = (
     BrokenKernel(
         "copy_ignores_in_place",
         (("protected_topk_gather.h",
-          "                  begin, end, (in_place & 1u) != 0, key_dim,",
-          "                  begin, end, false, key_dim,"),),
+          "                  begin, end, (in_place & 1u) != 0,\n",
+          "                  begin, end, false,\n"),),
         "run",
         {"thread": (TSAN_RACE, "knorm_gather_rows")},
     ),

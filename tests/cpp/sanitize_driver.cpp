@@ -542,10 +542,11 @@ std::vector<GatherCase> fixed_gather_cases() {
 
 // Steps from a full state of 600 rows in place, over three 256-row chunks:
 // a decode step (the rows after the evicted one shift down by one), one
-// evicting 7 rows among ties, and one evicting kSplitCaseRows (whose new
-// rows a second dispatch copies), that one also with only the keys or only the values in
-// place. The moves write rows other threads still read; only the waves'
-// barriers keep that apart.
+// evicting 7 rows among ties, and one evicting kSplitCaseRows, that one
+// also with only the keys or only the values in place. The moves write rows
+// other threads still read: the norms in the selection's waves, whose
+// barriers keep that apart; the keys and values over 128-row blocks, from
+// copies staged in the scratch buffer by a dispatch before.
 std::vector<GatherCase> in_place_gather_cases() {
   std::vector<GatherCase> cases;
   for (const auto [n_new, shared] :
