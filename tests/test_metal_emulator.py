@@ -151,6 +151,24 @@ def evict_and_fill_native_and_emulated(args, config, donate):
     return results
 
 
+def evict_and_fill_values_held(args, config):
+    """Both kernels from copies of ``args`` whose values the test holds (so
+    they are not donated) and whose other arrays it does not: the keys,
+    norms and positions in place, the values into a fresh buffer, left as
+    they were."""
+    results = []
+    for emulate in (False, True):
+        arrays = [mx.array(np.array(a)) for a in args]
+        mx.eval(arrays)
+        values = arrays[1]
+        out = _native.ext.evict_and_fill(*arrays, **config, emulate_metal=emulate, stream=mx.cpu)
+        del arrays[:]
+        mx.eval(out)
+        results.append(out)
+        assert np.array_equal(np.array(values), np.array(args[1]), equal_nan=True)
+    return results
+
+
 @pytest.mark.parametrize(
     "slots, filled, budget, n_new",
     [
@@ -440,17 +458,8 @@ def test_evict_and_fill_temporal_decode_shifts_over_many_threadgroups(kept, evic
             assert native[3][h, :kept].tolist() == [p for p in range(slots) if p != e]
     # The values held elsewhere: the keys shift in place, the values into a
     # fresh buffer.
-    results = []
-    for emulate in (False, True):
-        arrays = [mx.array(np.array(a)) for a in args]
-        mx.eval(arrays)
-        values = arrays[1]
-        out = _native.ext.evict_and_fill(*arrays, **config, emulate_metal=emulate, stream=mx.cpu)
-        del arrays[:]
-        mx.eval(out)
-        results.append(out)
-        assert np.array_equal(np.array(values), np.array(args[1]), equal_nan=True)
-    assert_slots_equal(results[1], results[0], kept + 1, "values held")
+    native, emulated = evict_and_fill_values_held(args, config)
+    assert_slots_equal(emulated, native, kept + 1, "values held")
 
 
 @pytest.mark.parametrize(
@@ -485,17 +494,8 @@ def test_evict_and_fill_temporal_compaction_moves_over_many_threadgroups(slots, 
         assert_slots_equal(emulated, native, budget + n_new, f"donate={donate} reverse={reverse}")
         positions = np.array(native[3][:, :budget])
         assert (np.diff(positions, axis=1) > 0).all()
-    results = []
-    for emulate in (False, True):
-        arrays = [mx.array(np.array(a)) for a in args]
-        mx.eval(arrays)
-        values = arrays[1]
-        out = _native.ext.evict_and_fill(*arrays, **config, emulate_metal=emulate, stream=mx.cpu)
-        del arrays[:]
-        mx.eval(out)
-        results.append(out)
-        assert np.array_equal(np.array(values), np.array(args[1]), equal_nan=True)
-    assert_slots_equal(results[1], results[0], budget + n_new, "values held")
+    native, emulated = evict_and_fill_values_held(args, config)
+    assert_slots_equal(emulated, native, budget + n_new, "values held")
 
 
 @pytest.mark.parametrize("hold", [None, 2, 4])
