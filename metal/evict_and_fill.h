@@ -365,7 +365,7 @@ inline void knorm_move_pairs(
 // The buffers of head `head`, from those of the whole batch (`batch`: the
 // bindings, as bound) and the step's constants.
 // The same for the payloads alone (a kernel that binds no norms or
-// positions leaves them null).
+// positions, or no output rows, leaves them null).
 inline KnormEvictBuffers knorm_evict_payloads_of_head(
     constant KnormEvictParams& params,
     uint head,
@@ -380,7 +380,9 @@ inline KnormEvictBuffers knorm_evict_payloads_of_head(
     b.row_unit[i] = params.row_unit[i];
     if (i < params.payloads) {
       b.rows[i] += in_row * params.row_bytes[i];
-      b.out_rows[i] += out_row * params.row_bytes[i];
+      if (b.out_rows[i] != nullptr) {
+        b.out_rows[i] += out_row * params.row_bytes[i];
+      }
     }
   }
   return b;

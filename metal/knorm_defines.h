@@ -204,10 +204,11 @@ struct KnormGatherParams {
   // the threadgroup buffer the plan sized for them (at most
   // kGatherCachedNorms).
   uint32_t cache_norms;
-  // 1: the keys or values in place are compacted over groups_per_head
-  // threadgroups per head, not by the selection: knorm_stage_prior_rows
-  // copies their prior rows that move to the scratch buffer, at their
-  // output rows, and knorm_gather_rows writes them from there.
+  // Bits (keys 1, values 2) of the outputs in place compacted over
+  // groups_per_head threadgroups per head, not by the selection:
+  // knorm_stage_prior_rows copies their prior rows that move to the scratch
+  // buffer, at their output rows, and knorm_gather_rows writes them from
+  // there.
   uint32_t stage_prior;
   // Where the staged keys and values start in the scratch buffer, in
   // kRowUnitWide-byte units (kept rows a head, head-major).

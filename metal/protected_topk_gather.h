@@ -147,7 +147,6 @@ inline void knorm_copy_rows(
   device const T* prior_rows = prior + ulong(head_index) * n_prior * dim;
   device const T* new_rows = fresh + ulong(head_index) * n_new * dim;
   device T* head_rows = out + ulong(head_index) * kept * dim;
-  device const T* staged_rows = staged + ulong(head_index) * kept * dim;
   const KnormRowLanes lanes = knorm_row_lanes(dim * uint(sizeof(T)) / unit, lane);
   if (lanes.row >= lanes.rows) {
     return;
@@ -162,7 +161,7 @@ inline void knorm_copy_rows(
       if (staged == nullptr || j == p) {
         continue;
       }
-      src = staged_rows + ulong(p) * dim;
+      src = staged + (ulong(head_index) * kept + p) * dim;
     }
     knorm_copy_bits(src, head_rows + ulong(p) * dim, dim, unit, lanes.first, lanes.stride);
   }
@@ -356,9 +355,9 @@ template <typename K, typename V>
   // moves in place overwrite norms the compaction read.
   threadgroup_barrier(mem_flags::mem_device);
   uint prior_kept = 0;
-  if (in_place != 0) {
-    // With stage_prior the keys and values move in later dispatches.
-    const uint moved_here = params.stage_prior != 0 ? in_place & 4u : in_place;
+  // The outputs in place but staged move in later dispatches.
+  const uint moved_here = in_place & ~params.stage_prior;
+  if (moved_here != 0) {
     const KnormGatherOutputs<K, V> out = {
         out_keys + ulong(row) * kept * key_dim, out_values + ulong(row) * kept * value_dim,
         row_norms, key_dim, value_dim, key_unit, value_unit, moved_here};
@@ -401,12 +400,12 @@ template <typename K, typename V>
   const uint kept = params.kept;
   const KnormGatherBlock block = knorm_gather_block(params, group);
   device const uint* row_indices = indices + ulong(block.head) * kept;
-  if ((params.in_place & 1u) != 0) {
+  if ((params.stage_prior & 1u) != 0) {
     knorm_stage_rows(block.head, params.n_prior, kept, row_indices, prior_keys,
                      knorm_staged<K>(scratch, params.staged_key_units), block.begin, block.end,
                      params.key_dim, params.key_unit, lane, simd_group);
   }
-  if ((params.in_place & 2u) != 0) {
+  if ((params.stage_prior & 2u) != 0) {
     knorm_stage_rows(block.head, params.n_prior, kept, row_indices, prior_values,
                      knorm_staged<V>(scratch, params.staged_value_units), block.begin,
                      block.end, params.value_dim, params.value_unit, lane, simd_group);
@@ -446,16 +445,18 @@ template <typename K, typename V>
   const uint begin = block.begin;
   const uint end = block.end;
   device const uint* row_indices = indices + ulong(head) * kept;
-  const bool staged = params.stage_prior != 0;
+  const uint staged = params.stage_prior;
   knorm_copy_rows(head, n_prior, n_new, kept, row_indices, prior_keys, new_keys, out_keys,
                   begin, end, (in_place & 1u) != 0,
-                  staged ? (device const K*)knorm_staged<K>(scratch, params.staged_key_units)
-                         : (device const K*)nullptr,
+                  (staged & 1u) != 0
+                      ? (device const K*)knorm_staged<K>(scratch, params.staged_key_units)
+                      : (device const K*)nullptr,
                   key_dim, key_unit, lane, simd_group);
   knorm_copy_rows(head, n_prior, n_new, kept, row_indices, prior_values, new_values,
                   out_values, begin, end, (in_place & 2u) != 0,
-                  staged ? (device const V*)knorm_staged<V>(scratch, params.staged_value_units)
-                         : (device const V*)nullptr,
+                  (staged & 2u) != 0
+                      ? (device const V*)knorm_staged<V>(scratch, params.staged_value_units)
+                      : (device const V*)nullptr,
                   value_dim, value_unit, lane, simd_group);
 }
 

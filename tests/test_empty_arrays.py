@@ -49,6 +49,10 @@ PROTECTED_TOPK_GATHER_CASES = {
     "D_k = 0": (9, 4, 0, 5, 6),
     "D_v = 0": (9, 4, 3, 0, 6),
     "D_k = D_v = 0, empty prior": (0, 9, 0, 0, 6),
+    # More than 128 rows kept a head: the Metal plans split the row copies
+    # over many threadgroups (an empty buffer is its input's, as if donated).
+    "D_k = 0, kept past a block": (200, 4, 0, 5, 200),
+    "D_v = 0, kept past a block": (200, 4, 3, 0, 200),
 }
 
 
@@ -73,6 +77,8 @@ EVICT_AND_FILL_CASES = {
     "D_k = 0": (10, 10, 2, 0, 3, 6),
     "D_v = 0": (10, 10, 2, 4, 0, 6),
     "D_k = D_v = 0, S = 0": (10, 10, 0, 0, 0, 6),
+    "D_v = 0, many leave past a block": (400, 400, 2, 4, 0, 200),
+    "D_k = 0, one leaves past a block": (201, 201, 1, 0, 3, 200),
 }
 
 
@@ -89,3 +95,21 @@ def test_evict_and_fill(backend, case):
         native, fallback = on_backends(backend, mlx_knorm.evict_and_fill, *args, **config, layout=layout)
         for name, a, b in zip(("keys", "values", "norms", "positions"), native, fallback):
             assert_bitwise_equal(a, b, f"{case}, {layout}: {name}")
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS)
+def test_no_heads_with_rows_past_a_block(backend):
+    """N = 0 with more than 128 rows a head: no plan splits rows it does
+    not have (nor asks for scratch memory for them)."""
+    rng = np.random.default_rng(0)
+    gather = [a[:0] for a in protected_topk_gather_arrays(rng, 1, 300, 4, 3, 5)]
+    native, fallback = on_backends(backend, mlx_knorm.protected_topk_gather, *gather, 200, 1, 1, "low")
+    for name, a, b in zip(("keys", "values", "norms", "indices"), native, fallback):
+        assert_bitwise_equal(a, b, f"gather: {name}")
+    args = [a[:0] for a in evict_and_fill_arrays(rng, 1, 400, 2, 4, 3)]
+    for filled in (400, 201):
+        config = dict(filled=filled, offset=400, capacity=202, budget=200, n_sink=1, recent=1, keep="low")
+        for layout in ("slots", "temporal"):
+            native, fallback = on_backends(backend, mlx_knorm.evict_and_fill, *args, **config, layout=layout)
+            for name, a, b in zip(("keys", "values", "norms", "positions"), native, fallback):
+                assert_bitwise_equal(a, b, f"filled {filled}, {layout}: {name}")

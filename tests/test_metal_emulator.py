@@ -67,7 +67,7 @@ def test_protected_topk_gather_edges(n_prior, n_new, budget, n_sink, recent, pal
 
 
 @pytest.mark.parametrize("n_new", [1, 50, 300])
-@pytest.mark.parametrize("donated", [(0, 1, 2), (0,), (1, 2)])
+@pytest.mark.parametrize("donated", [(0, 1, 2), (0, 1), (0,), (1, 2), (2,)])
 def test_protected_topk_gather_in_place_moves_over_many_threadgroups(n_new, donated):
     """A gather whose keys or values are compacted in place, with few heads
     and more than 128 rows kept: the prior rows that move are staged over
@@ -86,14 +86,17 @@ def test_protected_topk_gather_in_place_moves_over_many_threadgroups(n_new, dona
             prior = [mx.array(np.array(a)) for a in arrays[:3]]
             mx.eval(prior)
             held = {i: prior[i] for i in range(3) if i not in donated}
+            addresses = [address_of(a) for a in prior]
             out = _native.ext.protected_topk_gather(*prior, *arrays[3:], kept, 2, 7, "low",
                                                     emulate_metal=emulate, stream=mx.cpu)
             del prior
             log = emulator_log(lambda: mx.eval(out), reverse_groups=reverse)
             results.append(out)
+            assert [address_of(out[i]) == addresses[i] for i in range(3)] == [i in donated for i in range(3)]
             if emulate:
-                assert [(d["kernel"].rsplit("_float", 2)[0], d["groups"]) for d in log[1:]] == [
-                    ("knorm_stage_prior_rows", heads * blocks), ("knorm_gather_rows", heads * blocks)]
+                staged = [("knorm_stage_prior_rows", heads * blocks)] if {0, 1} & set(donated) else []
+                assert [(d["kernel"].rsplit("_float", 2)[0], d["groups"]) for d in log[1:]] == \
+                    staged + [("knorm_gather_rows", heads * blocks)]
             for i, a in held.items():
                 assert_bitwise_equal(a, arrays[i], f"held prior {i}")
         for name, a, b in zip(("keys", "values", "norms", "indices"), *results):
@@ -151,22 +154,30 @@ def evict_and_fill_native_and_emulated(args, config, donate):
     return results
 
 
-def evict_and_fill_values_held(args, config):
+def address_of(a: mx.array) -> int:
+    """Where an evaluated array's buffer starts."""
+    return np.asarray(a).__array_interface__["data"][0]
+
+
+def evict_and_fill_values_held(args, config, reverse=False):
     """Both kernels from copies of ``args`` whose values the test holds (so
     they are not donated) and whose other arrays it does not: the keys,
     norms and positions in place, the values into a fresh buffer, left as
-    they were."""
+    they were. Returns both results and the emulated run's dispatches
+    (threadgroups last to first with ``reverse``)."""
     results = []
     for emulate in (False, True):
         arrays = [mx.array(np.array(a)) for a in args]
         mx.eval(arrays)
         values = arrays[1]
+        keys_at = address_of(arrays[0])
         out = _native.ext.evict_and_fill(*arrays, **config, emulate_metal=emulate, stream=mx.cpu)
         del arrays[:]
-        mx.eval(out)
+        log = emulator_log(lambda: mx.eval(out), reverse_groups=reverse)
         results.append(out)
+        assert address_of(out[0]) == keys_at
         assert np.array_equal(np.array(values), np.array(args[1]), equal_nan=True)
-    return results
+    return results, log
 
 
 @pytest.mark.parametrize(
@@ -458,8 +469,10 @@ def test_evict_and_fill_temporal_decode_shifts_over_many_threadgroups(kept, evic
             assert native[3][h, :kept].tolist() == [p for p in range(slots) if p != e]
     # The values held elsewhere: the keys shift in place, the values into a
     # fresh buffer.
-    native, emulated = evict_and_fill_values_held(args, config)
-    assert_slots_equal(emulated, native, kept + 1, "values held")
+    for reverse in (False, True):
+        (native, emulated), log = evict_and_fill_values_held(args, config, reverse)
+        assert ("knorm_shift_kept_rows", heads * blocks) in [(d["kernel"], d["groups"]) for d in log]
+        assert_slots_equal(emulated, native, kept + 1, f"values held, reverse={reverse}")
 
 
 @pytest.mark.parametrize(
@@ -494,8 +507,12 @@ def test_evict_and_fill_temporal_compaction_moves_over_many_threadgroups(slots, 
         assert_slots_equal(emulated, native, budget + n_new, f"donate={donate} reverse={reverse}")
         positions = np.array(native[3][:, :budget])
         assert (np.diff(positions, axis=1) > 0).all()
-    native, emulated = evict_and_fill_values_held(args, config)
-    assert_slots_equal(emulated, native, budget + n_new, "values held")
+    for reverse in (False, True):
+        (native, emulated), log = evict_and_fill_values_held(args, config, reverse)
+        assert [(d["kernel"], d["groups"]) for d in log
+                if d["kernel"] in ("knorm_stage_compaction", "knorm_compact_kept_rows")] == \
+            [("knorm_stage_compaction", heads * blocks), ("knorm_compact_kept_rows", heads * blocks)]
+        assert_slots_equal(emulated, native, budget + n_new, f"values held, reverse={reverse}")
 
 
 @pytest.mark.parametrize("hold", [None, 2, 4])
@@ -526,33 +543,32 @@ def test_evict_and_fill_temporal_decode_shifts_quantized_payloads_over_many_thre
     positions = mx.broadcast_to(mx.arange(slots, dtype=mx.int32), (heads, slots))
     config = dict(filled=slots, offset=slots, capacity=slots, budget=kept, n_sink=0, recent=0,
                   keep="low", layout="temporal", new_norms=mx.ones((heads, 1)))
-    for donate in (False, True):
+    for donate, reverse in itertools.product((False, True), (False, True)):
         results = []
         for emulate in (False, True):
             arrays = [as_mx(bits, d) for bits, (d, _) in zip(stored, widths)]
             arrays += [mx.array(norms), mx.array(np.array(positions))]
             mx.eval(arrays)
             held = arrays[hold] if hold is not None else None
-            args = (tuple(arrays[:3]), tuple(arrays[3:6]), arrays[6], arrays[7], tuple(new[:3]), tuple(new[3:]))
-            step = lambda: _native.ext.evict_and_fill(*args, **config, emulate_metal=emulate, stream=mx.cpu)
+            # Where the payloads' buffers are (those numpy reads: not bfloat16).
+            addresses = {i: address_of(a) for i, a in enumerate(arrays[:6]) if a.dtype != mx.bfloat16}
+            out = _native.ext.evict_and_fill(
+                tuple(arrays[:3]), tuple(arrays[3:6]), arrays[6], arrays[7], tuple(new[:3]), tuple(new[3:]),
+                **config, emulate_metal=emulate, stream=mx.cpu)
             if donate:
                 del arrays[:]
+            log = emulator_log(lambda: mx.eval(out), reverse_groups=reverse)
             if emulate:
-                out = []
-                log = emulator_log(lambda: out.append(step()) or mx.eval(out[0]), reverse_groups=donate)
                 assert [(d["kernel"], d["groups"]) for d in log if d["kernel"] == "knorm_shift_kept_rows"] == \
                     [("knorm_shift_kept_rows", heads * 3)]
-                out = out[0]
-            else:
-                out = step()
-            del args
-            mx.eval(out)
             results.append(out)
+            for i, at in addresses.items():
+                assert (address_of(out[i]) == at) == (donate and i != hold), f"payload {i} in place"
             if held is not None:
                 assert np.array_equal(np.array(held.view(mx.uint8)).view(stored[hold].dtype), stored[hold])
         native, emulated = results
         for i, (a, b) in enumerate(zip(native, emulated)):
-            assert_bitwise_equal(b[:, : kept + 1], a[:, : kept + 1], f"output {i} donate={donate} hold={hold}")
+            assert_bitwise_equal(b[:, : kept + 1], a[:, : kept + 1], f"output {i} donate={donate} reverse={reverse}")
         for h, e in enumerate(evicted):
             assert native[7][h, :kept].tolist() == [p for p in range(slots) if p != e]
             for i in range(6):

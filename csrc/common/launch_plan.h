@@ -166,10 +166,11 @@ inline uint32_t row_unit(
 
 // Threadgroups per head of the second dispatch of a split step, each
 // copying kSplitRows of a head's `rows` (metal/knorm_defines.h); 0 when the
-// step runs in one dispatch.
+// step runs in one dispatch, and without heads (nothing to split, and no
+// scratch for a split to share).
 inline uint32_t split_blocks(int64_t n_heads, int64_t rows) {
   const int64_t blocks = (rows + kSplitRows - 1) / kSplitRows;
-  const bool split = n_heads < kSplitHeads && rows > kSplitRows &&
+  const bool split = n_heads > 0 && n_heads < kSplitHeads && rows > kSplitRows &&
       n_heads * blocks <= std::numeric_limits<uint32_t>::max();
   return split ? static_cast<uint32_t>(blocks) : 0;
 }

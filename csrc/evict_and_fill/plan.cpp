@@ -53,16 +53,25 @@ LaunchPlans evict_and_fill_plan(
   // more than kSplitRows kept: the payload rows move over many threadgroups
   // too (knorm_compact_kept_rows), those moving in place staged in the
   // scratch buffer first (knorm_stage_compaction), so that no block reads a
-  // slot another writes. The scratch then holds the moving K/V of one
-  // layer; past what its offsets can address, one threadgroup per head.
+  // slot another writes. The scratch then holds each head's kept slots of
+  // the payloads in place (one layer's K/V), with room for each row, as
+  // which rows move is known only on the GPU; past what its offsets can
+  // address, one threadgroup per head. Rows of no bytes (whose empty buffers
+  // count as in place) have nothing to stage.
   const bool evicts_many = config.filled > kept + 1;
   const uint32_t all_buffers = (1u << (m + 2)) - 1u;
   const uint32_t in_place = in_place_mask(arrays, outputs, m + 2);
+  uint32_t staged_payloads = 0;
+  for (int i = 0; i < m; ++i) {
+    if (((in_place >> i) & 1u) && inputs.row_bytes(i) > 0) {
+      staged_payloads |= 1u << i;
+    }
+  }
   auto units = [](uint64_t bytes) { return (bytes + kRowUnitWide - 1) / kRowUnitWide; };
   const uint64_t head_slots = static_cast<uint64_t>(inputs.n_heads()) * kept;
   uint64_t compact_scratch_units = units(head_slots * sizeof(uint32_t));
   for (int i = 0; i < m; ++i) {
-    if ((in_place >> i) & 1u) {
+    if ((staged_payloads >> i) & 1u) {
       compact_scratch_units += units(head_slots * inputs.row_bytes(i));
     }
   }
@@ -141,14 +150,14 @@ LaunchPlans evict_and_fill_plan(
   } else if (compact_groups_per_head != 0) {
     scratch_units = units(head_slots * sizeof(uint32_t));
     for (int i = 0; i < m; ++i) {
-      if ((in_place >> i) & 1u) {
+      if ((staged_payloads >> i) & 1u) {
         params.scratch_units[i] = static_cast<uint32_t>(scratch_units);
         scratch_units += units(head_slots * inputs.row_bytes(i));
       }
     }
   }
   const uint64_t scratch = scratch_units * kRowUnitWide;
-  const bool stages_compaction = compact_groups_per_head != 0 && (in_place & ((1u << m) - 1u)) != 0;
+  const bool stages_compaction = compact_groups_per_head != 0 && staged_payloads != 0;
   LaunchPlans plans;
 
   if (copy_groups_per_head != 0) {

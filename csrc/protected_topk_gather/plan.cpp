@@ -33,27 +33,34 @@ LaunchPlans protected_topk_gather_plan(
   // their prior rows that move are staged in a scratch buffer over many
   // threadgroups (knorm_stage_prior_rows), then written with the rest
   // (knorm_gather_rows), rather than compacted by one threadgroup a head.
-  // The scratch then holds the kept K/V of one layer's outputs in place;
-  // past what its offsets can address, the selection compacts them.
+  // The scratch then holds the kept K/V of the outputs in place (one
+  // layer's); past what its offsets can address, the selection compacts
+  // them. Rows of no bytes (D = 0, whose empty buffers count as in place)
+  // have nothing to stage.
   auto units = [](uint64_t bytes) { return (bytes + kRowUnitWide - 1) / kRowUnitWide; };
   const uint64_t head_rows = static_cast<uint64_t>(inputs.n_heads()) * sel.kept;
+  const uint64_t key_row_bytes = inputs.key_dim() * inputs.prior_keys.itemsize();
+  const uint64_t value_row_bytes = inputs.value_dim() * inputs.prior_values.itemsize();
+  const uint32_t with_rows = (key_row_bytes > 0 ? 1u : 0u) | (value_row_bytes > 0 ? 2u : 0u);
+  uint32_t staged = split_blocks(inputs.n_heads(), sel.kept) != 0 ? in_place & with_rows : 0u;
   uint64_t scratch_units = 0;
   uint64_t staged_key_units = 0;
   uint64_t staged_value_units = 0;
-  if (in_place & 1u) {
+  if (staged & 1u) {
     staged_key_units = scratch_units;
-    scratch_units += units(head_rows * inputs.key_dim() * inputs.prior_keys.itemsize());
+    scratch_units += units(head_rows * key_row_bytes);
   }
-  if (in_place & 2u) {
+  if (staged & 2u) {
     staged_value_units = scratch_units;
-    scratch_units += units(head_rows * inputs.value_dim() * inputs.prior_values.itemsize());
+    scratch_units += units(head_rows * value_row_bytes);
   }
-  const bool stage_prior = (in_place & 3u) != 0 && split_blocks(inputs.n_heads(), sel.kept) != 0 &&
-      scratch_units <= std::numeric_limits<int32_t>::max();
+  if (scratch_units > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
+    staged = 0;
+  }
   // Outputs in place hold their kept prior rows after the selection's
   // compaction, so of them only the new rows, at most min(S, kept) at the
   // end, are copied.
-  const bool kv_in_place = (in_place & 3u) == 3u && !stage_prior;
+  const bool kv_in_place = (in_place & 3u) == 3u && staged == 0;
   const int64_t first_row =
       kv_in_place ? sel.kept - std::min<int64_t>(inputs.n_new(), sel.kept) : 0;
   const uint32_t groups_per_head = split_blocks(inputs.n_heads(), sel.kept - first_row);
@@ -87,23 +94,23 @@ LaunchPlans protected_topk_gather_plan(
   params.groups_per_head = groups_per_head;
   const int64_t n_total = sel.n_total;
   params.cache_norms = mid_keep > 0 && n_total <= kGatherCachedNorms ? 1 : 0;
-  params.stage_prior = stage_prior ? 1 : 0;
-  params.staged_key_units = stage_prior ? static_cast<uint32_t>(staged_key_units) : 0;
-  params.staged_value_units = stage_prior ? static_cast<uint32_t>(staged_value_units) : 0;
+  params.stage_prior = staged;
+  params.staged_key_units = staged != 0 ? static_cast<uint32_t>(staged_key_units) : 0;
+  params.staged_value_units = staged != 0 ? static_cast<uint32_t>(staged_value_units) : 0;
   select.buffers = array_slots(arrays, outputs);
   select.buffers.push_back(BufferSlot::block(params));
   // [[threadgroup(0)]]: the cached norms; [[threadgroup(1)]]: a chunk's
   // sources, used only by an output the selection compacts in place.
   select.threadgroup_bytes = {
       threadgroup_length(params.cache_norms != 0 ? n_total * sizeof(float) : 0),
-      threadgroup_length(in_place != 0 ? kGatherGroupSize * sizeof(uint32_t) : 0)};
+      threadgroup_length((in_place & ~staged) != 0 ? kGatherGroupSize * sizeof(uint32_t) : 0)};
   if (!split) {
     return {select};
   }
 
   using Kind = BufferSlot::Kind;
   LaunchPlans plans = {select};
-  if (stage_prior) {
+  if (staged != 0) {
     plans[0].scratch = {scratch_units * kRowUnitWide};
     LaunchPlan stage;
     stage.source = "protected_topk_gather";
@@ -132,7 +139,7 @@ LaunchPlans protected_topk_gather_plan(
       BufferSlot::of(Kind::Output, outputs, 0),
       BufferSlot::of(Kind::Output, outputs, 1),
       BufferSlot::block(params),
-      stage_prior ? BufferSlot::scratch(0) : BufferSlot::unused(Kind::Output, mx::uint8)};
+      staged != 0 ? BufferSlot::scratch(0) : BufferSlot::unused(Kind::Output, mx::uint8)};
   plans.push_back(std::move(copy));
   return plans;
 }
