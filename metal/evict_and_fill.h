@@ -489,6 +489,25 @@ inline device uchar* knorm_compaction_staged(
       ulong(head) * params.kept * params.row_bytes[payload];
 }
 
+// The slots [begin, end) below kept of head `head` that threadgroup
+// `group` of a dispatch over groups_per_head threadgroups per head takes
+// (knorm_copy_kept_rows, knorm_shift_kept_rows, knorm_compact_kept_rows):
+// kSplitRows of them from b kSplitRows, b = group % groups_per_head.
+struct KnormKeptBlock {
+  uint head;
+  uint begin;
+  uint end;
+};
+
+inline KnormKeptBlock knorm_kept_block(uint kept, uint group, uint groups_per_head) {
+  KnormKeptBlock block;
+  block.head = group / groups_per_head;
+  block.begin = (group % groups_per_head) * kSplitRows;
+  // begin < kept; begin + kSplitRows may not fit in a uint.
+  block.end = kept - block.begin > kSplitRows ? block.begin + kSplitRows : kept;
+  return block;
+}
+
 // A block of the wide compaction: output slots [begin, end) of its head,
 // their sources in src, and `first`, the first of them that moves. Sources
 // increase and lie at or past their slots, so the slots that stay form a
@@ -512,12 +531,9 @@ inline KnormCompactionBlock knorm_compaction_block(
     uint tid,
     uint lane,
     uint simd_group) {
-  KnormCompactionBlock block;
-  const uint kept = params.kept;
-  block.head = group / params.compact_groups_per_head;
-  block.begin = (group % params.compact_groups_per_head) * kSplitRows;
-  // begin < kept; begin + kSplitRows may not fit in a uint.
-  block.end = kept - block.begin > kSplitRows ? block.begin + kSplitRows : kept;
+  const KnormKeptBlock slots =
+      knorm_kept_block(params.kept, group, params.compact_groups_per_head);
+  KnormCompactionBlock block = {slots.head, slots.begin, slots.end, 0u};
   const device uint* sources = knorm_compaction_sources(params, scratch, block.head);
   const uint n = block.end - block.begin;
   bool stays = false;
@@ -894,16 +910,13 @@ template <uint kGroupSize>
     uint group KNORM_ATTRIBUTE(threadgroup_position_in_grid),
     uint tid KNORM_ATTRIBUTE(thread_position_in_threadgroup)) {
   static_assert(kGroupSize == kEvictGroupSize, "knorm_copy_kept_slots copies with kEvictGroupSize threads");
-  const uint kept = params.kept;
-  const uint head = group / params.copy_groups_per_head;
-  const uint begin = (group % params.copy_groups_per_head) * kSplitRows;
-  // begin < kept; begin + kSplitRows may not fit in a uint.
-  const uint end = kept - begin > kSplitRows ? begin + kSplitRows : kept;
+  const KnormKeptBlock block = knorm_kept_block(params.kept, group, params.copy_groups_per_head);
   const KnormEvictBuffers batch = {
       {rows_0, rows_1, rows_2, rows_3, rows_4, rows_5},
       {out_rows_0, out_rows_1, out_rows_2, out_rows_3, out_rows_4, out_rows_5},
       norms, positions, out_norms, out_positions, 0u, {}, {}, 0u};
-  knorm_copy_kept_slots(knorm_evict_buffers_of_head(params, head, batch), begin, end, tid);
+  knorm_copy_kept_slots(knorm_evict_buffers_of_head(params, block.head, batch), block.begin,
+                        block.end, tid);
 }
 
 // The payloads of the temporal layout's decode step, after
@@ -937,11 +950,11 @@ template <uint kGroupSize>
   static_assert(kGroupSize == kEvictGroupSize, "knorm_move_byte_rows runs with kEvictGroupSize threads");
   KNORM_THREADGROUP_ARRAY(uint, src, kSplitRows);
   const uint kept = params.kept;
-  const uint head = group / params.shift_groups_per_head;
-  const uint block = group % params.shift_groups_per_head;
-  const uint begin = block * kSplitRows;
-  // begin < kept; begin + kSplitRows may not fit in a uint.
-  const uint end = kept - begin > kSplitRows ? begin + kSplitRows : kept;
+  const KnormKeptBlock slots = knorm_kept_block(kept, group, params.shift_groups_per_head);
+  const uint head = slots.head;
+  const uint block = slots.begin / kSplitRows;
+  const uint begin = slots.begin;
+  const uint end = slots.end;
   const uint evicted = ((device const uint*)scratch)[head];
   const KnormEvictBuffers batch = {
       {rows_0, rows_1, rows_2, rows_3, rows_4, rows_5},

@@ -250,14 +250,22 @@ inline void check_pipeline(const LaunchPlan& plan, const PipelineLimits& limits)
 // emulator runs them one after the other).
 using LaunchPlans = std::vector<LaunchPlan>;
 
+// Scratch memory is laid out in kRowUnitWide-byte units, at most
+// kMaxScratchUnits of them in one buffer (an int32 row count of
+// scratch_buffers' array, so every offset in units fits a uint32).
+constexpr uint64_t kMaxScratchUnits = static_cast<uint64_t>(std::numeric_limits<int32_t>::max());
+
+inline uint64_t scratch_units(uint64_t bytes) {
+  return (bytes + kRowUnitWide - 1) / kRowUnitWide;
+}
+
 // The scratch buffers of `plans`, uninitialised, as uint8 arrays of
 // kRowUnitWide columns (their bytes need not fit an int32 shape).
 inline std::vector<mlx::core::array> scratch_buffers(const std::vector<LaunchPlan>& plans) {
   std::vector<mlx::core::array> buffers;
   for (const LaunchPlan& plan : plans) {
     for (const uint64_t bytes : plan.scratch) {
-      if (bytes == 0 || bytes % kRowUnitWide != 0 ||
-          bytes / kRowUnitWide > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
+      if (bytes == 0 || bytes % kRowUnitWide != 0 || bytes / kRowUnitWide > kMaxScratchUnits) {
         throw std::logic_error("mlx_knorm: the launch plan of " + plan.kernel +
                                " asks for scratch of " + std::to_string(bytes) + " bytes");
       }

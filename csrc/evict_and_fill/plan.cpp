@@ -3,7 +3,6 @@
 // emulator runs (emulated.cpp). Built everywhere.
 #include "evict_and_fill/evict_and_fill.h"
 
-#include <limits>
 #include <string>
 #include <utility>
 
@@ -61,23 +60,22 @@ LaunchPlans evict_and_fill_plan(
   const bool evicts_many = config.filled > kept + 1;
   const uint32_t all_buffers = (1u << (m + 2)) - 1u;
   const uint32_t in_place = in_place_mask(arrays, outputs, m + 2);
+  // Its scratch layout (knorm_compaction_sources): the sources, then each
+  // staged payload's rows, offsets in kRowUnitWide-byte units.
   uint32_t staged_payloads = 0;
+  const uint64_t head_slots = static_cast<uint64_t>(inputs.n_heads()) * kept;
+  uint64_t compact_scratch_units = scratch_units(head_slots * sizeof(uint32_t));
+  uint64_t compact_staged_at[kEvictMaxPayloads] = {};
   for (int i = 0; i < m; ++i) {
     if (((in_place >> i) & 1u) && inputs.row_bytes(i) > 0) {
       staged_payloads |= 1u << i;
-    }
-  }
-  auto units = [](uint64_t bytes) { return (bytes + kRowUnitWide - 1) / kRowUnitWide; };
-  const uint64_t head_slots = static_cast<uint64_t>(inputs.n_heads()) * kept;
-  uint64_t compact_scratch_units = units(head_slots * sizeof(uint32_t));
-  for (int i = 0; i < m; ++i) {
-    if ((staged_payloads >> i) & 1u) {
-      compact_scratch_units += units(head_slots * inputs.row_bytes(i));
+      compact_staged_at[i] = compact_scratch_units;
+      compact_scratch_units += scratch_units(head_slots * inputs.row_bytes(i));
     }
   }
   const uint32_t compact_groups_per_head =
       config.layout == Layout::Temporal && evicts_many && m > 0 &&
-          compact_scratch_units <= std::numeric_limits<int32_t>::max()
+          compact_scratch_units <= kMaxScratchUnits
       ? split_blocks(inputs.n_heads(), kept)
       : 0;
   // The new rows go to slots kept + j whatever steps 1-2 do, so a second
@@ -133,30 +131,26 @@ LaunchPlans evict_and_fill_plan(
       ? std::string("given")
       : dtype_name(inputs.rows[0].dtype()) + "_" +
           std::to_string(squares_per_lane(inputs.rows[0].shape(-1)));
-  // The scratch buffer, in kRowUnitWide-byte units (scratch_buffers
-  // refuses more than 2^31 - 1, so every offset fits a uint32). The wide
+  // The scratch buffer, in kRowUnitWide-byte units (every offset fits a
+  // uint32: scratch_buffers refuses more than kMaxScratchUnits). The wide
   // shift's (metal/evict_and_fill.h, knorm_shift_boundary): the evicted
-  // slots, then each payload's block boundaries. The wide compaction's
-  // (knorm_compaction_sources): the sources, then each payload's staged
-  // rows where it moves in place.
-  uint64_t scratch_units = 0;
+  // slots, then each payload's block boundaries. The wide compaction's:
+  // laid out above.
+  uint64_t units = 0;
   if (shift_groups_per_head != 0) {
     const uint64_t blocks = static_cast<uint64_t>(inputs.n_heads()) * shift_groups_per_head;
-    scratch_units = units(static_cast<uint64_t>(inputs.n_heads()) * sizeof(uint32_t));
+    units = scratch_units(static_cast<uint64_t>(inputs.n_heads()) * sizeof(uint32_t));
     for (int i = 0; i < m; ++i) {
-      params.scratch_units[i] = static_cast<uint32_t>(scratch_units);
-      scratch_units += units(blocks * inputs.row_bytes(i));
+      params.scratch_units[i] = static_cast<uint32_t>(units);
+      units += scratch_units(blocks * inputs.row_bytes(i));
     }
   } else if (compact_groups_per_head != 0) {
-    scratch_units = units(head_slots * sizeof(uint32_t));
+    units = compact_scratch_units;
     for (int i = 0; i < m; ++i) {
-      if ((staged_payloads >> i) & 1u) {
-        params.scratch_units[i] = static_cast<uint32_t>(scratch_units);
-        scratch_units += units(head_slots * inputs.row_bytes(i));
-      }
+      params.scratch_units[i] = static_cast<uint32_t>(compact_staged_at[i]);
     }
   }
-  const uint64_t scratch = scratch_units * kRowUnitWide;
+  const uint64_t scratch = units * kRowUnitWide;
   const bool stages_compaction = compact_groups_per_head != 0 && staged_payloads != 0;
   LaunchPlans plans;
 

@@ -70,7 +70,7 @@ class Barrier {
     std::lock_guard<std::mutex> lock(mutex_);
     abandoned_ = true;
     wake_.fetch_add(1, std::memory_order_release);
-    wake_all();
+    wake_.notify_all();
   }
 
   bool arrive_and_wait() {
@@ -113,15 +113,11 @@ class Barrier {
     wake_.wait(seen, std::memory_order_acquire);
   }
 
-  void wake_all() {
-    wake_.notify_all();
-  }
-
   void release() {
     arrived_ = 0;
     generation_.fetch_add(1, std::memory_order_relaxed);
     wake_.fetch_add(1, std::memory_order_release);
-    wake_all();
+    wake_.notify_all();
   }
 
   std::mutex mutex_;

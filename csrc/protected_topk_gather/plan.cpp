@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <limits>
 #include <string>
 
 #include "common/dtype.h"
@@ -37,24 +36,23 @@ LaunchPlans protected_topk_gather_plan(
   // layer's); past what its offsets can address, the selection compacts
   // them. Rows of no bytes (D = 0, whose empty buffers count as in place)
   // have nothing to stage.
-  auto units = [](uint64_t bytes) { return (bytes + kRowUnitWide - 1) / kRowUnitWide; };
   const uint64_t head_rows = static_cast<uint64_t>(inputs.n_heads()) * sel.kept;
   const uint64_t key_row_bytes = inputs.key_dim() * inputs.prior_keys.itemsize();
   const uint64_t value_row_bytes = inputs.value_dim() * inputs.prior_values.itemsize();
   const uint32_t with_rows = (key_row_bytes > 0 ? 1u : 0u) | (value_row_bytes > 0 ? 2u : 0u);
   uint32_t staged = split_blocks(inputs.n_heads(), sel.kept) != 0 ? in_place & with_rows : 0u;
-  uint64_t scratch_units = 0;
+  uint64_t units = 0;
   uint64_t staged_key_units = 0;
   uint64_t staged_value_units = 0;
   if (staged & 1u) {
-    staged_key_units = scratch_units;
-    scratch_units += units(head_rows * key_row_bytes);
+    staged_key_units = units;
+    units += scratch_units(head_rows * key_row_bytes);
   }
   if (staged & 2u) {
-    staged_value_units = scratch_units;
-    scratch_units += units(head_rows * value_row_bytes);
+    staged_value_units = units;
+    units += scratch_units(head_rows * value_row_bytes);
   }
-  if (scratch_units > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
+  if (units > kMaxScratchUnits) {
     staged = 0;
   }
   // Outputs in place hold their kept prior rows after the selection's
@@ -111,7 +109,7 @@ LaunchPlans protected_topk_gather_plan(
   using Kind = BufferSlot::Kind;
   LaunchPlans plans = {select};
   if (staged != 0) {
-    plans[0].scratch = {scratch_units * kRowUnitWide};
+    plans[0].scratch = {units * kRowUnitWide};
     LaunchPlan stage;
     stage.source = "protected_topk_gather";
     stage.kernel = "knorm_stage_prior_rows_" + types;
