@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 
@@ -48,6 +49,12 @@ def assert_bitwise_equal(actual: mx.array, expected: mx.array, what: str = "") -
     if actual.size:
         same = mx.array_equal(actual.reshape(-1).view(mx.uint8), expected.reshape(-1).view(mx.uint8)).item()
         assert same, f"{what}: values differ\nactual={actual}\nexpected={expected}"
+
+
+def data_address(a: mx.array) -> int:
+    """Where ``a``'s data lives, read through the buffer protocol without a
+    copy; the numpy view is dropped at once, so ``a`` stays donatable."""
+    return np.asarray(a).__array_interface__["data"][0]
 
 
 @pytest.fixture

@@ -8,16 +8,10 @@ import numpy as np
 import pytest
 
 import mlx_knorm
-from conftest import NATIVE_BACKENDS, assert_bitwise_equal
+from conftest import NATIVE_BACKENDS, assert_bitwise_equal, data_address
 from generators import evict_and_fill_arrays, fill, protected_topk_gather_arrays
 
 pytestmark = pytest.mark.usefixtures("cpu_default_device")
-
-
-def data_address(a: mx.array) -> int:
-    """Where ``a``'s data lives, read through the buffer protocol without a
-    copy; the numpy view is dropped at once, so ``a`` stays donatable."""
-    return np.asarray(a).__array_interface__["data"][0]
 
 
 def copies(arrays):

@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import assert_bitwise_equal, requires_emulator
+from conftest import assert_bitwise_equal, data_address, requires_emulator
 from generators import evict_and_fill_arrays, key_norms_arrays, protected_topk_gather_arrays
 from mlx_knorm import _native
 
@@ -86,13 +86,13 @@ def test_protected_topk_gather_in_place_moves_over_many_threadgroups(n_new, dona
             prior = [mx.array(np.array(a)) for a in arrays[:3]]
             mx.eval(prior)
             held = {i: prior[i] for i in range(3) if i not in donated}
-            addresses = [address_of(a) for a in prior]
+            addresses = [data_address(a) for a in prior]
             out = _native.ext.protected_topk_gather(*prior, *arrays[3:], kept, 2, 7, "low",
                                                     emulate_metal=emulate, stream=mx.cpu)
             del prior
             log = emulator_log(lambda: mx.eval(out), reverse_groups=reverse)
             results.append(out)
-            assert [address_of(out[i]) == addresses[i] for i in range(3)] == [i in donated for i in range(3)]
+            assert [data_address(out[i]) == addresses[i] for i in range(3)] == [i in donated for i in range(3)]
             if emulate:
                 staged = [("knorm_stage_prior_rows", heads * blocks)] if {0, 1} & set(donated) else []
                 assert [(d["kernel"].rsplit("_float", 2)[0], d["groups"]) for d in log[1:]] == \
@@ -154,11 +154,6 @@ def evict_and_fill_native_and_emulated(args, config, donate):
     return results
 
 
-def address_of(a: mx.array) -> int:
-    """Where an evaluated array's buffer starts."""
-    return np.asarray(a).__array_interface__["data"][0]
-
-
 def evict_and_fill_values_held(args, config, reverse=False):
     """Both kernels from copies of ``args`` whose values the test holds (so
     they are not donated) and whose other arrays it does not: the keys,
@@ -170,12 +165,12 @@ def evict_and_fill_values_held(args, config, reverse=False):
         arrays = [mx.array(np.array(a)) for a in args]
         mx.eval(arrays)
         values = arrays[1]
-        keys_at = address_of(arrays[0])
+        keys_at = data_address(arrays[0])
         out = _native.ext.evict_and_fill(*arrays, **config, emulate_metal=emulate, stream=mx.cpu)
         del arrays[:]
         log = emulator_log(lambda: mx.eval(out), reverse_groups=reverse)
         results.append(out)
-        assert address_of(out[0]) == keys_at
+        assert data_address(out[0]) == keys_at
         assert np.array_equal(np.array(values), np.array(args[1]), equal_nan=True)
     return results, log
 
@@ -551,7 +546,7 @@ def test_evict_and_fill_temporal_decode_shifts_quantized_payloads_over_many_thre
             mx.eval(arrays)
             held = arrays[hold] if hold is not None else None
             # Where the payloads' buffers are (those numpy reads: not bfloat16).
-            addresses = {i: address_of(a) for i, a in enumerate(arrays[:6]) if a.dtype != mx.bfloat16}
+            addresses = {i: data_address(a) for i, a in enumerate(arrays[:6]) if a.dtype != mx.bfloat16}
             out = _native.ext.evict_and_fill(
                 tuple(arrays[:3]), tuple(arrays[3:6]), arrays[6], arrays[7], tuple(new[:3]), tuple(new[3:]),
                 **config, emulate_metal=emulate, stream=mx.cpu)
@@ -563,7 +558,7 @@ def test_evict_and_fill_temporal_decode_shifts_quantized_payloads_over_many_thre
                     [("knorm_shift_kept_rows", heads * 3)]
             results.append(out)
             for i, at in addresses.items():
-                assert (address_of(out[i]) == at) == (donate and i != hold), f"payload {i} in place"
+                assert (data_address(out[i]) == at) == (donate and i != hold), f"payload {i} in place"
             if held is not None:
                 assert np.array_equal(np.array(held.view(mx.uint8)).view(stored[hold].dtype), stored[hold])
         native, emulated = results
