@@ -7,10 +7,9 @@
 // failures raise from eval_cpu (docs/spec.md §8 "A failed evaluation").
 #pragma once
 
+#include <functional>
 #include <utility>
-#include <vector>
 
-#include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/stream.h"
 
@@ -18,7 +17,7 @@
 
 // The address of an op's emulated kernel where the emulator is built, a null
 // pointer of its type elsewhere (where check_executor refuses
-// Executor::MetalEmulator when the op is built): for cpu_kernel below.
+// Executor::MetalEmulator when the op is built): for run_on_cpu below.
 #ifdef MLX_KNORM_EMULATOR
 #define KNORM_EMULATED_KERNEL(kernel) (&kernel)
 #else
@@ -27,60 +26,30 @@
 
 namespace mlx_knorm {
 
-// The kernel eval_cpu runs for `executor`.
-template <typename Kernel>
-Kernel* cpu_kernel(Executor executor, Kernel* cpu, Kernel* emulated) {
-  return executor == Executor::MetalEmulator ? emulated : cpu;
-}
+// A CPU kernel's work on one evaluation: made on the evaluating thread from
+// the arrays (their data pointers and sizes), run on the stream's thread.
+// It holds no array: MLX keeps every input's and output's buffer alive until
+// the stream has run what eval_cpu queued (cpu::eval queues a task holding
+// them right after), which its own kernels rely on too. Made here, it spares
+// a weak copy of each array on every call, a dozen small allocations freed
+// on another thread for a decode step of evict_and_fill.
+using CpuTask = std::function<void()>;
 
-// Runs kernel(inputs, outputs) on the CPU stream, after the work already
-// queued there, on the evaluated inputs and allocated outputs.
-template <typename Kernel>
-void dispatch_on_cpu(
-    mlx::core::Stream stream,
-    const std::vector<mlx::core::array>& inputs,
-    std::vector<mlx::core::array>& outputs,
-    Kernel kernel) {
-  auto& encoder = mlx::core::cpu::get_command_encoder(stream);
-  std::vector<mlx::core::array> in_refs;
-  std::vector<mlx::core::array> out_refs;
-  in_refs.reserve(inputs.size());
-  out_refs.reserve(outputs.size());
-  for (const auto& in : inputs) {
-    encoder.set_input_array(in);
-    in_refs.push_back(mlx::core::array::unsafe_weak_copy(in));
-  }
-  for (auto& out : outputs) {
-    encoder.set_output_array(out);
-    out_refs.push_back(mlx::core::array::unsafe_weak_copy(out));
-  }
-  encoder.dispatch([kernel = std::move(kernel),
-                    in_refs = std::move(in_refs),
-                    out_refs = std::move(out_refs)]() mutable {
-    kernel(in_refs, out_refs);
-  });
-}
-
-// Runs kernel(inputs, outputs) after the work already queued on the CPU
-// stream. The CPU kernels go onto the stream's thread. The Metal emulator,
-// which can fail (its threads may not start; its dispatches run on staged
-// copies and reach the buffers only when all have run, run_plan.cpp), runs
-// on the evaluating thread once the stream has drained: its failures then
-// raise from eval_cpu, where MLX keeps the graph to run again. Test-only,
-// so the wait costs nothing that matters.
-template <typename Kernel>
-void run_on_cpu(
-    mlx::core::Stream stream,
-    Executor executor,
-    const std::vector<mlx::core::array>& inputs,
-    std::vector<mlx::core::array>& outputs,
-    Kernel kernel) {
+// With Executor::Native, make_task() (a CpuTask) runs after the work already
+// queued on the CPU stream. The Metal emulator, which can fail (its threads
+// may not start; its dispatches run on staged copies and reach the buffers
+// only when all have run, run_plan.cpp), runs as emulated() on the
+// evaluating thread once the stream has drained: its failures then raise
+// from eval_cpu, where MLX keeps the graph to run again. Test-only, so the
+// wait costs nothing that matters.
+template <typename MakeTask, typename Emulated>
+void run_on_cpu(mlx::core::Stream stream, Executor executor, MakeTask make_task, Emulated emulated) {
   if (executor == Executor::MetalEmulator) {
     mlx::core::synchronize(stream);
-    kernel(inputs, outputs);
+    emulated();
     return;
   }
-  dispatch_on_cpu(stream, inputs, outputs, std::move(kernel));
+  mlx::core::cpu::get_command_encoder(stream).dispatch(CpuTask(make_task()));
 }
 
 } // namespace mlx_knorm

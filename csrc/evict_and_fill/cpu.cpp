@@ -42,6 +42,7 @@ struct EvictAndFillBuffers {
   // The payloads, then the norms and the positions.
   std::array<RowBuffer, kEvictMaxPayloads + 2> rows;
   int payloads;       // M
+  int64_t heads;      // N
   int64_t in_slots;   // C
   int64_t out_slots;  // C_out
   std::array<const char*, kEvictMaxPayloads> new_rows;
@@ -504,33 +505,9 @@ bool decode_with_tree(
   window[0] = static_cast<int32_t>(config.offset + 1);
   return true;
 }
-} // namespace
 
-void evict_and_fill_cpu(
-    const EvictAndFillInputs& in,
-    std::vector<mx::array>& outputs,
-    const EvictAndFillConfig& config) {
-  const int m = in.payloads();
-  EvictAndFillBuffers b{
-      .rows = {},
-      .payloads = m,
-      .in_slots = in.capacity(),
-      .out_slots = config.out_capacity,
-      .new_rows = {},
-      .new_norms = in.new_norms ? in.new_norms->data<float>() : nullptr,
-      .valid = in.valid ? in.valid->data<int32_t>() : nullptr,
-      .key_dtype = in.rows[0].dtype(),
-      .key_dim = in.rows[0].shape(-1),
-      .n_new = in.n_new(),
-      .tree_in = in.tree ? in.tree->data<int32_t>() : nullptr,
-      .tree_out = config.order_tree ? outputs[m + 2].data<int32_t>() : nullptr};
-  for (int i = 0; i < m; ++i) {
-    b.rows[i] = {in.rows[i].data<char>(), outputs[i].data<char>(), in.row_bytes(i)};
-    b.new_rows[i] = in.new_rows[i].data<char>();
-  }
-  b.rows[m] = {in.norms.data<char>(), outputs[m].data<char>(), sizeof(float)};
-  b.rows[m + 1] = {in.positions.data<char>(), outputs[m + 1].data<char>(), sizeof(int32_t)};
-
+// docs/spec.md §4 for every head of b: the work of evict_and_fill_cpu_task.
+void evict_and_fill_heads(const EvictAndFillBuffers& b, const EvictAndFillConfig& config) {
   // Threads only for heads that move enough bytes: the scan reads 8 bytes
   // a stored row; rows are copied unless in place in the slot layout.
   size_t row_bytes = 0;
@@ -546,7 +523,7 @@ void evict_and_fill_cpu(
   const size_t tree_bytes = b.tree_out != nullptr && !through_tree ? b.out_slots * 16 : 0;
   const size_t bytes_per_head = scan_bytes + tree_bytes + b.n_new * row_bytes +
       (copies_rows ? config.kept() * row_bytes : 0);
-  parallel_for(in.n_heads(), bytes_per_head, [&](int64_t begin, int64_t end) {
+  parallel_for(b.heads, bytes_per_head, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> computed;
     if (b.new_norms == nullptr) {
       computed.resize((end - begin) * b.n_new);
@@ -567,6 +544,43 @@ void evict_and_fill_cpu(
       }
     }
   });
+}
+
+} // namespace
+
+CpuTask evict_and_fill_cpu_task(
+    const EvictAndFillInputs& in,
+    std::vector<mx::array>& outputs,
+    const EvictAndFillConfig& config) {
+  const int m = in.payloads();
+  EvictAndFillBuffers b{
+      .rows = {},
+      .payloads = m,
+      .heads = in.n_heads(),
+      .in_slots = in.capacity(),
+      .out_slots = config.out_capacity,
+      .new_rows = {},
+      .new_norms = in.new_norms ? in.new_norms->data<float>() : nullptr,
+      .valid = in.valid ? in.valid->data<int32_t>() : nullptr,
+      .key_dtype = in.rows[0].dtype(),
+      .key_dim = in.rows[0].shape(-1),
+      .n_new = in.n_new(),
+      .tree_in = in.tree ? in.tree->data<int32_t>() : nullptr,
+      .tree_out = config.order_tree ? outputs[m + 2].data<int32_t>() : nullptr};
+  for (int i = 0; i < m; ++i) {
+    b.rows[i] = {in.rows[i].data<char>(), outputs[i].data<char>(), in.row_bytes(i)};
+    b.new_rows[i] = in.new_rows[i].data<char>();
+  }
+  b.rows[m] = {in.norms.data<char>(), outputs[m].data<char>(), sizeof(float)};
+  b.rows[m + 1] = {in.positions.data<char>(), outputs[m + 1].data<char>(), sizeof(int32_t)};
+  return [b, config] { evict_and_fill_heads(b, config); };
+}
+
+void evict_and_fill_cpu(
+    const EvictAndFillInputs& in,
+    std::vector<mx::array>& outputs,
+    const EvictAndFillConfig& config) {
+  evict_and_fill_cpu_task(in, outputs, config)();
 }
 
 } // namespace mlx_knorm

@@ -346,12 +346,12 @@ void EvictAndFill::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
   auto lent = prepare_eval(inputs, outputs);
-  auto kernel = cpu_kernel(executor_, &evict_and_fill_cpu,
-                           KNORM_EMULATED_KERNEL(evict_and_fill_emulated));
-  run_on_cpu(stream(), executor_, inputs, outputs, [kernel, config = config_](
-      const std::vector<mx::array>& in, std::vector<mx::array>& out) {
-    kernel(EvictAndFillInputs::from(in, config), out, config);
-  });
+  run_on_cpu(
+      stream(), executor_,
+      [&] { return evict_and_fill_cpu_task(EvictAndFillInputs::from(inputs, config_), outputs, config_); },
+      [&, emulated = KNORM_EMULATED_KERNEL(evict_and_fill_emulated)] {
+        emulated(EvictAndFillInputs::from(inputs, config_), outputs, config_);
+      });
   lent.keep();
 }
 

@@ -25,6 +25,7 @@
 #include "mlx/primitives.h"
 #include "mlx/small_vector.h"
 
+#include "common/cpu_dispatch.h"
 #include "common/executor.h"
 #include "common/launch_plan.h"
 #include "common/selection.h"
@@ -191,9 +192,14 @@ class EvictAndFill : public mx::Primitive {
 
 // The kernels, on row-contiguous inputs and allocated outputs. An output
 // whose data is its input's (a donated buffer) is updated in place: only the
-// rows that move are written. The CPU kernel (cpu.cpp) and the Metal kernel
-// through the emulator (emulated.cpp, in builds with the emulator).
+// rows that move are written. The CPU kernel (cpu.cpp), whole or as the task
+// eval_cpu queues (common/cpu_dispatch.h), and the Metal kernel through the
+// emulator (emulated.cpp, in builds with the emulator).
 void evict_and_fill_cpu(
+    const EvictAndFillInputs& inputs,
+    std::vector<mx::array>& outputs,
+    const EvictAndFillConfig& config);
+CpuTask evict_and_fill_cpu_task(
     const EvictAndFillInputs& inputs,
     std::vector<mx::array>& outputs,
     const EvictAndFillConfig& config);

@@ -377,15 +377,21 @@ void key_norm_rows(
   });
 }
 
-void key_norms_cpu(const mx::array& keys, mx::array& norms) {
+CpuTask key_norms_cpu_task(const mx::array& keys, mx::array& norms) {
   const int64_t dim = keys.shape(-1);
   const int64_t rows = static_cast<int64_t>(norms.size());
   const char* bits = keys.data<char>();
   float* out = norms.data<float>();
   const size_t row_bytes = dim * keys.itemsize();
-  parallel_for(rows, row_bytes, [&](int64_t begin, int64_t end) {
-    key_norm_rows(keys.dtype(), bits + begin * row_bytes, end - begin, dim, out + begin);
-  });
+  return [dtype = keys.dtype(), dim, rows, bits, out, row_bytes] {
+    parallel_for(rows, row_bytes, [&](int64_t begin, int64_t end) {
+      key_norm_rows(dtype, bits + begin * row_bytes, end - begin, dim, out + begin);
+    });
+  };
+}
+
+void key_norms_cpu(const mx::array& keys, mx::array& norms) {
+  key_norms_cpu_task(keys, norms)();
 }
 
 } // namespace mlx_knorm

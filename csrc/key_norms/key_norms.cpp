@@ -50,12 +50,9 @@ void KeyNorms::prepare_eval(const std::vector<mx::array>& inputs, mx::array& out
 
 void KeyNorms::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   prepare_eval(inputs, out);
-  auto kernel = cpu_kernel(executor_, &key_norms_cpu, KNORM_EMULATED_KERNEL(key_norms_emulated));
-  std::vector<mx::array> outputs{out};
-  run_on_cpu(stream(), executor_, inputs, outputs, [kernel](
-      const std::vector<mx::array>& in, std::vector<mx::array>& norms) {
-    kernel(in[0], norms[0]);
-  });
+  run_on_cpu(
+      stream(), executor_, [&] { return key_norms_cpu_task(inputs[0], out); },
+      [&, emulated = KNORM_EMULATED_KERNEL(key_norms_emulated)] { emulated(inputs[0], out); });
 }
 
 } // namespace mlx_knorm

@@ -12,6 +12,7 @@
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
+#include "common/cpu_dispatch.h"
 #include "common/executor.h"
 #include "common/launch_plan.h"
 
@@ -53,9 +54,11 @@ class KeyNorms : public mx::UnaryPrimitive {
 };
 
 // The kernels, on a row-contiguous keys [rows, D] and an allocated norms
-// [rows]: the CPU kernel (cpu.cpp) and the Metal kernel through the emulator
+// [rows]: the CPU kernel (cpu.cpp), whole or as the task eval_cpu queues
+// (common/cpu_dispatch.h), and the Metal kernel through the emulator
 // (emulated.cpp, in builds with the emulator).
 void key_norms_cpu(const mx::array& keys, mx::array& norms);
+CpuTask key_norms_cpu_task(const mx::array& keys, mx::array& norms);
 
 // The CPU kernel on `rows` contiguous rows of width dim at `keys` (float16,
 // bfloat16 or float32 bits), on the calling thread: norms[0, rows). For

@@ -192,11 +192,11 @@ void gather_rows(
 
 } // namespace
 
-void protected_topk_gather_cpu(
+CpuTask protected_topk_gather_cpu_task(
     const GatherInputs& in,
     std::vector<mx::array>& outputs,
     const SelectionConfig& config) {
-  GatherBuffers b{
+  const GatherBuffers b{
       in.prior_keys.data<char>(),
       in.prior_values.data<char>(),
       in.prior_norms.data<float>(),
@@ -212,11 +212,19 @@ void protected_topk_gather_cpu(
       outputs[0].shape(1),
       static_cast<size_t>(in.key_dim()) * in.prior_keys.itemsize(),
       static_cast<size_t>(in.value_dim()) * in.prior_values.itemsize()};
-  const size_t bytes_per_row =
-      b.kept * (b.key_row_bytes + b.value_row_bytes + 8);
-  parallel_for(in.n_heads(), bytes_per_row, [&](int64_t begin, int64_t end) {
-    gather_rows(b, config, begin, end);
-  });
+  return [b, config, n_heads = in.n_heads()] {
+    const size_t bytes_per_row = b.kept * (b.key_row_bytes + b.value_row_bytes + 8);
+    parallel_for(n_heads, bytes_per_row, [&](int64_t begin, int64_t end) {
+      gather_rows(b, config, begin, end);
+    });
+  };
+}
+
+void protected_topk_gather_cpu(
+    const GatherInputs& in,
+    std::vector<mx::array>& outputs,
+    const SelectionConfig& config) {
+  protected_topk_gather_cpu_task(in, outputs, config)();
 }
 
 } // namespace mlx_knorm

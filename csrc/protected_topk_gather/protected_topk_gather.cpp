@@ -125,12 +125,12 @@ void ProtectedTopKGather::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
   auto lent = prepare_eval(inputs, outputs);
-  auto kernel = cpu_kernel(executor_, &protected_topk_gather_cpu,
-                           KNORM_EMULATED_KERNEL(protected_topk_gather_emulated));
-  run_on_cpu(stream(), executor_, inputs, outputs, [kernel, config = config_](
-      const std::vector<mx::array>& in, std::vector<mx::array>& out) {
-    kernel(GatherInputs::from(in), out, config);
-  });
+  run_on_cpu(
+      stream(), executor_,
+      [&] { return protected_topk_gather_cpu_task(GatherInputs::from(inputs), outputs, config_); },
+      [&, emulated = KNORM_EMULATED_KERNEL(protected_topk_gather_emulated)] {
+        emulated(GatherInputs::from(inputs), outputs, config_);
+      });
   lent.keep();
 }
 

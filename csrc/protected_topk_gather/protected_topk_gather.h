@@ -15,6 +15,7 @@
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 
+#include "common/cpu_dispatch.h"
 #include "common/executor.h"
 #include "common/launch_plan.h"
 #include "common/selection.h"
@@ -106,9 +107,14 @@ class ProtectedTopKGather : public mx::Primitive {
 
 // The kernels, on row-contiguous inputs and allocated outputs (keys, values
 // and norms possibly the prior's buffers, docs/spec.md §7): the CPU
-// kernel (cpu.cpp) and the Metal kernel through the emulator (emulated.cpp,
-// in builds with the emulator).
+// kernel (cpu.cpp), whole or as the task eval_cpu queues
+// (common/cpu_dispatch.h), and the Metal kernel through the emulator
+// (emulated.cpp, in builds with the emulator).
 void protected_topk_gather_cpu(
+    const GatherInputs& inputs,
+    std::vector<mx::array>& outputs,
+    const SelectionConfig& config);
+CpuTask protected_topk_gather_cpu_task(
     const GatherInputs& inputs,
     std::vector<mx::array>& outputs,
     const SelectionConfig& config);
