@@ -45,6 +45,27 @@ def test_environment_sets_the_default(monkeypatch):
         mlx_knorm.key_norms(mx.ones((2, 2)))
 
 
+def test_environment_is_read_on_every_call(monkeypatch):
+    # Set, changed and removed after the first read; and through a plain
+    # mapping put in place of os.environ, which the fast read steps around.
+    monkeypatch.delenv("MLX_KNORM_BACKEND", raising=False)
+    assert mlx_knorm.current_backend() == "auto"
+    monkeypatch.setenv("MLX_KNORM_BACKEND", "fallback")
+    assert mlx_knorm.current_backend() == "fallback"
+    monkeypatch.setenv("MLX_KNORM_BACKEND", "auto")
+    assert mlx_knorm.current_backend() == "auto"
+    monkeypatch.delenv("MLX_KNORM_BACKEND")
+    assert mlx_knorm.current_backend() == "auto"
+    monkeypatch.setattr(os, "environ", {"MLX_KNORM_BACKEND": "fallback"})
+    assert mlx_knorm.current_backend() == "fallback"
+    assert backend.resolve(mx.cpu) == "fallback"
+    os.environ["MLX_KNORM_BACKEND"] = "fast"
+    with pytest.raises(ValueError, match="MLX_KNORM_BACKEND must be one of"):
+        mlx_knorm.current_backend()
+    del os.environ["MLX_KNORM_BACKEND"]
+    assert mlx_knorm.current_backend() == "auto"
+
+
 def test_auto_uses_the_cpu_kernel_when_loaded():
     assert mlx_knorm.native_available() is (_native.ext is not None)
     expected = "kernel" if mlx_knorm.native_available() else "fallback"

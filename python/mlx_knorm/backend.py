@@ -33,12 +33,35 @@ def _check_name(name, source: str) -> str:
     return name
 
 
+ENVIRONMENT_VARIABLE = "MLX_KNORM_BACKEND"
+
+# The variable's key in CPython's os.environ mapping (None elsewhere).
+try:
+    _ENVIRONMENT_KEY = os.environ.encodekey(ENVIRONMENT_VARIABLE)
+except AttributeError:
+    _ENVIRONMENT_KEY = None
+
+
+def _environment_choice() -> str | None:
+    """``MLX_KNORM_BACKEND`` as ``os.environ`` holds it now, or None. Read
+    from CPython's mapping behind ``os.environ`` where there is one:
+    ``os.environ.get`` raises and catches two KeyErrors when the variable is
+    unset, half of what resolving the backend costs on every cache step."""
+    environ = os.environ
+    data = getattr(environ, "_data", None)
+    if _ENVIRONMENT_KEY is None or type(data) is not dict:
+        return environ.get(ENVIRONMENT_VARIABLE)
+    value = data.get(_ENVIRONMENT_KEY)
+    return None if value is None else environ.decodevalue(value)
+
+
 def current_backend() -> str:
     """The backend chosen now: by ``use_backend``, else ``MLX_KNORM_BACKEND``, else auto."""
     name = _choice.get()
     if name is not None:
         return name
-    return _check_name(os.environ.get("MLX_KNORM_BACKEND", "auto"), "MLX_KNORM_BACKEND")
+    name = _environment_choice()
+    return "auto" if name is None else _check_name(name, ENVIRONMENT_VARIABLE)
 
 
 class use_backend:
@@ -129,7 +152,7 @@ def resolve(stream, key_dim: int | None = None) -> str:
     ``metal_key_norms_max_dim`` squares per row, so ``auto`` sends larger
     rows on the GPU to the fallback (``kernel`` lets the op raise).
     """
-    device = _device_of(stream)
+    device = mx.default_device() if stream is None else _device_of(stream)
     name = current_backend()
     if name == "fallback":
         return "fallback"
