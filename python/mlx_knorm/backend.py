@@ -152,7 +152,7 @@ def resolve(stream, key_dim: int | None = None) -> str:
     ``metal_key_norms_max_dim`` squares per row, so ``auto`` sends larger
     rows on the GPU to the fallback (``kernel`` lets the op raise).
     """
-    device = mx.default_device() if stream is None else _device_of(stream)
+    device = _device_of(stream)
     name = current_backend()
     if name == "fallback":
         return "fallback"
