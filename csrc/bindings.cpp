@@ -113,7 +113,8 @@ NB_MODULE(_ext, m) {
   m.attr("has_metal_emulator") = true;
   m.def(
       "_emulator_debug",
-      [](bool record, bool first_group_only, uint32_t threadgroup_shortfall, bool reverse_groups) {
+      [](bool record, bool first_group_only, uint32_t threadgroup_shortfall, bool reverse_groups,
+         bool fresh_threads) {
         mlx_knorm::EmulatorDebug& debug = mlx_knorm::emulator_debug();
         std::vector<nb::dict> log;
         for (const mlx_knorm::EmulatedDispatch& d : debug.log) {
@@ -130,12 +131,14 @@ NB_MODULE(_ext, m) {
         debug.first_group_only = first_group_only;
         debug.threadgroup_shortfall = threadgroup_shortfall;
         debug.reverse_groups = reverse_groups;
+        debug.fresh_threads = fresh_threads;
         return log;
       },
       "record"_a = false,
       "first_group_only"_a = false,
       "threadgroup_shortfall"_a = 0,
       "reverse_groups"_a = false,
+      "fresh_threads"_a = false,
       "Testing and bench/launch_plans.py only: sets the emulator's debugging "
       "knobs (metal_emulator/run_plan.h) and returns, then clears, the dispatches "
       "recorded since the last call.");

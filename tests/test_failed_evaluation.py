@@ -45,6 +45,10 @@ SCRIPT = textwrap.dedent(
     backend, layout, fail_at, headroom = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     blocks = [int(n) for n in sys.argv[5].split(",")]
     mx.set_default_device(mx.cpu)
+    if backend == "metal-emulator":
+        # Threads started for each dispatch alone: a kept pool would have
+        # them all from the steps before the limit.
+        mlx_knorm._native.ext._emulator_debug(fresh_threads=True)
 
     def address(a):
         return np.asarray(a).__array_interface__["data"][0]

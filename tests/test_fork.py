@@ -1,10 +1,12 @@
 """A forked child of a process whose large CPU calls started the row workers
-(csrc/common/parallel.h) exits, and makes large calls of its own.
+(csrc/common/parallel.h), or whose emulated kernels started the emulator's
+threads (csrc/metal_emulator/thread_pool.h), exits, and makes such calls of
+its own.
 
-The child inherits the workers' pool but none of its threads: waiting for
-them (a call that hands them rows, or joining them at exit) would hang. Each
-case runs in a subprocess bounded by a timeout, so a hang fails the test
-instead of stalling the suite.
+The child inherits the pools but none of their threads: waiting for them (a
+call that hands them work, or joining them at exit) would hang. Each case
+runs in a subprocess bounded by a timeout, so a hang fails the test instead
+of stalling the suite.
 """
 
 from __future__ import annotations
@@ -16,13 +18,12 @@ import textwrap
 
 import pytest
 
+from conftest import requires_emulator
 from mlx_knorm import _native
 
 pytestmark = [
     pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork"),
     pytest.mark.skipif(_native.ext is None, reason="the native extension is not loaded"),
-    # With one core there are no workers to lose.
-    pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="the row workers need two cores"),
 ]
 
 CHILD_TIMEOUT_S = 60
@@ -36,8 +37,13 @@ SCRIPT = textwrap.dedent(
     import mlx_knorm
 
     mx.set_default_device(mx.cpu)
-    keys = mx.random.normal((4096, 2048), key=mx.random.key(0))
-    mx.eval(mlx_knorm.key_norms(keys))  # starts the row workers
+    backend = sys.argv[2]
+    # Large enough to start the row workers; the emulator's threads start
+    # on any size.
+    shape = (4096, 2048) if backend == "kernel" else (8, 64)
+    keys = mx.random.normal(shape, key=mx.random.key(0))
+    with mlx_knorm.use_backend(backend):
+        mx.eval(mlx_knorm.key_norms(keys))
 
     pid = os.fork()
     if pid == 0:
@@ -45,7 +51,8 @@ SCRIPT = textwrap.dedent(
         if sys.argv[1] == "call":
             # MLX's default CPU stream runs on a thread the child lacks too.
             with mx.stream(mx.new_stream(mx.cpu)):
-                got = mlx_knorm.key_norms(keys * 2)
+                with mlx_knorm.use_backend(backend):
+                    got = mlx_knorm.key_norms(keys * 2)
                 with mlx_knorm.use_backend("fallback"):
                     want = mlx_knorm.key_norms(keys * 2)
                 code = 0 if mx.array_equal(got, want).item() else 3
@@ -67,10 +74,16 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("backend", [
+    # With one core there are no row workers to lose.
+    pytest.param("kernel", marks=pytest.mark.skipif((os.cpu_count() or 1) < 2,
+                                                    reason="the row workers need two cores")),
+    pytest.param("metal-emulator", marks=requires_emulator),
+])
 @pytest.mark.parametrize("child", ["exit", "call"])
-def test_forked_child_exits_and_calls(child):
+def test_forked_child_exits_and_calls(child, backend):
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT, child],
+        [sys.executable, "-c", SCRIPT, child, backend],
         capture_output=True, text=True, timeout=CHILD_TIMEOUT_S + 60,
     )
     assert result.returncode == 0, result.stderr

@@ -14,6 +14,7 @@ below cross those boundaries.
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import subprocess
 import sys
@@ -315,6 +316,9 @@ THREAD_STARVED_SCRIPT = textwrap.dedent(
     import mlx.core as mx
     import mlx_knorm
 
+    # Threads started for each dispatch alone: a kept pool would have them
+    # all from the first evaluation.
+    mlx_knorm._native.ext._emulator_debug(fresh_threads=True)
     keys = mx.random.normal((8, 64), key=mx.random.key(0))
     with mlx_knorm.use_backend("metal-emulator"):
         want = mlx_knorm.key_norms(keys, stream=mx.cpu)
@@ -338,8 +342,8 @@ THREAD_STARVED_SCRIPT = textwrap.dedent(
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_threads_that_cannot_start_raise():
     """Under an address-space limit the threads of a threadgroup cannot all
-    start: those that did are released and joined, the call raises naming the
-    emulator, and the process runs the kernel again once the limit is lifted."""
+    start: none runs the kernel, the call raises naming the emulator, and the
+    process runs the kernel again once the limit is lifted."""
     result = subprocess.run([sys.executable, "-c", THREAD_STARVED_SCRIPT], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -347,6 +351,34 @@ def test_threads_that_cannot_start_raise():
     assert re.fullmatch(r"raised: metal emulator: knorm_key_norms_float32_\d+: started \d+ of a threadgroup's 128 threads .*",
                         lines[0]), lines[0]
     assert lines[1] == "equal after: True"
+
+
+def live_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_dispatches_run_on_threads_kept_from_earlier_ones():
+    """A threadgroup's threads are started once and kept
+    (metal_emulator/thread_pool.h): later dispatches start none; with
+    fresh_threads each dispatch's threads are joined after it, and those
+    kept before with them."""
+    keys = mx.random.normal((8, 64), key=mx.random.key(0))
+    mx.eval(keys)
+
+    def key_norms(fresh_threads):
+        log = emulator_log(lambda: mx.eval(_native.ext.key_norms(keys, emulate_metal=True, stream=mx.cpu)),
+                           fresh_threads=fresh_threads)
+        return max(d["group_size"] for d in log)
+
+    key_norms(fresh_threads=True)
+    without_pool = live_threads()
+    group_size = key_norms(fresh_threads=False)
+    assert live_threads() == without_pool + group_size
+    key_norms(fresh_threads=False)
+    assert live_threads() == without_pool + group_size
+    key_norms(fresh_threads=True)
+    assert live_threads() == without_pool
 
 
 @pytest.mark.parametrize("width", [1, 16, 31, 64])

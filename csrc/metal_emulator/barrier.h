@@ -29,19 +29,13 @@ class Barrier {
     expected_ = participants;
     arrived_ = 0;
     diverged_ = false;
-    abandoned_ = false;
   }
 
   // The last thread to arrive runs `complete` before any thread returns.
-  // False when the barrier was abandoned before all participants arrived.
   template <typename Complete>
-  bool arrive_and_wait(unsigned kind, Complete&& complete) {
+  void arrive_and_wait(unsigned kind, Complete&& complete) {
     HiddenFromTsan hidden;
     std::unique_lock<std::mutex> lock(mutex_);
-    const uint64_t generation = generation_.load(std::memory_order_relaxed);
-    if (abandoned_) {
-      return false;
-    }
     if (arrived_ == 0) {
       kind_ = kind;
     } else if (kind != kind_) {
@@ -50,7 +44,7 @@ class Barrier {
     if (++arrived_ == expected_) {
       complete();
       release();
-      return true;
+      return;
     }
     // Wait on the wake word outside the lock: a released thread returns
     // without taking the mutex again, which with hundreds of threads on a
@@ -60,21 +54,10 @@ class Barrier {
     while (wake_.load(std::memory_order_acquire) == wake) {
       sleep_while(wake);
     }
-    return generation_.load(std::memory_order_acquire) != generation;
   }
 
-  // Wakes the waiting threads, and fails every later wait, without a release:
-  // for participants that will never arrive.
-  void abandon() {
-    HiddenFromTsan hidden;
-    std::lock_guard<std::mutex> lock(mutex_);
-    abandoned_ = true;
-    wake_.fetch_add(1, std::memory_order_release);
-    wake_.notify_all();
-  }
-
-  bool arrive_and_wait() {
-    return arrive_and_wait(0, [] {});
+  void arrive_and_wait() {
+    arrive_and_wait(0, [] {});
   }
 
   void leave() {
@@ -115,20 +98,17 @@ class Barrier {
 
   void release() {
     arrived_ = 0;
-    generation_.fetch_add(1, std::memory_order_relaxed);
     wake_.fetch_add(1, std::memory_order_release);
     wake_.notify_all();
   }
 
   std::mutex mutex_;
-  // Changes on every release and abandon; waiters sleep on it.
+  // Changes on every release; waiters sleep on it.
   std::atomic<uint32_t> wake_{0};
   uint32_t expected_ = 0;
   uint32_t arrived_ = 0;
-  std::atomic<uint64_t> generation_{0};
   unsigned kind_ = 0;
   bool diverged_ = false;
-  bool abandoned_ = false;
 };
 
 } // namespace metal_emu

@@ -22,7 +22,10 @@ struct EmulatedBuffer {
 // Runs the kernel registered under host name `kernel` over `groups`
 // threadgroups of `group_size` threads; buffers[i] is [[buffer(i)]] and
 // threadgroup_bytes[i] the length of [[threadgroup(i)]]; the threadgroups
-// run one at a time, from the last to the first with `reverse_groups`.
+// run one at a time, from the last to the first with `reverse_groups`, on
+// the calling thread's pool of threads, kept for later dispatches, or with
+// `fresh_threads` started for this one and joined after it with any kept
+// before.
 // Returns the threadgroup memory a threadgroup had (those lengths and what
 // the kernel declares itself), 0 for no threadgroup.
 size_t run_emulated_kernel(
@@ -31,6 +34,7 @@ size_t run_emulated_kernel(
     uint32_t group_size,
     const std::vector<EmulatedBuffer>& buffers,
     const std::vector<uint32_t>& threadgroup_bytes,
-    bool reverse_groups);
+    bool reverse_groups,
+    bool fresh_threads);
 
 } // namespace mlx_knorm

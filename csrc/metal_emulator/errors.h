@@ -1,5 +1,5 @@
 // How the emulator fails: at once for what no kernel may do (fatal), or
-// through one dispatch's first error, thrown once its threads are joined.
+// through one dispatch's first error, thrown once its threads are done.
 #pragma once
 
 #include <cstdint>
@@ -30,7 +30,7 @@ class DispatchErrors {
     }
   }
 
-  // Read once every thread has been joined.
+  // Read once every thread is done with the dispatch.
   const std::string& first() const {
     return error_;
   }

@@ -1,5 +1,5 @@
 // A dispatch: the grid's threadgroups one after another, each thread of a
-// group a real std::thread, with the binding and the threadgroup memory
+// group a real thread (of the evaluating thread's pool, thread_pool.h), with the binding and the threadgroup memory
 // lengths checked first, and divergent barriers, conflicting threadgroup
 // writes and writes past a [[threadgroup(i)]] argument reported after.
 #pragma once
@@ -9,7 +9,6 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "metal_emulator/barrier.h"
@@ -17,6 +16,7 @@
 #include "metal_emulator/dispatch.h"
 #include "metal_emulator/errors.h"
 #include "metal_emulator/signature.h"
+#include "metal_emulator/thread_pool.h"
 #include "metal_emulator/threads.h"
 #include "metal_emulator/tsan.h"
 
@@ -73,8 +73,9 @@ inline std::vector<Guard> threadgroup_layout(
 // time (first to last, or last to first with reverse_groups: a GPU runs
 // them in any order), all threads of a group concurrently. Throws on an unknown kernel, a
 // binding that does not match the kernel's signature, divergent barriers,
-// conflicting threadgroup writes, or threads that cannot be started (after
-// joining those that were).
+// conflicting threadgroup writes, or threads that cannot be started (none
+// having run); with `fresh_threads` the threads are started for this
+// dispatch and joined after it, with any the pool kept before.
 // Returns the threadgroup memory the kernel had: the lengths set, and what
 // it declared in kernel scope.
 inline size_t dispatch(
@@ -83,7 +84,8 @@ inline size_t dispatch(
     uint32_t group_size,
     const std::vector<mlx_knorm::EmulatedBuffer>& buffers,
     const std::vector<uint32_t>& threadgroup_lengths,
-    bool reverse_groups = false) {
+    bool reverse_groups = false,
+    bool fresh_threads = false) {
   auto it = kernel_registry().find(kernel);
   if (it == kernel_registry().end()) {
     throw std::runtime_error("metal emulator: no kernel named " + kernel);
@@ -106,9 +108,7 @@ inline size_t dispatch(
   group->memory.set_guards(std::move(guards));
   // Thread 0's extent of the last group, guards taken off.
   size_t memory_used = 0;
-  // Separates threadgroups; never left early. No thread enters the kernel
-  // before all group_size threads have reached it, so when one cannot be
-  // started, abandoning it releases every thread that was.
+  // Separates threadgroups; never left early.
   Barrier launch;
   launch.reset(group_size);
   std::vector<uint64_t> barrier_counts(group_size);
@@ -136,9 +136,7 @@ inline size_t dispatch(
           s->barrier.reset(kSimdWidth);
         }
       }
-      if (!launch.arrive_and_wait()) {
-        break;
-      }
+      launch.arrive_and_wait();
       context.group_index = g;
       context.barriers_passed = 0;
       context.device_order = &device_order[g];
@@ -176,24 +174,10 @@ inline size_t dispatch(
     }
     current_thread() = nullptr;
   };
-  std::vector<std::thread> threads;
-  threads.reserve(group_size);
   try {
-    for (uint32_t t = 0; t < group_size; ++t) {
-      threads.emplace_back(worker, t);
-    }
-  } catch (const std::exception& e) {
-    // Out of threads or of address space for their stacks.
-    launch.abandon();
-    for (auto& t : threads) {
-      t.join();
-    }
-    throw std::runtime_error(
-        "metal emulator: " + kernel + ": started " + std::to_string(threads.size()) +
-        " of a threadgroup's " + std::to_string(group_size) + " threads (" + e.what() + ")");
-  }
-  for (auto& t : threads) {
-    t.join();
+    ThreadPool::of_thread().run(group_size, worker, !fresh_threads);
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error("metal emulator: " + kernel + ": " + e.what());
   }
   if (!errors.first().empty()) {
     throw std::runtime_error(errors.first());

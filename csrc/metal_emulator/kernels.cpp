@@ -22,9 +22,10 @@ size_t run_emulated_kernel(
     uint32_t group_size,
     const std::vector<EmulatedBuffer>& buffers,
     const std::vector<uint32_t>& threadgroup_bytes,
-    bool reverse_groups) {
+    bool reverse_groups,
+    bool fresh_threads) {
   return metal_emu::dispatch(kernel, groups, group_size, buffers, threadgroup_bytes,
-                             reverse_groups);
+                             reverse_groups, fresh_threads);
 }
 
 } // namespace mlx_knorm

@@ -1,6 +1,6 @@
 // Header-only emulation of the part of the Metal execution model that the
 // kernels in metal/ use, so that the very same .metal files compile as C++
-// and run on a CPU. Every thread of a threadgroup is a real std::thread and
+// and run on a CPU. Every thread of a threadgroup is a real thread and
 // every barrier is a real barrier: a kernel that misses a barrier, or whose
 // barrier orders too little, reads stale data or races here as it may on a
 // GPU, and ThreadSanitizer reports it (memory ordering, below).
@@ -48,6 +48,7 @@
 //   errors.h              how a dispatch fails
 //   threadgroup_memory.h  threadgroup memory and its views
 //   threads.h             threadgroup and thread state, threadgroup_barrier
+//   thread_pool.h         the threads dispatches run on
 //   signature.h           kernel signatures and the registry of instances
 //   binding.h             the check of a launch's buffers against a signature
 //   grid.h                a dispatch: the grid's threadgroups and threads
@@ -64,6 +65,7 @@
 #include "metal_emulator/grid.h"
 #include "metal_emulator/language.h"
 #include "metal_emulator/signature.h"
+#include "metal_emulator/thread_pool.h"
 #include "metal_emulator/threadgroup_memory.h"
 #include "metal_emulator/threads.h"
 #include "metal_emulator/tsan.h"

@@ -164,7 +164,7 @@ void run_dispatch(
   const uint32_t groups = debug.first_group_only && plan.groups > 0 ? 1 : plan.groups;
   const size_t memory =
       run_emulated_kernel(plan.kernel, groups, plan.group_size, binder.buffers, lengths,
-                          debug.reverse_groups);
+                          debug.reverse_groups, debug.fresh_threads);
   if (debug.record) {
     debug.log.push_back({plan.kernel, plan.groups, plan.group_size, lengths, memory});
   }

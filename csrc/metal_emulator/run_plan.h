@@ -42,11 +42,14 @@ struct EmulatedDispatch {
 // many bytes off each [[threadgroup(i)]] length above it (a broken plan,
 // which the emulator must catch); `reverse_groups` runs each dispatch's
 // threadgroups last to first (blocks that read what other blocks of their
-// dispatch write then read it already written).
+// dispatch write then read it already written); `fresh_threads` starts each
+// dispatch's threads for it alone (a failure to start them is then possible
+// on any dispatch, not only on one that needs more threads than ran before).
 struct EmulatorDebug {
   bool record = false;
   bool first_group_only = false;
   bool reverse_groups = false;
+  bool fresh_threads = false;
   uint32_t threadgroup_shortfall = 0;
   std::vector<EmulatedDispatch> log;
 };
