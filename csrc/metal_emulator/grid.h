@@ -1,7 +1,8 @@
 // A dispatch: the grid's threadgroups one after another, each thread of a
-// group a real thread (of the evaluating thread's pool, thread_pool.h), with the binding and the threadgroup memory
-// lengths checked first, and divergent barriers, conflicting threadgroup
-// writes and writes past a [[threadgroup(i)]] argument reported after.
+// group a real thread (of the evaluating thread's pool, thread_pool.h),
+// with the binding and the threadgroup memory lengths checked first, and
+// divergent barriers, conflicting threadgroup writes and writes past a
+// [[threadgroup(i)]] argument reported after.
 #pragma once
 
 #include <cstdint>

@@ -23,13 +23,17 @@ namespace metal_emu {
 // one has none of its threads here.
 inline std::atomic<uint64_t>& fork_generation() {
   static std::atomic<uint64_t> generation{0};
-  static const bool registered = [] {
-    return pthread_atfork(nullptr, nullptr, [] { fork_generation().fetch_add(1); }) == 0;
-  }();
-  if (!registered) {
-    throw std::runtime_error("metal emulator: cannot register the thread pool's fork handler");
-  }
   return generation;
+}
+
+// Has every fork from now on counted; throws if it cannot be (before any
+// pool exists, so a pool's generation is always kept up to date).
+inline void count_forks() {
+  static const bool registered =
+      pthread_atfork(nullptr, nullptr, [] { fork_generation().fetch_add(1); }) == 0;
+  if (!registered) {
+    throw std::runtime_error("cannot register the thread pool's fork handler");
+  }
 }
 
 // A pool whose run(n, body) calls body(t) for every t in [0, n), each on a
@@ -55,6 +59,7 @@ class ThreadPool {
         }
       }
     };
+    count_forks();
     thread_local Held held;
     const uint64_t generation = fork_generation().load();
     if (held.pool == nullptr || held.generation != generation) {
