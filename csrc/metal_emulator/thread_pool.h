@@ -26,12 +26,15 @@ inline std::atomic<uint64_t>& fork_generation() {
   return generation;
 }
 
-// Has every fork from now on counted; throws if it cannot be (before any
-// pool exists, so a pool's generation is always kept up to date).
+// Whether forks are counted: registered when the library loads, not on a
+// first use that a fork on another thread could catch halfway (its child
+// would wait forever for the initialisation to finish).
+inline const bool forks_counted =
+    pthread_atfork(nullptr, nullptr, [] { fork_generation().fetch_add(1); }) == 0;
+
+// Throws unless forks are counted: checked before any pool exists.
 inline void count_forks() {
-  static const bool registered =
-      pthread_atfork(nullptr, nullptr, [] { fork_generation().fetch_add(1); }) == 0;
-  if (!registered) {
+  if (!forks_counted) {
     throw std::runtime_error("cannot register the thread pool's fork handler");
   }
 }
