@@ -56,7 +56,7 @@ struct KnormEvictHead {
   int sink_end;      // real positions below are protected
   int protect_from;  // real positions at or above are protected
   bool keep_high;
-  device const float* norms;
+  device const uint* norms;  // float32 bits
   device const int* positions;
   bool cached;  // the ranks of slots [0, filled) are in cached_ranks
   threadgroup const ulong* cached_ranks;
@@ -87,7 +87,7 @@ inline KnormEvictHead knorm_evict_head(
   h.filled = params.filled;
   h.kept = params.kept;
   h.keep_high = params.keep_high != 0;
-  h.norms = norms;
+  h.norms = (device const uint*)norms;
   h.positions = positions;
   h.cached = false;
   h.cached_ranks = cached_ranks;
@@ -362,8 +362,21 @@ inline void knorm_move_pairs(
   }
 }
 
+// A step's payload buffers as kernel parameters name_0 .. name_5 of `type`
+// at the [[buffer(i)]] given (written out: the attribute takes a literal),
+// and as the initialiser of the arrays of KnormEvictBuffers and
+// KnormFillBuffers.
+#define KNORM_PAYLOAD_PARAMETERS(type, name, i0, i1, i2, i3, i4, i5) \
+  type name##_0 KNORM_BUFFER(i0), type name##_1 KNORM_BUFFER(i1),    \
+      type name##_2 KNORM_BUFFER(i2), type name##_3 KNORM_BUFFER(i3), \
+      type name##_4 KNORM_BUFFER(i4), type name##_5 KNORM_BUFFER(i5)
+#define KNORM_PAYLOADS(name) {name##_0, name##_1, name##_2, name##_3, name##_4, name##_5}
+static_assert(kEvictMaxPayloads == 6, "KNORM_PAYLOAD_PARAMETERS names six payloads");
+
 // The buffers of head `head`, from those of the whole batch (`batch`: the
-// bindings, as bound) and the step's constants.
+// bindings, as bound) and the step's constants. An input updated in place
+// is read through its output's pointer: the compiler may take a `device
+// const` argument for read-only memory that the dispatch does not write.
 // The same for the payloads alone (a kernel that binds no norms or
 // positions, or no output rows, leaves them null).
 inline KnormEvictBuffers knorm_evict_payloads_of_head(
@@ -382,6 +395,9 @@ inline KnormEvictBuffers knorm_evict_payloads_of_head(
       b.rows[i] += in_row * params.row_bytes[i];
       if (b.out_rows[i] != nullptr) {
         b.out_rows[i] += out_row * params.row_bytes[i];
+        if (b.payload_in_place(i)) {
+          b.rows[i] = b.out_rows[i];
+        }
       }
     }
   }
@@ -395,10 +411,10 @@ inline KnormEvictBuffers knorm_evict_buffers_of_head(
   const ulong in_row = ulong(head) * params.slots;
   const ulong out_row = ulong(head) * params.out_slots;
   KnormEvictBuffers b = knorm_evict_payloads_of_head(params, head, batch);
-  b.norms = batch.norms + in_row;
-  b.positions = batch.positions + in_row;
   b.out_norms = batch.out_norms + out_row;
   b.out_positions = batch.out_positions + out_row;
+  b.norms = b.norms_in_place() ? b.out_norms : batch.norms + in_row;
+  b.positions = b.positions_in_place() ? b.out_positions : batch.positions + in_row;
   return b;
 }
 
@@ -599,7 +615,10 @@ inline void knorm_stage_shift(
 // chunk in slot order, each into a ring queue, and the i-th mover moves
 // into the i-th hole. Holes are written only after every scan has passed
 // them, and movers are never written, so the scans read the rows as they
-// were.
+// were. The loop's bound is uniform: each round scans a chunk of holes or
+// movers, or empties a queue that a later round refills, so it ends within
+// twice the chunks plus two; a slip in that argument makes a wrong result
+// the tests see, not a hang.
 inline void knorm_fill_holes(
     KnormEvictHead stored,
     KnormEviction ev,
@@ -618,7 +637,9 @@ inline void knorm_fill_holes(
   uint hole_tail = 0;
   uint mover_head = 0;
   uint mover_tail = 0;
-  while (true) {
+  const uint chunks = (stored.kept + kEvictGroupSize - 1) / kEvictGroupSize +
+      (stored.filled - stored.kept + kEvictGroupSize - 1) / kEvictGroupSize;
+  for (uint pass = 0; pass < 2 * chunks + 2; ++pass) {
     const bool scan_holes = hole_tail - hole_head < kEvictGroupSize && hole_next < stored.kept;
     const bool scan_movers =
         mover_tail - mover_head < kEvictGroupSize && mover_next < stored.filled;
@@ -756,29 +777,14 @@ inline KnormFillBuffers knorm_fill_buffers_at(
 // the queues of the slot layout's pairing (2 kEvictQueue entries) when
 // several rows leave, or a temporal chunk's kept slots (kEvictGroupSize).
 template <typename K, uint kPerLane>
-[[kernel]] void knorm_evict_and_fill(
-    device const uchar* rows_0 KNORM_BUFFER(0),
-    device const uchar* rows_1 KNORM_BUFFER(1),
-    device const uchar* rows_2 KNORM_BUFFER(2),
-    device const uchar* rows_3 KNORM_BUFFER(3),
-    device const uchar* rows_4 KNORM_BUFFER(4),
-    device const uchar* rows_5 KNORM_BUFFER(5),
+[[kernel, max_total_threads_per_threadgroup(kEvictGroupSize)]] void knorm_evict_and_fill(
+    KNORM_PAYLOAD_PARAMETERS(device const uchar*, rows, 0, 1, 2, 3, 4, 5),
     device const float* norms KNORM_BUFFER(6),
     device const int* positions KNORM_BUFFER(7),
-    device const uchar* new_rows_0 KNORM_BUFFER(8),
-    device const uchar* new_rows_1 KNORM_BUFFER(9),
-    device const uchar* new_rows_2 KNORM_BUFFER(10),
-    device const uchar* new_rows_3 KNORM_BUFFER(11),
-    device const uchar* new_rows_4 KNORM_BUFFER(12),
-    device const uchar* new_rows_5 KNORM_BUFFER(13),
+    KNORM_PAYLOAD_PARAMETERS(device const uchar*, new_rows, 8, 9, 10, 11, 12, 13),
     device const float* new_norms KNORM_BUFFER(14),
     device const int* valid KNORM_BUFFER(15),
-    device uchar* out_rows_0 KNORM_BUFFER(16),
-    device uchar* out_rows_1 KNORM_BUFFER(17),
-    device uchar* out_rows_2 KNORM_BUFFER(18),
-    device uchar* out_rows_3 KNORM_BUFFER(19),
-    device uchar* out_rows_4 KNORM_BUFFER(20),
-    device uchar* out_rows_5 KNORM_BUFFER(21),
+    KNORM_PAYLOAD_PARAMETERS(device uchar*, out_rows, 16, 17, 18, 19, 20, 21),
     device float* out_norms KNORM_BUFFER(22),
     device int* out_positions KNORM_BUFFER(23),
     constant KnormEvictParams& params KNORM_BUFFER(24),
@@ -796,15 +802,14 @@ template <typename K, uint kPerLane>
 
   const uint filled = params.filled;
   const uint kept = params.kept;
-  const ulong in_row = ulong(head) * params.slots;
   const ulong out_row = ulong(head) * params.out_slots;
-  KnormEvictHead stored = knorm_evict_head(
-      params, valid, head, norms + in_row, positions + in_row, cached_ranks, long(params.offset));
   const KnormEvictBuffers batch = {
-      {rows_0, rows_1, rows_2, rows_3, rows_4, rows_5},
-      {out_rows_0, out_rows_1, out_rows_2, out_rows_3, out_rows_4, out_rows_5},
+      KNORM_PAYLOADS(rows),
+      KNORM_PAYLOADS(out_rows),
       norms, positions, out_norms, out_positions, 0u, {}, {}, 0u};
   const KnormEvictBuffers b = knorm_evict_buffers_of_head(params, head, batch);
+  KnormEvictHead stored = knorm_evict_head(
+      params, valid, head, b.norms, b.positions, cached_ranks, long(params.offset));
 
   // docs/spec.md section 4 step 1.
   KnormEviction ev = {kKeepAll, 0u, {ulong(0), 0u, 0u}};
@@ -870,9 +875,9 @@ template <typename K, uint kPerLane>
   // Step 3, unless knorm_fill_new_rows does it.
   if (params.fill_new != 0) {
     const KnormFillBuffers base = {
-        {new_rows_0, new_rows_1, new_rows_2, new_rows_3, new_rows_4, new_rows_5},
+        KNORM_PAYLOADS(new_rows),
         new_norms,
-        {out_rows_0, out_rows_1, out_rows_2, out_rows_3, out_rows_4, out_rows_5},
+        KNORM_PAYLOADS(out_rows),
         out_norms,
         out_positions};
     knorm_fill_rows<K, kPerLane>(
@@ -889,21 +894,11 @@ template <typename K, uint kPerLane>
 // moves its bulk over many threadgroups, not one per head. A template, on
 // the group size, only so that it instantiates like the others.
 template <uint kGroupSize>
-[[kernel]] void knorm_copy_kept_rows(
-    device const uchar* rows_0 KNORM_BUFFER(0),
-    device const uchar* rows_1 KNORM_BUFFER(1),
-    device const uchar* rows_2 KNORM_BUFFER(2),
-    device const uchar* rows_3 KNORM_BUFFER(3),
-    device const uchar* rows_4 KNORM_BUFFER(4),
-    device const uchar* rows_5 KNORM_BUFFER(5),
+[[kernel, max_total_threads_per_threadgroup(kGroupSize)]] void knorm_copy_kept_rows(
+    KNORM_PAYLOAD_PARAMETERS(device const uchar*, rows, 0, 1, 2, 3, 4, 5),
     device const float* norms KNORM_BUFFER(6),
     device const int* positions KNORM_BUFFER(7),
-    device uchar* out_rows_0 KNORM_BUFFER(8),
-    device uchar* out_rows_1 KNORM_BUFFER(9),
-    device uchar* out_rows_2 KNORM_BUFFER(10),
-    device uchar* out_rows_3 KNORM_BUFFER(11),
-    device uchar* out_rows_4 KNORM_BUFFER(12),
-    device uchar* out_rows_5 KNORM_BUFFER(13),
+    KNORM_PAYLOAD_PARAMETERS(device uchar*, out_rows, 8, 9, 10, 11, 12, 13),
     device float* out_norms KNORM_BUFFER(14),
     device int* out_positions KNORM_BUFFER(15),
     constant KnormEvictParams& params KNORM_BUFFER(16),
@@ -912,8 +907,8 @@ template <uint kGroupSize>
   static_assert(kGroupSize == kEvictGroupSize, "knorm_copy_kept_slots copies with kEvictGroupSize threads");
   const KnormKeptBlock block = knorm_kept_block(params.kept, group, params.copy_groups_per_head);
   const KnormEvictBuffers batch = {
-      {rows_0, rows_1, rows_2, rows_3, rows_4, rows_5},
-      {out_rows_0, out_rows_1, out_rows_2, out_rows_3, out_rows_4, out_rows_5},
+      KNORM_PAYLOADS(rows),
+      KNORM_PAYLOADS(out_rows),
       norms, positions, out_norms, out_positions, 0u, {}, {}, 0u};
   knorm_copy_kept_slots(knorm_evict_buffers_of_head(params, block.head, batch), block.begin,
                         block.end, tid);
@@ -930,19 +925,9 @@ template <uint kGroupSize>
 // (or from slot kept, which no block writes). A block then reads no slot
 // another block writes, so the blocks run in any order.
 template <uint kGroupSize>
-[[kernel]] void knorm_shift_kept_rows(
-    device const uchar* rows_0 KNORM_BUFFER(0),
-    device const uchar* rows_1 KNORM_BUFFER(1),
-    device const uchar* rows_2 KNORM_BUFFER(2),
-    device const uchar* rows_3 KNORM_BUFFER(3),
-    device const uchar* rows_4 KNORM_BUFFER(4),
-    device const uchar* rows_5 KNORM_BUFFER(5),
-    device uchar* out_rows_0 KNORM_BUFFER(6),
-    device uchar* out_rows_1 KNORM_BUFFER(7),
-    device uchar* out_rows_2 KNORM_BUFFER(8),
-    device uchar* out_rows_3 KNORM_BUFFER(9),
-    device uchar* out_rows_4 KNORM_BUFFER(10),
-    device uchar* out_rows_5 KNORM_BUFFER(11),
+[[kernel, max_total_threads_per_threadgroup(kGroupSize)]] void knorm_shift_kept_rows(
+    KNORM_PAYLOAD_PARAMETERS(device const uchar*, rows, 0, 1, 2, 3, 4, 5),
+    KNORM_PAYLOAD_PARAMETERS(device uchar*, out_rows, 6, 7, 8, 9, 10, 11),
     device uchar* scratch KNORM_BUFFER(12),
     constant KnormEvictParams& params KNORM_BUFFER(13),
     uint group KNORM_ATTRIBUTE(threadgroup_position_in_grid),
@@ -957,8 +942,8 @@ template <uint kGroupSize>
   const uint end = slots.end;
   const uint evicted = ((device const uint*)scratch)[head];
   const KnormEvictBuffers batch = {
-      {rows_0, rows_1, rows_2, rows_3, rows_4, rows_5},
-      {out_rows_0, out_rows_1, out_rows_2, out_rows_3, out_rows_4, out_rows_5},
+      KNORM_PAYLOADS(rows),
+      KNORM_PAYLOADS(out_rows),
       nullptr, nullptr, nullptr, nullptr, 0u, {}, {}, 0u};
   const KnormEvictBuffers b = knorm_evict_payloads_of_head(params, head, batch);
   for (uint i = 0; i < kEvictMaxPayloads; ++i) {
@@ -1004,13 +989,8 @@ template <uint kGroupSize>
 // compact_groups_per_head, to the scratch buffer. It writes no output, so
 // its blocks read the rows as they were, in any order.
 template <uint kGroupSize>
-[[kernel]] void knorm_stage_compaction(
-    device const uchar* rows_0 KNORM_BUFFER(0),
-    device const uchar* rows_1 KNORM_BUFFER(1),
-    device const uchar* rows_2 KNORM_BUFFER(2),
-    device const uchar* rows_3 KNORM_BUFFER(3),
-    device const uchar* rows_4 KNORM_BUFFER(4),
-    device const uchar* rows_5 KNORM_BUFFER(5),
+[[kernel, max_total_threads_per_threadgroup(kGroupSize)]] void knorm_stage_compaction(
+    KNORM_PAYLOAD_PARAMETERS(device const uchar*, rows, 0, 1, 2, 3, 4, 5),
     device uchar* scratch KNORM_BUFFER(6),
     constant KnormEvictParams& params KNORM_BUFFER(7),
     uint group KNORM_ATTRIBUTE(threadgroup_position_in_grid),
@@ -1024,7 +1004,7 @@ template <uint kGroupSize>
   const KnormCompactionBlock block = knorm_compaction_block<kGroupSize>(
       params, scratch, src, simd_totals, group, tid, lane, simd_group);
   const KnormEvictBuffers batch = {
-      {rows_0, rows_1, rows_2, rows_3, rows_4, rows_5},
+      KNORM_PAYLOADS(rows),
       {},
       nullptr, nullptr, nullptr, nullptr, 0u, {}, {}, 0u};
   const KnormEvictBuffers b = knorm_evict_payloads_of_head(params, block.head, batch);
@@ -1045,19 +1025,9 @@ template <uint kGroupSize>
 // payload: in place its rows that move, from the scratch buffer; into a
 // separate output every slot, from its source.
 template <uint kGroupSize>
-[[kernel]] void knorm_compact_kept_rows(
-    device const uchar* rows_0 KNORM_BUFFER(0),
-    device const uchar* rows_1 KNORM_BUFFER(1),
-    device const uchar* rows_2 KNORM_BUFFER(2),
-    device const uchar* rows_3 KNORM_BUFFER(3),
-    device const uchar* rows_4 KNORM_BUFFER(4),
-    device const uchar* rows_5 KNORM_BUFFER(5),
-    device uchar* out_rows_0 KNORM_BUFFER(6),
-    device uchar* out_rows_1 KNORM_BUFFER(7),
-    device uchar* out_rows_2 KNORM_BUFFER(8),
-    device uchar* out_rows_3 KNORM_BUFFER(9),
-    device uchar* out_rows_4 KNORM_BUFFER(10),
-    device uchar* out_rows_5 KNORM_BUFFER(11),
+[[kernel, max_total_threads_per_threadgroup(kGroupSize)]] void knorm_compact_kept_rows(
+    KNORM_PAYLOAD_PARAMETERS(device const uchar*, rows, 0, 1, 2, 3, 4, 5),
+    KNORM_PAYLOAD_PARAMETERS(device uchar*, out_rows, 6, 7, 8, 9, 10, 11),
     device uchar* scratch KNORM_BUFFER(12),
     constant KnormEvictParams& params KNORM_BUFFER(13),
     uint group KNORM_ATTRIBUTE(threadgroup_position_in_grid),
@@ -1071,8 +1041,8 @@ template <uint kGroupSize>
   const KnormCompactionBlock block = knorm_compaction_block<kGroupSize>(
       params, scratch, src, simd_totals, group, tid, lane, simd_group);
   const KnormEvictBuffers batch = {
-      {rows_0, rows_1, rows_2, rows_3, rows_4, rows_5},
-      {out_rows_0, out_rows_1, out_rows_2, out_rows_3, out_rows_4, out_rows_5},
+      KNORM_PAYLOADS(rows),
+      KNORM_PAYLOADS(out_rows),
       nullptr, nullptr, nullptr, nullptr, 0u, {}, {}, 0u};
   const KnormEvictBuffers b = knorm_evict_payloads_of_head(params, block.head, batch);
   for (uint i = 0; i < kEvictMaxPayloads; ++i) {
@@ -1096,20 +1066,10 @@ template <uint kGroupSize>
 // with fill_new = 0): threadgroup g writes new rows [b * kSplitRows, +
 // kSplitRows) of head g / groups_per_head, b = g % groups_per_head.
 template <typename K, uint kPerLane>
-[[kernel]] void knorm_fill_new_rows(
-    device const uchar* new_rows_0 KNORM_BUFFER(0),
-    device const uchar* new_rows_1 KNORM_BUFFER(1),
-    device const uchar* new_rows_2 KNORM_BUFFER(2),
-    device const uchar* new_rows_3 KNORM_BUFFER(3),
-    device const uchar* new_rows_4 KNORM_BUFFER(4),
-    device const uchar* new_rows_5 KNORM_BUFFER(5),
+[[kernel, max_total_threads_per_threadgroup(kEvictGroupSize)]] void knorm_fill_new_rows(
+    KNORM_PAYLOAD_PARAMETERS(device const uchar*, new_rows, 0, 1, 2, 3, 4, 5),
     device const float* new_norms KNORM_BUFFER(6),
-    device uchar* out_rows_0 KNORM_BUFFER(7),
-    device uchar* out_rows_1 KNORM_BUFFER(8),
-    device uchar* out_rows_2 KNORM_BUFFER(9),
-    device uchar* out_rows_3 KNORM_BUFFER(10),
-    device uchar* out_rows_4 KNORM_BUFFER(11),
-    device uchar* out_rows_5 KNORM_BUFFER(12),
+    KNORM_PAYLOAD_PARAMETERS(device uchar*, out_rows, 7, 8, 9, 10, 11, 12),
     device float* out_norms KNORM_BUFFER(13),
     device int* out_positions KNORM_BUFFER(14),
     constant KnormEvictParams& params KNORM_BUFFER(15),
@@ -1122,9 +1082,9 @@ template <typename K, uint kPerLane>
   // begin < n_new; begin + kSplitRows may not fit in a uint.
   const uint end = n_new - begin > kSplitRows ? begin + kSplitRows : n_new;
   const KnormFillBuffers base = {
-      {new_rows_0, new_rows_1, new_rows_2, new_rows_3, new_rows_4, new_rows_5},
+      KNORM_PAYLOADS(new_rows),
       new_norms,
-      {out_rows_0, out_rows_1, out_rows_2, out_rows_3, out_rows_4, out_rows_5},
+      KNORM_PAYLOADS(out_rows),
       out_norms,
       out_positions};
   knorm_fill_rows<K, kPerLane>(

@@ -17,7 +17,7 @@
 #include "knorm_kernels.h"
 
 template <typename T, uint kPerLane>
-[[kernel]] void knorm_key_norms(
+[[kernel, max_total_threads_per_threadgroup(kKeyNormsRowsPerGroup * kSimdWidth)]] void knorm_key_norms(
     device const T* keys KNORM_BUFFER(0),
     device float* norms KNORM_BUFFER(1),
     constant uint& dim KNORM_BUFFER(2),

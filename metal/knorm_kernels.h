@@ -9,14 +9,15 @@
 
 #include "knorm_defines.h"
 
-// score -> uint32 with a < b iff key(a) < key(b); -0 == +0; NaN after +inf,
-// as kNanScoreKey. keep="high" ranks by -norm, a flip of the sign bit. No
-// score maps to 0 or to kPaddingScoreKey (knorm_defines.h).
-inline uint knorm_score_key(float norm, bool keep_high) {
-  if (isnan(norm)) {
+// A float32 score's bits -> uint32 with a < b iff key(a) < key(b); -0 ==
+// +0; NaN after +inf, as kNanScoreKey. keep="high" ranks by -score, a flip
+// of the sign bit. No score maps to 0 or to kPaddingScoreKey
+// (knorm_defines.h). Scores travel as bits, never as floats, so that no
+// load or store can quiet a signalling NaN (docs/spec.md section 5).
+inline uint knorm_score_key(uint bits, bool keep_high) {
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {
     return kNanScoreKey;
   }
-  uint bits = as_type<uint>(norm);
   if (keep_high) {
     bits ^= 0x80000000u;
   }
@@ -304,10 +305,10 @@ inline void knorm_move_rows(
   if (width == 0) {
     return;
   }
-  const KnormRowUnit step = knorm_row_unit(kGroupSize, width);
+  const KnormRowUnit stride = knorm_row_unit(kGroupSize, width);
   const KnormRowUnit first = knorm_row_unit(tid, width);
   if (!overlapping) {
-    for (KnormRowUnit at = first; at.row < n; at = knorm_advance(at, step, width)) {
+    for (KnormRowUnit at = first; at.row < n; at = knorm_advance(at, stride, width)) {
       out[ulong(dst_begin + at.row) * width + at.unit] = in[ulong(src[at.row]) * width + at.unit];
     }
     return;
@@ -322,14 +323,14 @@ inline void knorm_move_rows(
                        mine = knorm_advance(mine, wave_step, width)) {
     U held[kWaveUnits];
     KnormRowUnit at = mine;
-    for (uint k = 0; k < kWaveUnits; ++k, at = knorm_advance(at, step, width)) {
+    for (uint k = 0; k < kWaveUnits; ++k, at = knorm_advance(at, stride, width)) {
       if (at.row < n && src[at.row] != dst_begin + at.row) {
         held[k] = in[ulong(src[at.row]) * width + at.unit];
       }
     }
     threadgroup_barrier(mem_flags::mem_device);
     at = mine;
-    for (uint k = 0; k < kWaveUnits; ++k, at = knorm_advance(at, step, width)) {
+    for (uint k = 0; k < kWaveUnits; ++k, at = knorm_advance(at, stride, width)) {
       if (at.row < n && src[at.row] != dst_begin + at.row) {
         out[ulong(dst_begin + at.row) * width + at.unit] = held[k];
       }

@@ -68,15 +68,15 @@ inline bool knorm_leaves_window_before(KnormTreeKeys k, int a, int b) {
 }
 
 // The slot that wins node `node` of a half with n leaves.
-inline int knorm_tree_winner(device const int* half, uint n, uint node) {
-  return node >= n ? int(node - n) : half[node];
+inline int knorm_tree_winner(device const int* tree_half, uint n, uint node) {
+  return node >= n ? int(node - n) : tree_half[node];
 }
 
 // Threadgroup h builds head h's tree: int [2, out_slots + 1] per head.
 // Norms and positions are the step's outputs, written by the dispatches
 // before (or bound to placeholders when the output holds no row).
 template <uint kGroupSize>
-[[kernel]] void knorm_build_order_tree(
+[[kernel, max_total_threads_per_threadgroup(kGroupSize)]] void knorm_build_order_tree(
     device const float* norms KNORM_BUFFER(0),
     device const int* positions KNORM_BUFFER(1),
     device const int* valid KNORM_BUFFER(2),
@@ -98,8 +98,8 @@ template <uint kGroupSize>
     while ((2u << depth) <= n - 1) {
       ++depth;
     }
-    for (uint level = depth + 1; level-- > 0;) {
-      const uint first = 1u << level;
+    for (uint depth_left = depth + 1; depth_left-- > 0;) {
+      const uint first = 1u << depth_left;
       const uint end = (first << 1) < n ? (first << 1) : n;
       // node < n < 2^31: neither node + kGroupSize nor 2 * node + 1 wraps.
       for (uint node = first + tid; node < end; node += kGroupSize) {

@@ -46,13 +46,14 @@ struct KnormHead {
   uint mid_end;
   uint mid_keep;
   bool keep_high;
-  device const float* prior_norms;  // this head's rows
-  device const float* new_norms;
+  // This head's norms, as float32 bits (docs/spec.md section 5).
+  device const uint* prior_norms;
+  device const uint* new_norms;
   bool cached;  // the norms of rows [0, n_prior + n_new) are in cached_norms
-  threadgroup const float* cached_norms;
+  threadgroup const uint* cached_norms;
 };
 
-inline float knorm_norm_at(KnormHead head, uint j) {
+inline uint knorm_norm_bits_at(KnormHead head, uint j) {
   if (head.cached) {
     return head.cached_norms[j];
   }
@@ -64,7 +65,7 @@ struct KnormGatherKeys {
   KnormHead head;
 
   uint operator()(uint j) const {
-    return knorm_score_key(knorm_norm_at(head, j), head.keep_high);
+    return knorm_score_key(knorm_norm_bits_at(head, j), head.keep_high);
   }
 };
 
@@ -78,7 +79,7 @@ inline void knorm_compact(
     KnormHead head,
     KnormCut<uint> cut,
     device uint* row_indices,
-    device float* row_norms,
+    device uint* row_norms,
     bool norms_in_place,
     threadgroup uint* simd_totals,
     uint tid,
@@ -92,7 +93,7 @@ inline void knorm_compact(
   for (uint base = 0; base < n_total; base += kGatherGroupSize) {
     const uint j = base + tid;
     const bool valid = j < n_total;
-    const float norm = valid ? knorm_norm_at(head, j) : 0.0f;
+    const uint norm = valid ? knorm_norm_bits_at(head, j) : 0u;
     const bool protect = j < head.sink_end || j >= head.mid_end;
     const uint key = knorm_score_key(norm, head.keep_high);
     bool keep = valid && (protect || key <= cut.key);
@@ -232,7 +233,7 @@ template <typename K, typename V>
 struct KnormGatherOutputs {
   device K* keys;
   device V* values;
-  device float* norms;
+  device uint* norms;  // float32 bits
   uint key_dim;
   uint value_dim;
   uint key_unit;  // bytes of the units K and V rows move in (knorm_copy_bits)
@@ -293,7 +294,7 @@ inline uint knorm_compact_in_place(
 // the norms of rows [0, n_prior + n_new) where cache_norms is set, and a
 // chunk's sources (kGatherGroupSize) where an output is in place.
 template <typename K, typename V>
-[[kernel]] void knorm_protected_topk_gather(
+[[kernel, max_total_threads_per_threadgroup(kGatherGroupSize)]] void knorm_protected_topk_gather(
     device const K* prior_keys KNORM_BUFFER(0),
     device const V* prior_values KNORM_BUFFER(1),
     device const float* prior_norms KNORM_BUFFER(2),
@@ -305,7 +306,7 @@ template <typename K, typename V>
     device float* out_norms KNORM_BUFFER(8),
     device uint* out_indices KNORM_BUFFER(9),
     constant KnormGatherParams& params KNORM_BUFFER(10),
-    threadgroup float* cached_norms KNORM_THREADGROUP_BUFFER(0),
+    threadgroup uint* cached_norms KNORM_THREADGROUP_BUFFER(0),
     threadgroup uint* sources KNORM_THREADGROUP_BUFFER(1),
     uint row KNORM_ATTRIBUTE(threadgroup_position_in_grid),
     uint tid KNORM_ATTRIBUTE(thread_position_in_threadgroup),
@@ -327,16 +328,22 @@ template <typename K, typename V>
   KNORM_THREADGROUP_ARRAY(uint, picked, 3);
 
   const uint n_total = n_prior + n_new;
+  // Norms in place (then n_prior = kept) are read through the output's
+  // pointer: the compiler may take a `device const` argument for read-only
+  // memory that the dispatch does not write.
+  const bool norms_in_place = (in_place & 4u) != 0;
+  device uint* row_norms = (device uint*)out_norms + ulong(row) * kept;
   KnormHead head = {
       row, n_prior, n_new, kept, sink_end, mid_end, mid_keep, params.keep_high != 0,
-      prior_norms + ulong(row) * n_prior, new_norms + ulong(row) * n_new,
+      norms_in_place ? row_norms : (device const uint*)prior_norms + ulong(row) * n_prior,
+      (device const uint*)new_norms + ulong(row) * n_new,
       false, cached_norms};
   // Radix select of the mid_keep-th smallest middle key.
   KnormCut<uint> cut = {0u, 0u, 0u};
   if (mid_keep > 0) {
     if (params.cache_norms != 0) {
       for (uint j = tid; j < n_total; j += kGatherGroupSize) {
-        cached_norms[j] = knorm_norm_at(head, j);
+        cached_norms[j] = knorm_norm_bits_at(head, j);
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);
       head.cached = true;
@@ -347,8 +354,6 @@ template <typename K, typename V>
         lane, simd_group);
   }
   device uint* row_indices = out_indices + ulong(row) * kept;
-  device float* row_norms = out_norms + ulong(row) * kept;
-  const bool norms_in_place = (in_place & 4u) != 0;
   knorm_compact(head, cut, row_indices, row_norms, norms_in_place,
                 simd_totals, tid, lane, simd_group);
   // The copies read indices written by other threads of the group, and the
@@ -388,7 +393,7 @@ template <typename K, typename V>
 // the scratch buffer. It writes no output, so its blocks read the prior
 // rows as they were.
 template <typename K, typename V>
-[[kernel]] void knorm_stage_prior_rows(
+[[kernel, max_total_threads_per_threadgroup(kGatherGroupSize)]] void knorm_stage_prior_rows(
     device const K* prior_keys KNORM_BUFFER(0),
     device const V* prior_values KNORM_BUFFER(1),
     device const uint* indices KNORM_BUFFER(2),
@@ -419,7 +424,7 @@ template <typename K, typename V>
 // output rows (knorm_gather_block). Rows below first_row are kept prior
 // rows of outputs in place, which are already compacted.
 template <typename K, typename V>
-[[kernel]] void knorm_gather_rows(
+[[kernel, max_total_threads_per_threadgroup(kGatherGroupSize)]] void knorm_gather_rows(
     device const K* prior_keys KNORM_BUFFER(0),
     device const V* prior_values KNORM_BUFFER(1),
     device const K* new_keys KNORM_BUFFER(2),

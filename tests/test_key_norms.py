@@ -93,6 +93,36 @@ def test_key_norms_subnormal_squares_flush_to_zero(backend, dtype, dim):
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_key_norms_of_float16_subnormal_keys(backend):
+    """float16 keys below 2^-14 are subnormal, their squares normal float32:
+    their norms are not 0, as a device that flushed float16 subnormals on
+    load would make them."""
+    rng = np.random.default_rng(5)
+    bits = rng.integers(1, 0x400, size=(64, 24)).astype(np.uint16)  # every float16 subnormal magnitude
+    bits |= (rng.integers(0, 2, size=bits.shape) << 15).astype(np.uint16)
+    keys = mx.array(bits).view(mx.float16)
+    expected = np.array([pinned_norm(r) for r in np.array(keys.astype(mx.float32))], dtype=np.float32)
+    assert (expected > 0).all()
+    assert np.array(norms_on(backend, keys)).tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_key_norms_sqrt_is_correctly_rounded(backend):
+    """The norm's square root is IEEE's, correctly rounded (precise::sqrt
+    on a GPU, docs/spec.md §2): sums of squares spread over every binade
+    and rounding position, compared with numpy's float32 sqrt."""
+    rng = np.random.default_rng(6)
+    # The emulator runs std::sqrt, checked as much by the CPU kernel's rows.
+    rows = 1 << 9 if backend == "metal-emulator" else 1 << 14
+    # Two float32 values a row: a^2 + b^2 lands anywhere in [2^-100, 2^100].
+    exponents = rng.integers(-50, 50, size=(rows, 1))
+    keys = (rng.uniform(1.0, 2.0, size=(rows, 2)) * np.exp2(exponents)).astype(np.float32)
+    expected = np.array([pinned_norm(r) for r in keys], dtype=np.float32)
+    assert np.array(norms_on(backend, mx.array(keys))).view(np.uint32).tolist() == \
+        expected.view(np.uint32).tolist()
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_key_norms_nan_norms_are_one_canonical_nan(backend, dtype):
     """Keys with NaNs of any payload and sign give the norm 0x7FC00000."""

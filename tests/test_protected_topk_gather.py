@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 
 import mlx_knorm
-from conftest import EMULATOR_SETTINGS, NATIVE_BACKENDS, assert_bitwise_equal, requires_emulator
+from conftest import EMULATOR_SETTINGS, NATIVE_BACKENDS, assert_bitwise_equal, data_address, requires_emulator
 from generators import protected_topk_gather_arrays, protected_topk_gather_cases
 from spec_oracle import kept_rows
 
@@ -91,6 +91,43 @@ def test_protected_topk_gather_nan_and_inf_never_evict_protected_rows(backend):
         assert kept[:2] == [0, 1] and kept[-1] == 7, (keep, kept)
     assert gather_on(backend, arrays, (5, 2, 1, "low"))[3][0].tolist() == [0, 1, 4, 5, 7]
     assert gather_on(backend, arrays, (5, 2, 1, "high"))[3][0].tolist() == [0, 1, 2, 6, 7]
+
+
+# float32 NaNs whose bits a float load or store may change: signalling ones
+# (quiet bit clear) and quiet ones with payloads, of either sign.
+NAN_BITS = [0x7FA00000, 0xFF800001, 0x7F800123, 0x7FC00001, 0xFFC12345]
+
+
+@pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])
+@pytest.mark.parametrize("budget, donate", [(12, False), (8, False), (8, True)])
+def test_protected_topk_gather_moves_nan_norms_as_bits(backend, budget, donate):
+    """Norms move as bits (docs/spec.md §5): the NaNs of kept rows, in
+    protected places or with nothing evicted, come out with the bits they
+    went in with, whether the outputs are fresh or the prior's buffers."""
+    rng = np.random.default_rng(budget)
+    arrays = protected_topk_gather_arrays(rng, n_heads=2, n_prior=8, n_new=4, key_dim=4, dtypes=FLOAT16)
+    bits = np.array(rng.integers(0x3F000000, 0x40000000, size=(2, 12)), dtype=np.uint32)
+    # Sinks 0-1 and the recent rows 9-11 hold NaNs; so do middle rows 3 and 5,
+    # evicted first where rows leave.
+    for row, (j, b) in enumerate([(0, 0), (1, 1), (3, 2), (5, 3), (9, 4), (10, 0), (11, 1)] * 2):
+        bits[row % 2, j] = NAN_BITS[(b + row) % len(NAN_BITS)]
+    norms = mx.array(bits).view(mx.float32)
+    arrays[2], arrays[5] = norms[:, :8], norms[:, 8:]
+    with mlx_knorm.use_backend(backend):
+        prior = [mx.array(np.array(a)) for a in arrays[:3]]
+        mx.eval(prior)
+        addresses = [data_address(a) for a in prior]
+        out = mlx_knorm.protected_topk_gather(*prior, *arrays[3:], budget, 2, 3, "low")
+        if donate:
+            del prior
+        mx.eval(out)
+    _, _, kept_norms, indices = out
+    if donate and backend != "fallback":
+        assert data_address(kept_norms) == addresses[2]
+    expected = np.take_along_axis(bits, np.array(indices).astype(np.int64), axis=1)
+    assert np.array(kept_norms.view(mx.uint32)).tolist() == expected.tolist()
+    kept_nans = (expected & 0x7FFFFFFF) > 0x7F800000
+    assert kept_nans.sum(axis=1).tolist() == ([7, 7] if budget == 12 else [5, 5])
 
 
 @pytest.mark.parametrize("backend", NATIVE_BACKENDS + ["fallback"])

@@ -10,9 +10,12 @@ namespace mlx_knorm_metal {
 } // namespace mlx_knorm_metal
 
 #undef kernel
+#undef max_total_threads_per_threadgroup
 #undef device
 #undef constant
 #undef threadgroup
+#undef half
+#undef bfloat
 
 namespace mlx_knorm {
 

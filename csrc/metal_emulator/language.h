@@ -1,5 +1,7 @@
 // The Metal language surface the kernels in metal/ use, in namespace metal:
-// half and bfloat with bit-exact conversions, as_type, min, isnan,
+// half and bfloat with bit-exact conversions (emulated_half and
+// emulated_bfloat: metal_emulator.h makes half and bfloat macros for them, so
+// that, as in Metal, neither can name anything else), as_type, min, isnan,
 // precise::sqrt, mem_flags and threadgroup_barrier, the SIMD-group
 // functions, ctz and popcount, uchar, uint2 and uint4 (alignment checked), and
 // relaxed threadgroup atomics.
@@ -26,11 +28,11 @@ using ulong = uint64_t;
 
 // IEEE binary16, stored as its bits; conversions are exact (to float) and
 // round to nearest even (from float), like the GPU's.
-struct half {
+struct emulated_half {
   uint16_t bits;
 
-  half() = default;
-  explicit half(float f) : bits(from_float(f)) {}
+  emulated_half() = default;
+  explicit emulated_half(float f) : bits(from_float(f)) {}
   operator float() const {
     const uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
     const uint32_t exp = (bits >> 10) & 0x1Fu;
@@ -91,11 +93,11 @@ struct half {
 };
 
 // bfloat16: the top half of a binary32.
-struct bfloat {
+struct emulated_bfloat {
   uint16_t bits;
 
-  bfloat() = default;
-  explicit bfloat(float f) {
+  emulated_bfloat() = default;
+  explicit emulated_bfloat(float f) {
     uint32_t x;
     std::memcpy(&x, &f, sizeof(x));
     if ((x & 0x7FFFFFFFu) > 0x7F800000u) {

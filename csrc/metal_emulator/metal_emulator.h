@@ -77,11 +77,21 @@
 // Address spaces. Device and constant memory are the host's memory;
 // threadgroup pointers are volatile ones (the one qualifier C++ has to
 // spare), so that threadgroup memory passed where a device pointer is
-// expected fails to compile, as in Metal.
+// expected fails to compile, as in Metal. The reverse conversion, an
+// unqualified pointer and a program-scope variable outside constant compile
+// here; tests/msl/check.py rejects them (docs/backends.md).
+// Kernel attributes become empty entries of their attribute list: the
+// grid's launch, not the attribute, sets the threads a threadgroup has.
 #define kernel
+#define max_total_threads_per_threadgroup(threads)
 #define device
 #define constant const
 #define threadgroup volatile
+
+// MSL's half and bfloat are keywords: as macros for the emulator's types, a
+// declaration that uses either as a name does not compile, as in Metal.
+#define half ::metal::emulated_half
+#define bfloat ::metal::emulated_bfloat
 
 // Project macros that metal/knorm_defines.h defines differently for the
 // Metal compiler. The signature macros add the tag parameters that the

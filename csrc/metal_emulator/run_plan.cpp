@@ -166,7 +166,7 @@ void run_dispatch(
       run_emulated_kernel(plan.kernel, groups, plan.group_size, binder.buffers, lengths,
                           debug.reverse_groups, debug.fresh_threads);
   if (debug.record) {
-    debug.log.push_back({plan.kernel, plan.groups, plan.group_size, lengths, memory});
+    debug.log.push_back({plan.kernel, plan.groups, plan.group_size, lengths, memory, plan.scratch});
   }
 }
 
@@ -191,10 +191,20 @@ void run_emulated_plan(
     const LaunchPlans& plans,
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  // As eval_gpu checks each pipeline before it encodes anything.
+  // As eval_gpu checks each pipeline before it encodes anything; a scratch
+  // buffer past the device's largest is a plan the GPU could not run.
+  const uint64_t max_buffer_bytes = emulator_debug().max_buffer_bytes;
   for (const LaunchPlan& plan : plans) {
     if (plan.groups > 0) {
       check_pipeline(plan, kEmulatedPipeline);
+    }
+    for (const uint64_t bytes : plan.scratch) {
+      if (bytes > max_buffer_bytes) {
+        throw std::logic_error(
+            "mlx_knorm: the launch plan of " + plan.kernel + " asks for scratch of " +
+            std::to_string(bytes) + " bytes, past the device's largest buffer (" +
+            std::to_string(max_buffer_bytes) + " bytes)");
+      }
     }
   }
   Staging staging;

@@ -24,14 +24,16 @@ void run_emulated_plan(
     const std::vector<mlx::core::array>& inputs,
     std::vector<mlx::core::array>& outputs);
 
-// A dispatch the emulator ran: its plan's launch and the threadgroup memory
-// each threadgroup had (the plan's lengths and what the kernel declares).
+// A dispatch the emulator ran: its plan's launch, the threadgroup memory
+// each threadgroup had (the plan's lengths and what the kernel declares) and
+// the bytes of the scratch buffers the plan allocates.
 struct EmulatedDispatch {
   std::string kernel;
   uint32_t groups;
   uint32_t group_size;
   std::vector<uint32_t> threadgroup_bytes;
   size_t threadgroup_memory;
+  std::vector<uint64_t> scratch;
 };
 
 // Debugging knobs of run_emulated_plan, for tests and
@@ -44,13 +46,16 @@ struct EmulatedDispatch {
 // threadgroups last to first (blocks that read what other blocks of their
 // dispatch write then read it already written); `fresh_threads` starts each
 // dispatch's threads for it alone (a failure to start them is then possible
-// on any dispatch, not only on one that needs more threads than ran before).
+// on any dispatch, not only on one that needs more threads than ran before);
+// `max_buffer_bytes` is the emulated device's maxBufferLength, which bounds
+// the scratch of the plans (launch_plan.h's scratch_fits).
 struct EmulatorDebug {
   bool record = false;
   bool first_group_only = false;
   bool reverse_groups = false;
   bool fresh_threads = false;
   uint32_t threadgroup_shortfall = 0;
+  uint64_t max_buffer_bytes = kEmulatedMaxBufferBytes;
   std::vector<EmulatedDispatch> log;
 };
 

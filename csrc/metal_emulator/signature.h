@@ -20,8 +20,8 @@
 #include "metal_emulator/threads.h"
 
 namespace metal {
-struct half;
-struct bfloat;
+struct emulated_half;
+struct emulated_bfloat;
 } // namespace metal
 
 namespace metal_emu {
@@ -82,9 +82,9 @@ struct ThreadPosition {
 // it (run_plan.cpp).
 template <typename T>
 std::string element_name() {
-  if constexpr (std::is_same_v<T, metal::half>) {
+  if constexpr (std::is_same_v<T, metal::emulated_half>) {
     return "float16";
-  } else if constexpr (std::is_same_v<T, metal::bfloat>) {
+  } else if constexpr (std::is_same_v<T, metal::emulated_bfloat>) {
     return "bfloat16";
   } else if constexpr (std::is_same_v<T, float>) {
     return "float32";

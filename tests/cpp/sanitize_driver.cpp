@@ -722,7 +722,7 @@ void check_evict_and_fill(
 void check_conversions(std::mt19937_64& rng) {
   for (uint32_t b = 0; b < 0x10000; ++b) {
     const uint16_t bits = static_cast<uint16_t>(b);
-    metal::half h;
+    metal::emulated_half h;
     h.bits = bits;
     mx::float16_t ref;
     std::memcpy(&ref, &bits, sizeof(bits));
@@ -739,9 +739,9 @@ void check_conversions(std::mt19937_64& rng) {
     if (std::isnan(f)) {
       continue;
     }
-    const metal::half h(f);
+    const metal::emulated_half h(f);
     const mx::float16_t ref(f);
-    const metal::bfloat bh(f);
+    const metal::emulated_bfloat bh(f);
     const mx::bfloat16_t bref(f);
     if (std::memcmp(&h.bits, &ref, 2) != 0 || std::memcmp(&bh.bits, &bref, 2) != 0) {
       fail("float -> half/bfloat of " + std::to_string(f));
