@@ -114,7 +114,7 @@ NB_MODULE(_ext, m) {
   m.def(
       "_emulator_debug",
       [](bool record, bool first_group_only, uint32_t threadgroup_shortfall, bool reverse_groups,
-         bool fresh_threads) {
+         bool fresh_threads, uint64_t max_buffer_bytes) {
         mlx_knorm::EmulatorDebug& debug = mlx_knorm::emulator_debug();
         std::vector<nb::dict> log;
         for (const mlx_knorm::EmulatedDispatch& d : debug.log) {
@@ -124,6 +124,7 @@ NB_MODULE(_ext, m) {
           entry["group_size"] = d.group_size;
           entry["threadgroup_bytes"] = d.threadgroup_bytes;
           entry["threadgroup_memory"] = d.threadgroup_memory;
+          entry["scratch"] = d.scratch;
           log.push_back(entry);
         }
         debug.log.clear();
@@ -132,6 +133,7 @@ NB_MODULE(_ext, m) {
         debug.threadgroup_shortfall = threadgroup_shortfall;
         debug.reverse_groups = reverse_groups;
         debug.fresh_threads = fresh_threads;
+        debug.max_buffer_bytes = max_buffer_bytes;
         return log;
       },
       "record"_a = false,
@@ -139,6 +141,7 @@ NB_MODULE(_ext, m) {
       "threadgroup_shortfall"_a = 0,
       "reverse_groups"_a = false,
       "fresh_threads"_a = false,
+      "max_buffer_bytes"_a = mlx_knorm::kEmulatedMaxBufferBytes,
       "Testing and bench/launch_plans.py only: sets the emulator's debugging "
       "knobs (metal_emulator/run_plan.h) and returns, then clears, the dispatches "
       "recorded since the last call.");

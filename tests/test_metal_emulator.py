@@ -542,6 +542,46 @@ def test_evict_and_fill_temporal_compaction_moves_over_many_threadgroups(slots, 
         assert_slots_equal(emulated, native, budget + n_new, f"values held, reverse={reverse}")
 
 
+def test_wide_moves_keep_their_scratch_within_the_largest_buffer():
+    """The wide compaction and the gather's staged moves need a scratch
+    buffer: where the device's largest buffer (maxBufferLength) cannot hold
+    it, the plans take the path that needs none, with the same bits."""
+    heads = 3
+    step_args = evict_and_fill_arrays(np.random.default_rng(7), heads, 700, 50, 8, 5, key_palette="special",
+                                      norm_palette="ties", layout="temporal")
+    step_config = dict(filled=650, offset=650, capacity=700, budget=300, n_sink=2, recent=0, keep="low",
+                       layout="temporal")
+    gather_arrays = protected_topk_gather_arrays(np.random.default_rng(8), heads, 300, 50, 8, 5,
+                                                 key_palette="special", norm_palette="ties")
+
+    def step():
+        return evict_and_fill_native_and_emulated(step_args, step_config, donate=True)
+
+    def gather():
+        results = []
+        for emulate in (False, True):
+            prior = [mx.array(np.array(a)) for a in gather_arrays[:3]]
+            out = _native.ext.protected_topk_gather(*prior, *gather_arrays[3:], 300, 2, 7, "low",
+                                                    emulate_metal=emulate, stream=mx.cpu)
+            del prior
+            mx.eval(out)
+            results.append(out)
+        return results
+
+    for run, wide in ((step, "knorm_compact_kept_rows"), (gather, "knorm_gather_rows")):
+        results = []
+        log = emulator_log(lambda: results.append(run()))
+        scratch = [b for d in log for b in d["scratch"]]
+        assert wide in [d["kernel"].split("_float")[0] for d in log] and len(scratch) == 1
+        for limit, takes_wide in ((scratch[0], True), (scratch[0] - 16, False)):
+            log = emulator_log(lambda: results.append(run()), max_buffer_bytes=limit)
+            assert (wide in [d["kernel"].split("_float")[0] for d in log]) == takes_wide, limit
+            assert all(b <= limit for d in log for b in d["scratch"])
+        for native, emulated in results:
+            for name, a, b in zip(("keys", "values", "norms", "positions or indices"), native, emulated):
+                assert_bitwise_equal(b[:, :300], a[:, :300], name)
+
+
 @pytest.mark.parametrize("hold", [None, 2, 4])
 def test_evict_and_fill_temporal_decode_shifts_quantized_payloads_over_many_threadgroups(hold):
     """The wide shift of a quantized cache's six payloads (mlx-lm's packed

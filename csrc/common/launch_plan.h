@@ -259,6 +259,17 @@ inline uint64_t scratch_units(uint64_t bytes) {
   return (bytes + kRowUnitWide - 1) / kRowUnitWide;
 }
 
+// The largest buffer the device allocates (MTLDevice.maxBufferLength on a
+// GPU): a plan takes a path that needs scratch only where the scratch fits
+// it, and otherwise the path that needs none (one threadgroup per head). The
+// emulator's stands for a large Apple GPU's; tests lower it
+// (_emulator_debug).
+constexpr uint64_t kEmulatedMaxBufferBytes = uint64_t(32) << 30;
+
+inline bool scratch_fits(uint64_t units, uint64_t max_buffer_bytes) {
+  return units <= kMaxScratchUnits && units <= max_buffer_bytes / kRowUnitWide;
+}
+
 // The scratch buffers of `plans`, uninitialised, as uint8 arrays of
 // kRowUnitWide columns (their bytes need not fit an int32 shape).
 inline std::vector<mlx::core::array> scratch_buffers(const std::vector<LaunchPlan>& plans) {

@@ -88,6 +88,10 @@ const MetalKernelLibrary& metal_kernel_library() {
   return location;
 }
 
+uint64_t max_buffer_bytes(const mx::Stream& s) {
+  return mx::metal::device(s.device).mtl_device()->maxBufferLength();
+}
+
 void dispatch_on_gpu(
     const LaunchPlan& plan,
     const std::vector<mx::array>& inputs,

@@ -22,6 +22,10 @@ struct MetalKernelLibrary {
 };
 const MetalKernelLibrary& metal_kernel_library();
 
+// The largest buffer the stream's GPU allocates (maxBufferLength), which
+// bounds the scratch a plan may ask for.
+uint64_t max_buffer_bytes(const mlx::core::Stream& s);
+
 void dispatch_on_gpu(
     const LaunchPlan& plan,
     const std::vector<mlx::core::array>& inputs,

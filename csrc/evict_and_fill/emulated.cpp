@@ -10,7 +10,8 @@ void evict_and_fill_emulated(
     std::vector<mx::array>& outputs,
     const EvictAndFillConfig& config) {
   run_emulated_plan(
-      evict_and_fill_plan(inputs, outputs, config), inputs.to_vector(), outputs);
+      evict_and_fill_plan(inputs, outputs, config, emulator_debug().max_buffer_bytes),
+      inputs.to_vector(), outputs);
 }
 
 } // namespace mlx_knorm

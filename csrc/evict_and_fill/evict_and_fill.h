@@ -211,10 +211,12 @@ void evict_and_fill_emulated(
 // plan.cpp: the launch plans of the Metal kernels: steps 1-3, or, with few
 // heads and many new rows, steps 1-2 (unless they have nothing to do) and
 // then the new rows over many threadgroups. Outputs that share their
-// input's buffer are updated in place.
+// input's buffer are updated in place. Scratch buffers stay within
+// max_buffer_bytes (launch_plan.h's scratch_fits).
 LaunchPlans evict_and_fill_plan(
     const EvictAndFillInputs& inputs,
     const std::vector<mx::array>& outputs,
-    const EvictAndFillConfig& config);
+    const EvictAndFillConfig& config,
+    uint64_t max_buffer_bytes);
 
 } // namespace mlx_knorm

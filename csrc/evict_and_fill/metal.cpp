@@ -13,7 +13,8 @@ void EvictAndFill::eval_gpu(
     std::vector<mx::array>& outputs) {
   auto lent = prepare_eval(inputs, outputs);
   dispatch_on_gpu(
-      evict_and_fill_plan(EvictAndFillInputs::from(inputs, config_), outputs, config_),
+      evict_and_fill_plan(EvictAndFillInputs::from(inputs, config_), outputs, config_,
+                          max_buffer_bytes(stream())),
       inputs, outputs, stream());
   lent.keep();
 }

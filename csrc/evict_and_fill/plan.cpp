@@ -27,7 +27,8 @@ BufferSlot payload_slot(Kind kind, const std::vector<mx::array>& arrays, int ind
 LaunchPlans evict_and_fill_plan(
     const EvictAndFillInputs& inputs,
     const std::vector<mx::array>& outputs,
-    const EvictAndFillConfig& config) {
+    const EvictAndFillConfig& config,
+    uint64_t max_buffer_bytes) {
   // check_inputs keeps every slot count, offset + S and the capacity below
   // 2^31, so each fits the kernel's uint constants, and at most
   // kEvictMaxPayloads payloads.
@@ -55,8 +56,8 @@ LaunchPlans evict_and_fill_plan(
   // slot another writes. The scratch then holds each head's kept slots of
   // the payloads in place (one layer's K/V), with room for each row, as
   // which rows move is known only on the GPU; past what its offsets can
-  // address, one threadgroup per head. Rows of no bytes (whose empty buffers
-  // count as in place) have nothing to stage.
+  // address or the device allocate, one threadgroup per head. Rows of no
+  // bytes (whose empty buffers count as in place) have nothing to stage.
   const bool evicts_many = config.filled > kept + 1;
   const uint32_t all_buffers = (1u << (m + 2)) - 1u;
   const uint32_t in_place = in_place_mask(arrays, outputs, m + 2);
@@ -75,7 +76,7 @@ LaunchPlans evict_and_fill_plan(
   }
   const uint32_t compact_groups_per_head =
       config.layout == Layout::Temporal && evicts_many && m > 0 &&
-          compact_scratch_units <= kMaxScratchUnits
+          scratch_fits(compact_scratch_units, max_buffer_bytes)
       ? split_blocks(inputs.n_heads(), kept)
       : 0;
   // The new rows go to slots kept + j whatever steps 1-2 do, so a second

@@ -10,7 +10,8 @@ void protected_topk_gather_emulated(
     std::vector<mx::array>& outputs,
     const SelectionConfig& config) {
   run_emulated_plan(
-      protected_topk_gather_plan(inputs, outputs, config), inputs.to_vector(), outputs);
+      protected_topk_gather_plan(inputs, outputs, config, emulator_debug().max_buffer_bytes),
+      inputs.to_vector(), outputs);
 }
 
 } // namespace mlx_knorm

@@ -13,7 +13,8 @@ void ProtectedTopKGather::eval_gpu(
     std::vector<mx::array>& outputs) {
   auto lent = prepare_eval(inputs, outputs);
   dispatch_on_gpu(
-      protected_topk_gather_plan(GatherInputs::from(inputs), outputs, config_),
+      protected_topk_gather_plan(GatherInputs::from(inputs), outputs, config_,
+                                 max_buffer_bytes(stream())),
       inputs, outputs, stream());
   lent.keep();
 }

@@ -15,7 +15,8 @@ namespace mlx_knorm {
 LaunchPlans protected_topk_gather_plan(
     const GatherInputs& inputs,
     const std::vector<mx::array>& outputs,
-    const SelectionConfig& config) {
+    const SelectionConfig& config,
+    uint64_t max_buffer_bytes) {
   // check_inputs keeps n_prior + S below 2^31 (docs/spec.md §5), so every
   // count below fits the kernels' uint32 constants.
   const RowSelection sel(static_cast<int64_t>(inputs.n_prior()) + inputs.n_new(), config);
@@ -33,8 +34,8 @@ LaunchPlans protected_topk_gather_plan(
   // threadgroups (knorm_stage_prior_rows), then written with the rest
   // (knorm_gather_rows), rather than compacted by one threadgroup a head.
   // The scratch then holds the kept K/V of the outputs in place (one
-  // layer's); past what its offsets can address, the selection compacts
-  // them. Rows of no bytes (D = 0, whose empty buffers count as in place)
+  // layer's); past what its offsets can address or the device allocate,
+  // the selection compacts them. Rows of no bytes (D = 0, whose empty buffers count as in place)
   // have nothing to stage.
   const uint64_t head_rows = static_cast<uint64_t>(inputs.n_heads()) * sel.kept;
   const uint64_t key_row_bytes = inputs.key_dim() * inputs.prior_keys.itemsize();
@@ -52,7 +53,7 @@ LaunchPlans protected_topk_gather_plan(
     staged_value_units = units;
     units += scratch_units(head_rows * value_row_bytes);
   }
-  if (units > kMaxScratchUnits) {
+  if (!scratch_fits(units, max_buffer_bytes)) {
     staged = 0;
   }
   // Outputs in place hold their kept prior rows after the selection's

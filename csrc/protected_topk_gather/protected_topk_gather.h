@@ -126,10 +126,12 @@ void protected_topk_gather_emulated(
 // plan.cpp: the launch plans of the Metal kernels, for outputs allocated
 // as protected_topk_gather describes (their addresses choose how rows
 // move): the selection, and with few heads and many rows a second dispatch
-// that copies the rows.
+// that copies the rows. Scratch buffers stay within max_buffer_bytes
+// (launch_plan.h's scratch_fits).
 LaunchPlans protected_topk_gather_plan(
     const GatherInputs& inputs,
     const std::vector<mx::array>& outputs,
-    const SelectionConfig& config);
+    const SelectionConfig& config,
+    uint64_t max_buffer_bytes);
 
 } // namespace mlx_knorm
