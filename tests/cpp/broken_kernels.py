@@ -1,9 +1,12 @@
 """Deliberately broken copies of metal/, each with what must reject it: the
 emulator's binding check, its threadgroup-memory model (stale data, write
-conflicts), its kernel-scope check, ThreadSanitizer, or the compiler. .ci/sanitize writes them, builds a
-sanitizer driver over each (CMakeLists.txt, MLX_KNORM_BROKEN_KERNELS_DIR)
-and checks that each fails as expected, while the real kernels pass: a check
-that no longer fails its broken kernel has lost its teeth.
+conflicts), its kernel-scope check, ThreadSanitizer, the compiler, or the
+strict MSL check (tests/msl/check.py, under "msl"). .ci/sanitize writes
+them, builds a sanitizer driver over each (CMakeLists.txt,
+MLX_KNORM_BROKEN_KERNELS_DIR) and checks that each it builds fails as
+expected, while the real kernels pass; tests/test_msl_strict.py does the
+same for the strict check: a check that no longer fails its broken kernel
+has lost its teeth.
 
 usage: broken_kernels.py write DIR
        broken_kernels.py check BUILD_DIR SANITIZER [RUNNER...]
@@ -29,11 +32,13 @@ class BrokenKernel:
     # occur exactly once at its turn.
     edits: tuple[tuple[str, str, str], ...]
     # "compile": the kernels must not compile; "run": the driver's fixed
-    # cases must fail.
+    # cases must fail; "msl": only the strict MSL check rejects it (the
+    # emulator, laxer than Metal, runs it).
     fails_to: str
     # Per sanitizer checked: text that must all be in the build's or the
     # run's output. Checks that do not depend on the sanitizer run in the
-    # ThreadSanitizer build alone.
+    # ThreadSanitizer build alone. "msl": text that must all be in the
+    # findings of the strict MSL check.
     expect: dict[str, tuple[str, ...]]
 
 
@@ -211,7 +216,8 @@ BROKEN_KERNELS = (
          ("evict_and_fill.h", "knorm_worst_slot(stored, worst, tid,", "knorm_worst_slot(stored, tid,")),
         "run",
         {"thread": ("threadgroup memory declared in knorm_worst_slot(), outside the kernel function "
-                    "knorm_evict_and_fill()",)},
+                    "knorm_evict_and_fill()",),
+         "msl": ("evict_and_fill.h", "threadgroup memory declared outside a kernel's scope")},
     ),
     # Two parameters at [[buffer(9)]], none at 10.
     BrokenKernel(
@@ -226,7 +232,71 @@ BROKEN_KERNELS = (
         "threadgroup_as_device_pointer",
         (("protected_topk_gather.h", "knorm_compact(head, cut, row_indices,", "knorm_compact(head, cut, simd_totals,"),),
         "compile",
-        {"thread": ("volatile metal::uint*", "knorm_compact")},
+        {"thread": ("volatile metal::uint*", "knorm_compact"), "msl": ("no matching function for call to 'knorm_compact'",)},
+    ),
+    # The parameter that shipped named half, an MSL keyword.
+    BrokenKernel(
+        "half_parameter",
+        (("order_tree.h", "device const int* tree_half, uint n, uint node) {\n"
+                          "  return node >= n ? int(node - n) : tree_half[node];",
+          "device const int* half, uint n, uint node) {\n  return node >= n ? int(node - n) : half[node];"),),
+        "compile",
+        {"thread": ("order_tree.h:71", "in expansion of macro"),
+         "msl": ("order_tree.h:71", "invalid parameter name: '_Float16' is a keyword")},
+    ),
+    # Device memory where the kernel's helper takes a threadgroup pointer:
+    # the emulator's threadgroup is volatile, to which a device pointer
+    # converts, so only the strict check sees it.
+    BrokenKernel(
+        "device_as_threadgroup_pointer",
+        (("protected_topk_gather.h", "knorm_compact(head, cut, row_indices, row_norms, norms_in_place,\n"
+                                     "                simd_totals,",
+          "knorm_compact(head, cut, row_indices, row_norms, norms_in_place,\n                row_indices,"),),
+        "msl",
+        {"msl": ("no matching function for call to 'knorm_compact'",)},
+    ),
+    # A program-scope constant outside the constant address space.
+    BrokenKernel(
+        "program_scope_variable_outside_constant",
+        (("knorm_kernels.h", "constant constexpr uint kRadixBins = 256;", "constexpr uint kRadixBins = 256;"),),
+        "msl",
+        {"msl": ("'kRadixBins' has static storage outside the constant address space",)},
+    ),
+    # C++17, which MSL 3.x (C++14) lacks: a static_assert without a message
+    # and if constexpr.
+    BrokenKernel(
+        "cxx17_constructs",
+        (("key_norms.metal", 'static_assert(kKeyNormsMaxDim == 16 * kSimdWidth, "instantiate every count up to 16");',
+          "static_assert(kKeyNormsMaxDim == 16 * kSimdWidth);"),
+         ("order_tree.h", "  if (n >= 2) {\n", "  if constexpr (kGroupSize >= 2) {\n  }\n  if (n >= 2) {\n")),
+        "msl",
+        {"msl": ("[msl3, key_norms.metal] 'static_assert' with no message is a C++17 extension",
+                 "[msl3, evict_and_fill.metal] constexpr if is a C++17 extension")},
+    ),
+    # A helper that calls itself: MSL has no recursion.
+    BrokenKernel(
+        "recursion",
+        (("order_tree.h", ": tree_half[node];", ": knorm_tree_winner(tree_half, n, 2 * node);"),),
+        "msl",
+        {"msl": ("recursion: knorm_tree_winner -> knorm_tree_winner",)},
+    ),
+    # A kernel's buffer without its address space.
+    BrokenKernel(
+        "unqualified_kernel_pointer",
+        (("key_norms.h", "    device float* norms KNORM_BUFFER(1),", "    float* norms KNORM_BUFFER(1),"),),
+        "msl",
+        {"msl": ("kernel parameter 'norms' names no device, constant or threadgroup address space",)},
+    ),
+    # A member function whose thread reference binds to a member through
+    # `this`: MSL 3 compiles it, Metal 4.1's generic `this` does not.
+    BrokenKernel(
+        "thread_reference_through_generic_this",
+        (("order_tree.h", "struct KnormTreeKeys {\n  KnormEvictHead rows;\n  uint count;\n",
+          "struct KnormTreeKeys {\n  KnormEvictHead rows;\n  uint count;\n"
+          "  thread uint& counted() {\n    return count;\n  }\n"),),
+        "msl",
+        {"msl": ("[metal4.1, evict_and_fill.metal] binding reference of type '__private uint'",
+                 "to value of type '__generic uint'")},
     ),
 )
 
@@ -244,8 +314,10 @@ def broken_sources(kernel: BrokenKernel, metal_dir: Path = METAL_DIR) -> dict[st
 
 
 def write(out_dir: Path) -> None:
+    """The broken copies a sanitizer build checks (not those only the strict
+    MSL check rejects)."""
     shutil.rmtree(out_dir, ignore_errors=True)
-    for kernel in BROKEN_KERNELS:
+    for kernel in (k for k in BROKEN_KERNELS if set(k.expect) - {"msl"}):
         metal = out_dir / kernel.name / "metal"
         shutil.copytree(METAL_DIR, metal)
         for name, source in broken_sources(kernel).items():
