@@ -1,4 +1,4 @@
-"""Command line: ``python -m mlx_knorm [bench | info | eval | needle | demo | convert | fetch | generate | chat | cache-prompt | server]``.
+"""Command line: ``python -m mlx_knorm [bench | info | doctor | eval | needle | demo | convert | fetch | generate | chat | cache-prompt | server]``.
 
 With no command it runs the quick benchmark suite. ``generate``, ``chat``,
 ``cache-prompt`` and ``server`` are mlx-lm's commands with eviction caches
@@ -16,6 +16,7 @@ from .bench import cli as bench_cli
 from .bench.cases import case_inputs, make_case
 from .commands import LM_COMMANDS, command_help
 from .commands import run as run_lm_command
+from .doctor import register as register_doctor
 from .models.cli import register as register_models
 from .quality.cli import register as register_quality
 from .selfcheck import kernel_matches_fallback
@@ -51,6 +52,7 @@ def main(argv=None) -> int:
     bench_parser.set_defaults(func=run_bench)
     commands.add_parser(
         "info", help="backend info and a kernel-vs-fallback self-check").set_defaults(func=info)
+    register_doctor(commands)
     register_quality(commands)
     register_models(commands)
     args = parser.parse_args(argv)
