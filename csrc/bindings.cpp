@@ -1,6 +1,8 @@
 // Python bindings of the primitives (the package's mlx_knorm._ext).
 // Built with NB_DOMAIN mlx so that mlx.core's array, Stream and Device types
 // are shared with MLX's module.
+#include <tuple>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/filesystem.h>
 #include <nanobind/stl/optional.h>
@@ -16,6 +18,7 @@
 #include "key_norms/key_norms.h"
 #include "metal/knorm_defines.h"
 #include "protected_topk_gather/protected_topk_gather.h"
+#include "row_scores/row_scores.h"
 #ifdef MLX_KNORM_METAL
 #include "common/metal_dispatch.h"
 #endif
@@ -159,6 +162,38 @@ NB_MODULE(_ext, m) {
       "emulate_metal"_a = false,
       "stream"_a = nb::none(),
       "float32 L2 norm of each key row, in the pinned order of docs/spec.md §2.");
+
+  m.def(
+      "row_scores",
+      [](const mx::array& keys,
+         const std::optional<mx::array>& values,
+         const std::optional<mx::array>& state,
+         const std::string& scorer,
+         int64_t offset,
+         const std::optional<mx::array>& valid,
+         bool emulate,
+         mx::StreamOrDevice s) {
+        const mlx_knorm::RowScoresConfig config{mlx_knorm::parse_scorer(scorer), offset, valid.has_value()};
+        for (const auto& [given, needed, name] :
+             {std::tuple{values.has_value(), config.uses_values(), "values"},
+              std::tuple{state.has_value(), config.uses_state(), "state"}}) {
+          if (given != needed) {
+            throw std::invalid_argument(std::string("mlx_knorm: the ") + scorer + " scorer " +
+                                        (needed ? "needs " : "takes no ") + name);
+          }
+        }
+        return mlx_knorm::row_scores({keys, values, state, valid}, config, executor_for(emulate), s);
+      },
+      "keys"_a,
+      "values"_a = nb::none(),
+      "state"_a = nb::none(),
+      nb::kw_only(),
+      "scorer"_a,
+      "offset"_a = 0,
+      "valid"_a = nb::none(),
+      "emulate_metal"_a = false,
+      "stream"_a = nb::none(),
+      "Scores of docs/spec.md §2a: [scores] or, for keydiff, [scores, state].");
 
   m.def(
       "protected_topk_gather",

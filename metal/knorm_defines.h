@@ -117,6 +117,26 @@ KNORM_CONSTANT uint32_t kPaddingScoreKey = 0xFFFFFFFFu;
 // room to spare.
 KNORM_CONSTANT uint32_t kEvictMaxPayloads = 6;
 
+// The scorers of docs/spec.md section 2a, as the row-score kernels take them
+// (a template argument) and the host names them (csrc/row_scores).
+KNORM_CONSTANT uint32_t kScorerKeyNorm = 0;    // knorm
+KNORM_CONSTANT uint32_t kScorerValueNorm = 1;  // vnorm
+KNORM_CONSTANT uint32_t kScorerQueryFilter = 2;  // qfilter
+KNORM_CONSTANT uint32_t kScorerKeyDiff = 3;    // keydiff
+
+// The constants of the row-score kernels, bound as one block at their last
+// [[buffer(i)]] (csrc/row_scores/plan.cpp fills it).
+struct KnormScoreParams {
+  uint32_t heads;  // N
+  uint32_t rows;   // S, new rows per head
+  uint32_t key_dim;
+  uint32_t value_dim;
+  // The position of new row 0 (the same in every head); with has_valid, a
+  // row is real when its position lies in its head's [lo, hi).
+  uint32_t offset;
+  uint32_t has_valid;
+};
+
 // The constants of the evict-and-fill kernels, bound as one block at their
 // last [[buffer(i)]] (csrc/evict_and_fill/plan.cpp fills it). Signed
 // values (protect_from, lo and hi of the ranges) travel as their bits.

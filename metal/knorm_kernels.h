@@ -390,51 +390,87 @@ inline void knorm_move_kv_rows(
       src, dst_begin, n, dim * uint(sizeof(T)), unit, tid);
 }
 
-// docs/spec.md section 2 for the row of `dim` elements at x, by the 32
-// lanes of one SIMD group (all of them must call it), lane i holding the
-// squares s[i + 32k], k < kPerLane, in registers: kPerLane is a compile-time
-// count so that s is never indexed at run time (which would put it in stack
-// memory). The first log2(kPerLane) halving levels pair registers of the
-// same lane (s[i + 32k] + s[i + 32k + 16 kPerLane] ...); the last five
-// (16, 8, 4, 2, 1 apart) are simd_shuffle_down adds, lane 0 ending with
-// s[0]. The norm is lane 0's result.
+// A result below the smallest normal float becomes +0 (docs/spec.md
+// section 2a), whether or not this GPU flushes subnormals (NaN compares
+// false and passes); -0 becomes +0.
+inline float knorm_flushed(float x) {
+  return (x < FLT_MIN && x > -FLT_MIN) ? 0.0f : x;
+}
+
+// docs/spec.md section 2 step 6: one NaN bit pattern on every GPU.
+inline float knorm_canonical(float x) {
+  return isnan(x) ? as_type<float>(0x7FC00000u) : x;
+}
+
+// The pinned sum of docs/spec.md sections 2 and 2a of 32 kPerLane terms,
+// lane i holding t[i + 32k], k < kPerLane, in registers (kPerLane is a
+// compile-time count so that t is never indexed at run time, which would
+// put it in stack memory), by the 32 lanes of one SIMD group (all of them
+// must call it). The first log2(kPerLane) halving levels pair registers of
+// the same lane (t[i + 32k] + t[i + 32k + 16 kPerLane] ...); the last five
+// (16, 8, 4, 2, 1 apart) are simd_shuffle_down adds. Every lane returns the
+// sum (lane 0's, broadcast).
 //
-// This pads the row with +0 to 32 kPerLane >= P (P, the next power of two
-// >= D) rather than to P. That is the same sum bit for bit: squares are
-// >= +0 or NaN and x + (+0) == x for each of them, so the levels above P/2
-// return the first P squares unchanged and the levels from P/2 down are
-// the pinned ones. kPerLane = P / 32 (1 for D <= 32) does the least work.
-template <uint kPerLane, typename T>
-inline float knorm_row_norm(device const T* x, uint dim, uint lane) {
-  float s[kPerLane];
-  for (uint k = 0; k < kPerLane; ++k) {
-    const uint i = lane + kSimdWidth * k;
-    float square = 0.0f;
-    if (i < dim) {
-      const float a = float(x[i]);
-      square = a * a;
-      // docs/spec.md section 2 step 2: squares below the smallest normal
-      // float are +0 whether or not this GPU flushes subnormals (NaN
-      // compares false).
-      if (square < FLT_MIN) {
-        square = 0.0f;
-      }
-    }
-    s[k] = square;
-  }
+// The terms are padded with +0 to 32 kPerLane >= P (P, the next power of
+// two >= D) rather than to P. That is the same sum bit for bit: flushed
+// terms are never -0, so x + (+0) == x for each of them, and the levels
+// above P/2 return the first P terms unchanged. kPerLane = P / 32 (1 for
+// D <= 32) does the least work.
+template <uint kPerLane>
+inline float knorm_lanes_sum(thread float (&t)[kPerLane]) {
   for (uint c = kPerLane / 2; c >= 1; c /= 2) {
     for (uint k = 0; k < c; ++k) {
-      s[k] = s[k] + s[k + c];
+      t[k] = knorm_flushed(t[k] + t[k + c]);
     }
   }
-  float acc = s[0];
+  float acc = t[0];
   for (ushort delta = kSimdWidth / 2; delta >= 1; delta /= 2) {
     const float other = simd_shuffle_down(acc, delta);
-    acc = acc + other;
+    acc = knorm_flushed(acc + other);
   }
-  const float norm = precise::sqrt(acc);
-  // docs/spec.md section 2 step 6: one NaN bit pattern on every GPU.
-  return isnan(norm) ? as_type<float>(0x7FC00000u) : norm;
+  return simd_shuffle(acc, ushort(0));
+}
+
+// Element i = lane + 32k of the row of `dim` elements at x, as float (+0
+// past the row).
+template <uint kPerLane, typename T>
+inline void knorm_lane_elements(device const T* x, uint dim, uint lane, thread float (&a)[kPerLane]) {
+  for (uint k = 0; k < kPerLane; ++k) {
+    const uint i = lane + kSimdWidth * k;
+    a[k] = i < dim ? float(x[i]) : 0.0f;
+  }
+}
+
+// docs/spec.md section 2 of the elements a lane holds (knorm_lanes_sum's
+// layout): flushed squares, the pinned sum, the square root.
+template <uint kPerLane>
+inline float knorm_lanes_norm(thread const float (&a)[kPerLane]) {
+  float t[kPerLane];
+  for (uint k = 0; k < kPerLane; ++k) {
+    t[k] = knorm_flushed(a[k] * a[k]);
+  }
+  return knorm_canonical(precise::sqrt(knorm_lanes_sum<kPerLane>(t)));
+}
+
+// docs/spec.md section 2a's dot product of the elements two lanes hold:
+// flushed products, the pinned sum.
+template <uint kPerLane>
+inline float knorm_lanes_dot(thread const float (&a)[kPerLane], thread const float (&b)[kPerLane]) {
+  float t[kPerLane];
+  for (uint k = 0; k < kPerLane; ++k) {
+    t[k] = knorm_flushed(a[k] * b[k]);
+  }
+  return knorm_lanes_sum<kPerLane>(t);
+}
+
+// docs/spec.md section 2 for the row of `dim` elements at x, by the 32
+// lanes of one SIMD group (all of them must call it); every lane returns
+// the norm.
+template <uint kPerLane, typename T>
+inline float knorm_row_norm(device const T* x, uint dim, uint lane) {
+  float a[kPerLane];
+  knorm_lane_elements<kPerLane>(x, dim, lane, a);
+  return knorm_lanes_norm<kPerLane>(a);
 }
 
 #endif // MLX_KNORM_METAL_KNORM_KERNELS_H

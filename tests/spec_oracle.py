@@ -112,3 +112,69 @@ def order_tree(
             half.append(winner(1) if n_slots >= 2 else 0)
         halves.append(half)
     return halves
+
+
+def _f32(x) -> "np.float32":
+    import numpy as np
+
+    return np.float32(x)
+
+
+def row_scores(keys, values, state, scorer: str, offset: int = 0, valid=None):
+    """docs/spec.md §2a for one head, element by element in numpy float32:
+    ``keys [S, D]`` (and ``values [S, D_v]``) as float32 arrays, ``state
+    [D]`` float32, ``valid`` a ``(lo, hi)`` pair. Returns ``(scores, state)``."""
+    import numpy as np
+
+    tiny = np.float32(2.0**-126)
+    nan = np.uint32(0x7FC00000).view(np.float32)
+
+    def flush(x):
+        x = np.float32(x)
+        return np.float32(0.0) if abs(x) < tiny else x
+
+    def canonical(x):
+        return nan if np.isnan(x) else np.float32(x)
+
+    def pinned_sum(terms):
+        width = 1
+        while width < len(terms):
+            width *= 2
+        t = [np.float32(x) for x in terms] + [np.float32(0.0)] * (width - len(terms))
+        while len(t) > 1:
+            half = len(t) // 2
+            t = [flush(t[i] + t[i + half]) for i in range(half)]
+        return t[0]
+
+    def norm(x):
+        with np.errstate(invalid="ignore", over="ignore"):
+            return canonical(np.sqrt(pinned_sum([flush(np.float32(a) * np.float32(a)) for a in x])))
+
+    def dot(x, y):
+        with np.errstate(invalid="ignore", over="ignore"):
+            return pinned_sum([flush(np.float32(a) * np.float32(b)) for a, b in zip(x, y)])
+
+    total = None if state is None else [np.float32(x) for x in state]
+    scores = []
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        for j, k in enumerate(keys):
+            real = valid is None or valid[0] <= offset + j < valid[1]
+            score = np.float32(0.0)
+            if scorer == "knorm":
+                score = norm(k)
+            elif scorer == "vnorm":
+                score = canonical(flush(norm(k) / norm(values[j])))
+            elif scorer == "qfilter":
+                score = canonical(flush(-dot(k, total)))
+            elif real:
+                n = norm(k)
+                if not np.isfinite(n):
+                    score = nan
+                else:
+                    d = flush(n * norm(total))
+                    if d != 0:
+                        score = canonical(flush(dot(k, total) / d))
+                    if n != 0:
+                        total = [flush(m + flush(np.float32(a) / n)) for m, a in zip(total, k)]
+            scores.append(score if real else np.float32(0.0))
+    return np.array(scores, dtype=np.float32), None if total is None else np.array(total, dtype=np.float32)

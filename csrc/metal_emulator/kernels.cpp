@@ -7,9 +7,11 @@ namespace mlx_knorm_metal {
 #include "metal/evict_and_fill.metal"
 #include "metal/key_norms.metal"
 #include "metal/protected_topk_gather.metal"
+#include "metal/row_scores.metal"
 } // namespace mlx_knorm_metal
 
 #undef kernel
+#undef thread
 #undef max_total_threads_per_threadgroup
 #undef device
 #undef constant

@@ -2,7 +2,7 @@
 // half and bfloat with bit-exact conversions (emulated_half and
 // emulated_bfloat: metal_emulator.h makes half and bfloat macros for them, so
 // that, as in Metal, neither can name anything else), as_type, min, isnan,
-// precise::sqrt, mem_flags and threadgroup_barrier, the SIMD-group
+// isinf, precise::sqrt and precise::divide, mem_flags and threadgroup_barrier, the SIMD-group
 // functions, ctz and popcount, uchar, uint2 and uint4 (alignment checked), and
 // relaxed threadgroup atomics.
 #pragma once
@@ -131,10 +131,19 @@ inline bool isnan(float x) {
   return std::isnan(x);
 }
 
+inline bool isinf(float x) {
+  return std::isinf(x);
+}
+
 namespace precise {
-// std::sqrt is correctly rounded, as precise::sqrt is.
+// std::sqrt and IEEE division are correctly rounded, as precise::sqrt and
+// precise::divide are.
 inline float sqrt(float x) {
   return std::sqrt(x);
+}
+
+inline float divide(float x, float y) {
+  return x / y;
 }
 } // namespace precise
 

@@ -84,6 +84,7 @@
 // grid's launch, not the attribute, sets the threads a threadgroup has.
 #define kernel
 #define max_total_threads_per_threadgroup(threads)
+#define thread
 #define device
 #define constant const
 #define threadgroup volatile

@@ -9,6 +9,7 @@
 #include "evict_and_fill/evict_and_fill.h"
 #include "key_norms/key_norms.h"
 #include "protected_topk_gather/protected_topk_gather.h"
+#include "row_scores/row_scores.h"
 
 namespace mlx_knorm {
 
@@ -37,5 +38,6 @@ namespace {
 KNORM_NO_METAL(KeyNorms)
 KNORM_NO_METAL_MULTI(ProtectedTopKGather)
 KNORM_NO_METAL_MULTI(EvictAndFill)
+KNORM_NO_METAL_MULTI(RowScores)
 
 } // namespace mlx_knorm

@@ -15,7 +15,7 @@ from .state import (
     knorm_update,
     knorm_update_batched,
 )
-from .ops import evict_and_fill, key_norms, protected_topk_gather
+from .ops import evict_and_fill, key_norms, protected_topk_gather, row_scores
 
 __version__ = "0.1.0"
 
@@ -33,5 +33,6 @@ __all__ = [
     "knorm_update_batched",
     "native_available",
     "protected_topk_gather",
+    "row_scores",
     "use_backend",
 ]

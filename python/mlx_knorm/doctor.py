@@ -36,7 +36,7 @@ import numpy as np
 
 from . import __version__
 from .backend import backend_info, native_available, use_backend
-from .ops import evict_and_fill, key_norms, protected_topk_gather
+from .ops import evict_and_fill, key_norms, protected_topk_gather, row_scores
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 # float32 NaNs a float load or store may change: signalling (quiet bit
@@ -152,18 +152,39 @@ def _evict_cases() -> list[OpCase]:
     return cases
 
 
-OPS = {"key_norms": key_norms, "protected_topk_gather": protected_topk_gather, "evict_and_fill": evict_and_fill}
+def _row_score_cases() -> list[OpCase]:
+    cases = []
+    for scorer in ("knorm", "vnorm", "qfilter", "keydiff"):
+        for dtype, dim, palette in (("float16", 64, "special"), ("bfloat16", 128, "subnormal"),
+                                    ("float32", 33, "ties")):
+            def make(scorer=scorer, dtype=dtype, dim=dim, palette=palette):
+                rng = np.random.default_rng(dim)
+                arrays = [_keys(rng, (2, 4, 19, dim), palette, dtype),
+                          _keys(rng, (2, 4, 19, dim), "normal", dtype) if scorer == "vnorm" else None,
+                          mx.array(rng.standard_normal((2, 4, dim)).astype(np.float32))
+                          if scorer in ("qfilter", "keydiff") else None]
+                valid = mx.array(np.tile(np.array([3, 17], np.int32), (2, 4, 1)))
+                return arrays, dict(scorer=scorer, offset=2, valid=valid)
+            cases.append(OpCase("row_scores", f"{scorer} {dtype} D={dim} {palette}", make))
+    return cases
+
+
+OPS = {"key_norms": key_norms, "row_scores": row_scores, "protected_topk_gather": protected_topk_gather,
+       "evict_and_fill": evict_and_fill}
 
 
 def op_cases() -> list[OpCase]:
     """The grid the doctor runs: every op over shapes, dtypes and edges."""
-    return _key_norms_cases() + _gather_cases() + _evict_cases()
+    return _key_norms_cases() + _row_score_cases() + _gather_cases() + _evict_cases()
 
 
 def _output_list(out) -> list[mx.array]:
     flat = []
     for o in out if isinstance(out, (tuple, list)) else [out]:
-        flat.extend(_output_list(o) if isinstance(o, (tuple, list)) else [o])
+        if isinstance(o, (tuple, list)):
+            flat.extend(_output_list(o))
+        elif o is not None:
+            flat.append(o)
     return flat
 
 

@@ -234,6 +234,18 @@ BROKEN_KERNELS = (
         "compile",
         {"thread": ("volatile metal::uint*", "knorm_compact"), "msl": ("no matching function for call to 'knorm_compact'",)},
     ),
+    # keydiff's running sum takes the row in before its score: each row is
+    # compared with a sum that already holds it.
+    BrokenKernel(
+        "keydiff_sum_before_score",
+        (("row_scores.h",
+          "    } else if (real) {\n      const float denominator",
+          "    } else if (real) {\n      if (norm != 0.0f) {\n        for (uint c = 0; c < kPerLane; ++c) {\n"
+          "          sum[c] = knorm_flushed(sum[c] + knorm_flushed(precise::divide(k[c], norm)));\n"
+          "        }\n      }\n      const float denominator"),),
+        "run",
+        {"thread": ("MISMATCH: row scores (keydiff) case fixed output 0",)},
+    ),
     # The parameter that shipped named half, an MSL keyword.
     BrokenKernel(
         "half_parameter",

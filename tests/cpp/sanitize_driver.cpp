@@ -37,6 +37,7 @@
 #include "key_norms/key_norms.h"
 #include "metal_emulator/run_plan.h"
 #include "protected_topk_gather/protected_topk_gather.h"
+#include "row_scores/row_scores.h"
 
 // The emulator's half and bfloat, without the qualifier macros of
 // metal_emulator.h.
@@ -136,6 +137,64 @@ void check_key_norms(int rows, int dim, mx::Dtype t, std::mt19937_64& rng, const
   if (!same_bits(native->array, emulated->array, true)) {
     fail("key norms case " + label + " D=" + std::to_string(dim));
   }
+}
+
+// Every scorer on the same random rows (any bit pattern: NaN, infinities,
+// subnormals), with valid ranges on every other call.
+void check_row_scores(int heads, int rows, int dim, mx::Dtype t, std::mt19937_64& rng,
+                      const std::string& label) {
+  auto keys = make({heads, rows, dim}, t);
+  auto values = make({heads, rows, dim}, t);
+  auto state = make({heads, dim}, mx::float32);
+  auto valid = make({heads, 2}, mx::int32);
+  fill_bits(*keys, rng);
+  fill_bits(*values, rng);
+  fill_norms(*state, rng, 2);
+  auto* ranges = reinterpret_cast<int32_t*>(valid->bytes());
+  for (int h = 0; h < heads; ++h) {
+    ranges[2 * h] = static_cast<int32_t>(rng() % 4);
+    ranges[2 * h + 1] = static_cast<int32_t>(rng() % 8);
+  }
+  const bool has_valid = rng() % 2 == 0;
+  for (Scorer scorer : {Scorer::KeyNorm, Scorer::ValueNorm, Scorer::QueryFilter, Scorer::KeyDiff}) {
+    const RowScoresConfig config{scorer, 1, has_valid};
+    RowScoresInputs in{keys->array, std::nullopt, std::nullopt, std::nullopt};
+    if (config.uses_values()) {
+      in.values = values->array;
+    }
+    if (config.uses_state()) {
+      in.state = state->array;
+    }
+    if (has_valid) {
+      in.valid = valid->array;
+    }
+    std::vector<std::unique_ptr<Buffer>> out;
+    std::vector<mx::array> native;
+    std::vector<mx::array> emulated;
+    for (auto* outputs : {&native, &emulated}) {
+      out.push_back(make({heads, rows}, mx::float32));
+      outputs->push_back(out.back()->array);
+      if (config.returns_state()) {
+        out.push_back(make({heads, dim}, mx::float32));
+        outputs->push_back(out.back()->array);
+      }
+    }
+    row_scores_cpu(in, native, config);
+    row_scores_emulated(in, emulated, config);
+    for (size_t i = 0; i < native.size(); ++i) {
+      if (!same_bits(native[i], emulated[i], false)) {
+        fail(std::string("row scores (") + scorer_name(scorer) + ") case " + label + " output " +
+             std::to_string(i) + " D=" + std::to_string(dim));
+      }
+    }
+  }
+}
+
+void row_scores_case(std::mt19937_64& rng, int c) {
+  const int dims[] = {0, 1, 3, 31, 33, 64, 80, 128, 512};
+  const int dim = dims[rng() % 9];
+  check_row_scores(static_cast<int>(1 + rng() % 5), static_cast<int>(rng() % 9), dim, kTypes[rng() % 3], rng,
+                   std::to_string(c));
 }
 
 void key_norms_case(std::mt19937_64& rng, int c) {
@@ -753,6 +812,8 @@ void check_conversions(std::mt19937_64& rng) {
 // kernel over their in-place compactions.
 void fixed_cases(std::mt19937_64& rng) {
   check_key_norms(9, 80, mx::float16, rng, "fixed");
+  check_row_scores(5, 9, 80, mx::float16, rng, "fixed");
+  check_row_scores(3, 7, 128, mx::bfloat16, rng, "fixed");
   for (const GatherCase& gc : fixed_gather_cases()) {
     check_gather(gc, rng, "fixed");
   }
@@ -788,6 +849,7 @@ int main(int argc, char** argv) {
     fixed_cases(rng);
     for (int c = 0; c < cases; ++c) {
       key_norms_case(rng, c);
+      row_scores_case(rng, c);
       check_gather(random_gather_case(rng), rng, std::to_string(c));
       check_evict_and_fill(random_evict_and_fill_case(rng), rng, std::to_string(c));
       if (c % 2 == 0) {
