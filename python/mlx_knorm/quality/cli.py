@@ -104,6 +104,16 @@ def _cpu_seconds() -> float:
                for usage in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
 
 
+def _filters(args):
+    """The query filters the qfilter policies read: --filters, or where
+    ``mlx-knorm calibrate --model M`` writes them; None without a qfilter policy."""
+    if not any(p.score == "qfilter" for p in args.policies or ()):
+        return None
+    from .calibrate import default_filters_path
+
+    return args.filters or default_filters_path(args.model or MODEL_DIR)
+
+
 def eval_command(args) -> int:
     from . import data
     from .eval import evaluate, markdown_table, plot
@@ -124,7 +134,8 @@ def eval_command(args) -> int:
     clock = Clock()
     results = evaluate(model, sequences, n_sink=args.n_sink, skip_layers=args.skip_layers,
                        fractions=args.budgets, seed=args.seed, query_chunk=args.query_chunk, progress=True,
-                       jobs=args.jobs, model_spec=model_spec(args.model, args), **policies)
+                       jobs=args.jobs, model_spec=model_spec(args.model, args),
+                       filters=_filters(args), **policies)
     name = args.model or "shipped byte-level model"
     print(markdown_table(results))
     print()
@@ -209,8 +220,20 @@ def demo_command(args) -> int:
     return 0
 
 
+def calibrate_command(args) -> int:
+    from .calibrate import calibration_sequences, default_filters_path, query_filters
+
+    model, tokenizer, _ = load(args.model, args)
+    filters = query_filters(model, calibration_sequences(tokenizer, args.n_seqs, args.seq_len))
+    filters.metadata.update({"model": str(args.model), "n_seqs": args.n_seqs, "seq_len": args.seq_len,
+                             "text": "Python standard library sources (training split)"})
+    out = filters.save(args.out or default_filters_path(args.model))
+    print(f"query filters of {len(filters.filters)} layers ({args.n_seqs} x {args.seq_len} tokens) -> {out}")
+    return 0
+
+
 def register(commands) -> None:
-    """Add the ``eval``, ``needle`` and ``demo`` subcommands to ``python -m mlx_knorm``."""
+    """Add the ``eval``, ``needle``, ``calibrate`` and ``demo`` subcommands to ``python -m mlx_knorm``."""
     ev = commands.add_parser(
         "eval", help="compare eviction policies on an mlx-lm model (the shipped byte-level one by default)",
         description="Teacher-forced, exact comparison of eviction policies at equal memory against the full "
@@ -230,7 +253,7 @@ def register(commands) -> None:
     ev.add_argument("--n-sink", type=int, default=DEFAULT_N_SINK, help="protected first tokens, for every policy")
     ev.add_argument("--policies", type=_policies,
                     help="policies separated by spaces or semicolons, each SCORE[+recent=F][+skip=I,J][+bits=B] "
-                         "with SCORE keep-low, keep-high, window or random, F a share of the budget, I,J layers "
+                         "with SCORE keep-low, keep-high, keydiff, vnorm, qfilter, window or random, F a share of the budget, I,J layers "
                          "kept whole, B the bits of quantized rows (group size 64; full+bits=B: mlx-lm's "
                          "QuantizedKVCache alone, whatever the budget); must include keep-low and random "
                          "(default: those two, keep-high, "
@@ -239,6 +262,9 @@ def register(commands) -> None:
                     help="layers every policy leaves uncompressed, comma-separated (as make_knorm_cache's "
                          "skip_layers); budgets stay equal memory, so the other layers get fewer rows")
     ev.add_argument("--seed", type=int, default=0, help="seed of the random-eviction policy")
+    ev.add_argument("--filters", type=Path,
+                    help="the query filters of the qfilter policies (default: where `mlx-knorm calibrate "
+                         "--model M` writes them)")
     ev.add_argument("--query-chunk", type=_positive, default=QUERY_CHUNK,
                     help="query rows per attention block (memory: heads x rows x seq-len floats)")
     _add_jobs_argument(ev, "windows")
@@ -287,6 +313,20 @@ def register(commands) -> None:
     nd.add_argument("--json", help="write every trial and the accuracies as JSON here")
     add_weight_arguments(nd)
     nd.set_defaults(func=needle_command)
+
+    cal = commands.add_parser(
+        "calibrate", help="measure a model's query filters for the qfilter scorer and write them to a file",
+        description="Runs the model over the Python standard library's sources and writes, for each "
+                    "full-attention layer, the principal direction of each KV head's queries (Q-Filters): "
+                    "what the qfilter scorer projects keys on.")
+    cal.add_argument("--model", default="smollm2", help=f"{MODEL_HELP} (default: smollm2)")
+    cal.add_argument("--n-seqs", type=_positive, default=8, help="sequences of text to read (default 8)")
+    cal.add_argument("--seq-len", type=_positive, default=512, help="tokens per sequence (default 512)")
+    cal.add_argument("--out", type=Path,
+                     help="the file to write (default: filters/<model>.safetensors in the cache folder, where "
+                          "the commands' --scorer qfilter looks)")
+    add_weight_arguments(cal)
+    cal.set_defaults(func=calibrate_command)
 
     demo = commands.add_parser("demo", help="generate under make_knorm_cache (the shipped model by default)")
     demo.add_argument("--model", help=f"{MODEL_HELP} (default: the shipped byte-level model)")

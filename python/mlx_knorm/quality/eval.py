@@ -57,6 +57,7 @@ from mlx_lm.models.cache import KVCache
 from tqdm import tqdm
 
 from ..cache import L2NormKVCache, make_knorm_cache
+from ..scorers import as_query_filters
 from . import BUDGET_FRACTIONS, QUERY_CHUNK
 from .policies import (DEFAULT_POLICIES, FULL, Policy, attention_layers, derived_key, kept_mask, policy_scores,
                        quantized_rows, stored_dtype)
@@ -335,19 +336,23 @@ class Results:
 class _Evaluator:
     """Runs the passes of one sequence and records their numbers in ``results``."""
 
-    def __init__(self, model, results: Results, seed: int, query_chunk: int, bar):
+    def __init__(self, model, results: Results, seed: int, query_chunk: int, bar, filters=None):
         self.model, self.results = model, results
         self.query_chunk, self.bar = query_chunk, bar
         self.attention = results.attention_layers
         self.seed = seed
+        self.filters = filters
 
     def caches(self) -> list:
         return make_knorm_cache(self.model, budget=self.results.n_sink + 1, n_sink=self.results.n_sink, recent=0)
 
     def scores(self, sequence: int, layer: int, score: str, keys, values):
         # One random-eviction key per (sequence, layer), shared by the recall and perplexity passes.
+        filters = None
+        if score == "qfilter":
+            filters = self.filters.layer(layer, keys.shape[1], keys.shape[-1])
         return policy_scores(score, keys[0], values[0], derived_key(self.seed, sequence, layer),
-                             self.results.seq_len)
+                             self.results.seq_len, filters)
 
     def run(self, tokens: mx.array, attend, state=None, caches=None) -> tuple[mx.array, list]:
         """``(logits [S, vocab], caches)`` of the model on ``tokens [S]`` with ``attend`` in its attention layers.
@@ -527,7 +532,8 @@ def teacher_forced_logits(model, tokens, policy=None, budget: int | None = None,
 
 def evaluate(model, sequences: np.ndarray, n_sink: int = 4, skip_layers=(), fractions=BUDGET_FRACTIONS,
              seed: int = 0, policies=None, perplexity: bool = True, query_chunk: int = QUERY_CHUNK,
-             progress: bool = False, jobs: int = 1, model_spec: ModelSpec | None = None) -> Results:
+             progress: bool = False, jobs: int = 1, model_spec: ModelSpec | None = None,
+             filters=None) -> Results:
     """Run every policy at every budget on ``sequences [n, T]`` (token ids).
 
     Budgets are ``round(fraction * T)`` rows per attention layer, on average
@@ -543,6 +549,9 @@ def evaluate(model, sequences: np.ndarray, n_sink: int = 4, skip_layers=(), frac
     ``jobs > 1`` shares the sequences among that many processes
     (``workers.map_tasks``), each loading ``model_spec`` (the model
     ``model`` is); the numbers are those of ``jobs=1``.
+    ``filters``: the model's query filters (``mlx_knorm.scorers.QueryFilters``
+    or the path of a ``mlx-knorm calibrate`` file), which ``qfilter``
+    policies need.
     """
     sequences = np.asarray(sequences)
     if sequences.ndim != 2 or sequences.shape[0] < 1 or sequences.shape[1] < 4:
@@ -557,6 +566,10 @@ def evaluate(model, sequences: np.ndarray, n_sink: int = 4, skip_layers=(), frac
     names = [p.name for p in policies]
     if len(set(names)) != len(names):
         raise ValueError(f"policies must be distinct, got {names}")
+    filters = as_query_filters(filters)
+    if filters is None and any(p.score == "qfilter" for p in policies):
+        raise ValueError("the qfilter policies need the model's query filters (filters=, or the eval's "
+                         "--filters): run `mlx-knorm calibrate --model M` first")
     if not ("keep-low" in names and "random" in names):
         raise ValueError("policies must include 'keep-low' and 'random' (the verdict compares them)")
     for fraction in fractions:
@@ -586,7 +599,7 @@ def evaluate(model, sequences: np.ndarray, n_sink: int = 4, skip_layers=(), frac
     passes = 1 + ((sum(1 + (p < last) for p in starts) + len(set(starts) - {0})) if perplexity else 0)
     bar = tqdm(total=n_seqs * passes * len(attention), desc="eval", unit="layer", disable=not progress)
     window = functools.partial(_evaluate_window, dataclasses.replace(results, n_seqs=1), seed, query_chunk,
-                               perplexity)
+                               perplexity, filters)
     parts = map_tasks(window, list(enumerate(sequences)), jobs=jobs, bar=bar, model=model, model_spec=model_spec)
     bar.close()
     for part in parts:
@@ -598,12 +611,12 @@ def evaluate(model, sequences: np.ndarray, n_sink: int = 4, skip_layers=(), frac
     return results
 
 
-def _evaluate_window(setup: Results, seed: int, query_chunk: int, perplexity: bool, model, _tokenizer, task,
-                     bar) -> Results:
+def _evaluate_window(setup: Results, seed: int, query_chunk: int, perplexity: bool, filters, model, _tokenizer,
+                     task, bar) -> Results:
     """The numbers of window ``task = (index, token ids)``, in a ``Results`` of one sequence like ``setup``."""
     sequence, row = task
     part = dataclasses.replace(setup, nll={}, recall={}, spearman=[])
-    evaluator = _Evaluator(model, part, seed, query_chunk, bar)
+    evaluator = _Evaluator(model, part, seed, query_chunk, bar, filters)
     tokens = mx.array(row, dtype=mx.int32)
     evaluator.full_pass(sequence, tokens, part.cuts)
     if perplexity:

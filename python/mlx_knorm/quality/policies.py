@@ -3,8 +3,11 @@
 A policy is a score, a recent window and the layers it leaves uncompressed:
 
 - ``keep-low`` / ``keep-high``: the lowest (the paper's rule) or highest key
-  norm; ``window``: sinks + the latest tokens (StreamingLLM, mlx-lm's
-  ``RotatingKVCache``); ``random``: a fixed random number per token;
+  norm; ``keydiff``, ``vnorm``, ``qfilter``: the lowest score of those
+  scorers (docs/spec.md §2a, ``mlx_knorm.scorers``; ``qfilter`` reads the
+  model's query filters, ``mlx-knorm calibrate``); ``window``: sinks + the
+  latest tokens (StreamingLLM, mlx-lm's ``RotatingKVCache``); ``random``: a
+  fixed random number per token;
 - ``+recent=F``: the latest ``F`` of the cache's budget are also protected
   (the reference's ``recent``), e.g. ``keep-low+recent=1/4``;
 - ``+skip=I,J``: layers ``I, J`` keep every token (``skip_layers``), e.g.
@@ -44,18 +47,25 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, RotatingKVCache, _BaseCache, create_attention_mask, make_prompt_cache
 
-from .. import key_norms, protected_topk_gather
+from .. import key_norms, protected_topk_gather, row_scores
 from ..cache import L2NormKVCache, make_knorm_cache
 from ..defaults import DEFAULT_KV_GROUP_SIZE, DEFAULT_RECENT_SHARE, share_of
 
-SCORES = ("keep-low", "keep-high", "window", "random", "full")
+SCORES = ("keep-low", "keep-high", "window", "random", "full", "keydiff", "vnorm", "qfilter")
 SCORE_LABELS = {
     "keep-low": "keep-low (paper)",
     "keep-high": "keep-high (ablation)",
     "window": "sinks + recent window",
     "random": "random",
     "full": "no eviction",
+    "keydiff": "keydiff (causal)",
+    "vnorm": "key norm / value norm",
+    "qfilter": "query filter",
 }
+# Policies whose cache is make_knorm_cache's, and the scorer and keep rule
+# each gives it.
+CACHE_SCORERS = {"keep-low": ("knorm", "low"), "keep-high": ("knorm", "high"), "keydiff": ("keydiff", "low"),
+                 "vnorm": ("vnorm", "low"), "qfilter": ("qfilter", "low")}
 # mx.quantize's affine bit widths; every quantized policy takes DEFAULT_KV_GROUP_SIZE.
 KV_BITS = (2, 3, 4, 5, 6, 8)
 FULL = "full"  # the full cache, in tables and the needle grid
@@ -80,7 +90,7 @@ class Policy:
                              "(the float full cache always runs)")
         if self.bits is not None and self.score in ("window", "random"):
             raise ValueError(f"the {self.score} policy has no quantized cache (mlx-lm's RotatingKVCache "
-                             "cannot be quantized); +bits goes with keep-low, keep-high or full")
+                             "cannot be quantized); +bits goes with a scorer's policy or full")
         if not 0 <= self.recent < 1:
             raise ValueError(f"policy recent must be a share of the budget in [0, 1), got {self.recent}")
         if self.score == "window" and self.recent:
@@ -205,15 +215,25 @@ def stored_dtype(keys: mx.array, values: mx.array) -> mx.Dtype:
 
 
 def policy_scores(score: str, keys: mx.array, values: mx.array, key: mx.array,
-                  draws: int | None = None) -> tuple[mx.array, str]:
+                  draws: int | None = None, filters: mx.array | None = None) -> tuple[mx.array, str]:
     """``(scores [H, T] float32, keep)`` for ``keys [H, T, Dk]``; ``key`` seeds ``random``.
 
     ``random`` draws ``[H, draws]`` numbers (default ``T``) and keeps the
-    first ``T``, so passes over prefixes of one sequence agree.
+    first ``T``, so passes over prefixes of one sequence agree. A scorer's
+    scores are those of the rows as the cache stores them; ``filters [H,
+    Dk]``: the layer's query filters, for ``qfilter``.
     """
     heads, length, _ = keys.shape
-    if score in ("keep-low", "keep-high"):
-        return key_norms(keys.astype(stored_dtype(keys, values))), score.removeprefix("keep-")
+    if score in CACHE_SCORERS:
+        scorer, keep = CACHE_SCORERS[score]
+        dtype = stored_dtype(keys, values)
+        if scorer == "knorm":
+            return key_norms(keys.astype(dtype)), keep
+        if scorer == "qfilter" and filters is None:
+            raise ValueError("the qfilter policy needs the model's query filters (mlx-knorm calibrate)")
+        state = {"keydiff": mx.zeros((heads, keys.shape[-1]), mx.float32), "qfilter": filters}.get(scorer)
+        stored_values = values.astype(dtype) if scorer == "vnorm" else None
+        return row_scores(keys.astype(dtype), stored_values, state, scorer=scorer)[0], keep
     if score == "window":
         position = mx.arange(length, dtype=mx.float32)
         return mx.broadcast_to(-position, (heads, length)), "low"

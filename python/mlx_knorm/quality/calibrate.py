@@ -1,0 +1,113 @@
+"""``mlx-knorm calibrate``: the ``qfilter`` scorer's query filters of a model.
+
+The model reads text that ships with Python (the standard library's own
+sources, the files a training split keeps: code and docstrings, disjoint
+from the prose of ``pydoc_data.topics`` that the evals read); at each
+full-attention layer (those ``make_knorm_cache`` compresses) the queries,
+rotated as the model rotates them and grouped by the KV head they attend
+through, give ``C = sum q q^T``. The filter of a KV head is the top
+eigenvector of ``C``, the principal direction of its queries (Q-Filters,
+Godey et al. 2025), signed so that the queries' mean projection on it is
+positive. A key's projection on it then approximates, up to a positive
+factor, the mean logit the queries give that key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import base as mlx_lm_base
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from ..models.fetch import cache_dir
+from ..scorers import QueryFilters
+from . import data
+from .policies import attention_layers
+
+
+class _QueryProbe(KVCache):
+    """A full-attention layer's cache that hands the layer's queries over."""
+
+    def __init__(self, layer: int, seen: list):
+        super().__init__()
+        self.layer = layer
+        self.seen = seen
+
+
+@contextlib.contextmanager
+def _queries_through_probes():
+    """mlx-lm's attention, recording each probe layer's queries first
+    (mlx-lm's model modules import ``scaled_dot_product_attention`` by name,
+    so it is replaced in each)."""
+    original = mlx_lm_base.scaled_dot_product_attention
+
+    def recorded(queries, keys, values, cache, scale, mask, sinks=None):
+        if isinstance(cache, _QueryProbe):
+            cache.seen.append((cache.layer, queries, keys.shape[1]))
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    modules = [module for name, module in list(sys.modules.items())
+               if name.startswith("mlx_lm.models.")
+               and getattr(module, "scaled_dot_product_attention", None) is original]
+    for module in modules:
+        module.scaled_dot_product_attention = recorded
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.scaled_dot_product_attention = original
+
+
+def calibration_sequences(tokenizer, n_seqs: int, seq_len: int) -> np.ndarray:
+    """``[n_seqs, seq_len]`` token ids from the standard library's sources."""
+    root = data.stdlib_root()
+    texts = []
+    for raw in data.read_bytes(data.split_files(root)[0], root):
+        try:
+            texts.append(raw.tobytes().decode("utf-8"))
+        except UnicodeDecodeError:
+            continue
+    return data.document_sequences(tokenizer, texts, seq_len, n_seqs)
+
+
+def query_filters(model, sequences: np.ndarray, n_sink: int = 4) -> QueryFilters:
+    """The filters of ``model`` from its queries on ``sequences [n, T]``."""
+    layers = attention_layers(model, n_sink)
+    moments: dict[int, np.ndarray] = {}
+    sums: dict[int, np.ndarray] = {}
+    for tokens in sequences:
+        seen: list = []
+        cache = make_prompt_cache(model)
+        for i in layers:
+            cache[i] = _QueryProbe(i, seen)
+        with _queries_through_probes():
+            mx.eval(model(mx.array(tokens)[None], cache=cache))
+        for layer, queries, kv_heads in seen:
+            q = np.array(queries[0].astype(mx.float32), dtype=np.float64)  # [H, T, D]
+            heads, steps, dim = q.shape
+            grouped = q.reshape(kv_heads, heads // kv_heads * steps, dim)
+            moments[layer] = moments.get(layer, 0) + np.einsum("gnd,gne->gde", grouped, grouped)
+            sums[layer] = sums.get(layer, 0) + grouped.sum(axis=1)
+    missing = sorted(set(layers) - set(moments))
+    if missing:
+        raise ValueError(f"layers {missing} gave no queries (their attention does not go through "
+                         "mlx-lm's scaled_dot_product_attention): qfilter cannot be calibrated for this model")
+    filters = {}
+    for layer in layers:
+        _, vectors = np.linalg.eigh(moments[layer])  # ascending eigenvalues, per KV head
+        top = vectors[..., -1]
+        signs = np.where(np.einsum("gd,gd->g", top, sums[layer]) < 0, -1.0, 1.0)
+        filters[layer] = (top * signs[:, None]).astype(np.float32)
+    return QueryFilters(filters)
+
+
+def default_filters_path(model: str) -> Path:
+    """Where ``calibrate`` writes, and the commands look for, the filters of
+    ``model`` (as given to ``--model``) by default."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(model).rstrip("/")).strip("_") or "model"
+    return cache_dir() / "filters" / f"{name}.safetensors"

@@ -1,0 +1,122 @@
+"""The scorers a cache ranks its rows by (docs/spec.md §2a), and the
+query filters the ``qfilter`` scorer reads.
+
+A scorer gives each new row one float32, fixed when the row arrives; the
+cache keeps the lowest (``keep="low"``). The built-in ones run in
+``row_scores``'s native kernels:
+
+- ``knorm``: the key's L2 norm (Devoto et al. 2024), the default;
+- ``keydiff``: the key's cosine similarity to the sum of the unit keys
+  before it in its head (KeyDiff, Park et al. 2025, made causal), so the
+  least redundant keys stay; the running sum is the cache's state;
+- ``vnorm``: the key's norm over the value's (value-aware: a large value
+  norm raises a row's weight in the output, as VATP and CriticalKV use);
+- ``qfilter``: minus the key's projection on its head's filter, the
+  principal direction of the model's queries there (Q-Filters, Godey et al.
+  2025), which ``mlx-knorm calibrate`` measures and writes to a file.
+
+A user's scorer is a callable ``scorer(keys, values, state) -> (scores,
+state)``: ``keys``/``values`` ``[B, H, S, D]`` as the model gives them,
+``scores`` ``[B, H, S]`` float32, ``state`` any array or None that the cache
+hands back on the next call (None on the first), e.g.::
+
+    def recency_weighted_norm(keys, values, state):
+        norms = mlx_knorm.key_norms(keys)
+        return norms, None
+
+It runs in MLX ops on the model's stream; the selection ranks its scores as
+any other's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Union
+
+import mlx.core as mx
+import numpy as np
+
+BUILTIN_SCORERS = ("knorm", "keydiff", "vnorm", "qfilter")
+DEFAULT_SCORER = "knorm"
+# What a scorer reads besides the keys (row_scores' arguments).
+SCORER_USES_VALUES = frozenset({"vnorm"})
+SCORER_STATEFUL = frozenset({"keydiff"})
+
+Scorer = Union[str, Callable]
+
+FILTERS_FORMAT = "mlx-knorm query filters 1"
+
+
+def check_scorer(scorer) -> Scorer:
+    """A built-in scorer's name or a callable; anything else raises naming ``scorer``."""
+    if callable(scorer):
+        return scorer
+    if not isinstance(scorer, str) or scorer not in BUILTIN_SCORERS:
+        raise ValueError(f"mlx_knorm: scorer must be one of {BUILTIN_SCORERS} or a callable "
+                         f"scorer(keys, values, state) -> (scores, state), got {scorer!r}")
+    return scorer
+
+
+def scorer_label(scorer: Scorer) -> str:
+    return scorer if isinstance(scorer, str) else getattr(scorer, "__name__", "custom")
+
+
+class QueryFilters:
+    """The ``qfilter`` scorer's filters: for each full-attention layer of a
+    model, one unit float32 vector per KV head, ``[H_kv, D]``, the principal
+    direction of the model's (rotated) queries there, signed so that the
+    queries' mean projection on it is positive: a key with a large
+    projection draws more attention on average."""
+
+    def __init__(self, filters: dict[int, np.ndarray], metadata: dict | None = None):
+        self.filters = {int(layer): np.asarray(f, dtype=np.float32) for layer, f in filters.items()}
+        self.metadata = dict(metadata or {})
+
+    def layer(self, index: int, heads: int, dim: int) -> mx.array:
+        """Layer ``index``'s filters, ``[heads, dim]``; a mismatch raises naming the layer."""
+        if index not in self.filters:
+            raise ValueError(f"mlx_knorm: the query filters have no layer {index} (they cover layers "
+                             f"{sorted(self.filters)}): calibrated for another model? Run `mlx-knorm calibrate`")
+        f = self.filters[index]
+        if f.shape != (heads, dim):
+            raise ValueError(f"mlx_knorm: the query filters of layer {index} are {list(f.shape)}, the model's "
+                             f"keys [{heads}, {dim}] per layer: calibrated for another model? "
+                             "Run `mlx-knorm calibrate`")
+        return mx.array(f)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        arrays = {f"layer.{i}": mx.array(f) for i, f in sorted(self.filters.items())}
+        mx.save_safetensors(str(path), arrays, metadata={"format": FILTERS_FORMAT,
+                                                         "metadata": json.dumps(self.metadata)})
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "QueryFilters":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"mlx_knorm: no query filters at {path}: run `mlx-knorm calibrate --model M "
+                                    f"--out {path}` first")
+        arrays, meta = mx.load(str(path), return_metadata=True)
+        if meta.get("format") != FILTERS_FORMAT:
+            raise ValueError(f"mlx_knorm: {path} is not a query-filter file of this version "
+                             f"(format {meta.get('format')!r}, expected {FILTERS_FORMAT!r})")
+        filters = {}
+        for name, array in arrays.items():
+            prefix, _, index = name.partition(".")
+            if prefix != "layer" or not index.isdigit() or array.ndim != 2 or array.dtype != mx.float32:
+                raise ValueError(f"mlx_knorm: {path}: unexpected entry {name!r} {array.dtype} {array.shape}")
+            filters[int(index)] = np.array(array)
+        return cls(filters, json.loads(meta.get("metadata", "{}")))
+
+
+def as_query_filters(filters) -> QueryFilters | None:
+    """``filters`` given as a ``QueryFilters``, a path of a calibration file, or None."""
+    if filters is None or isinstance(filters, QueryFilters):
+        return filters
+    if isinstance(filters, (str, Path)):
+        return QueryFilters.load(filters)
+    raise TypeError(f"mlx_knorm: filters must be a path to a `mlx-knorm calibrate` file or QueryFilters, "
+                    f"got {type(filters).__name__}")
