@@ -433,14 +433,17 @@ class L2NormCacheBase(_BaseCache):
         return self._trimmable
 
     def trim(self, n: int) -> int:
-        """Remove the ``n`` newest tokens if ``n <= trimmable()``: the cache
-        is then the cache that never saw them. Returns ``n``, or 0 with
-        nothing changed when more is asked (an older row may already have
-        been evicted in favour of one of them)."""
+        """Remove the ``n`` newest tokens, or as many of them as
+        ``trimmable()`` allows: the cache is then the cache that never saw
+        the tokens removed. Returns how many it removed, as mlx-lm's
+        ``KVCache`` and ``RotatingKVCache`` do (past ``trimmable()`` an
+        older row may already have been evicted in favour of a newer one,
+        and nothing brings it back)."""
         n = check_int(n, "n")
         if n < 0:
             raise ValueError(f"mlx_knorm: {type(self).__name__}.trim: n must be >= 0, got {n}")
-        if n == 0 or n > self._trimmable:
+        n = min(n, self._trimmable)
+        if n == 0:
             return 0
         self.filled -= n
         self.offset -= n
@@ -604,7 +607,7 @@ class L2NormKVCache(L2NormCacheBase):
     ``slot_positions`` (int32 absolute positions) ``[B, H, capacity]``;
     slots ``[0, filled)`` are occupied, in storage order. ``state`` and
     ``positions`` give the kept rows in temporal order. ``trim`` removes the
-    newest tokens exactly or refuses (``trimmable()``); ``to_quantized``
+    newest tokens exactly, as many as ``trimmable()`` allows; ``to_quantized``
     gives the quantized cache that mlx-lm's ``kv_bits`` asks for;
     ``merge`` gives the batch cache that mlx-lm's ``BatchGenerator`` asks
     for.
