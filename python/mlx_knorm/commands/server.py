@@ -80,7 +80,7 @@ import weakref
 import mlx.core as mx
 from huggingface_hub.utils import CacheNotFound
 
-from ..cache import L2NormCacheBase, L2NormKVCache
+from ..cache import L2NormCacheBase, L2NormKVCache, layer_caches
 from ..lru import LRUPromptCache as TrimAwareLRUPromptCache
 from ..lru import tokens_held
 from .memory import kv_memory_line
@@ -145,7 +145,7 @@ class ServerSession(Session):
                     cache = model.make_cache()
             except (TypeError, ValueError):
                 return False
-            ours = [isinstance(c, L2NormCacheBase) for c in cache]
+            ours = [isinstance(c, L2NormCacheBase) for c in layer_caches(cache)]
             self._batchable[key] = (all(type(c) is L2NormKVCache for c in cache) if any(ours)
                                     else all(hasattr(c, "merge") for c in cache))
         return self._batchable[key]
