@@ -2,14 +2,18 @@
 layer's cache (gemma3n, afm7: docs/spec.md §8, KV sharing), as model
 directories a user has: within the budget it prints what ``mlx_lm generate``
 prints, past it it goes on at the budget; a family the cache cannot serve
-stops the command with the refusal, not a traceback."""
+stops the command with the refusal, not a traceback, and the server answers
+each request with it and keeps serving."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from command_runs import MLX_KNORM, MLX_LM, command_env, kv_lines, mlx_lm_stat, run, succeeded
 from model_families import write_model_dir
+from test_command_server import Server
 
 PROMPT = "hello there"
 
@@ -43,3 +47,15 @@ def test_a_family_the_cache_cannot_serve_is_refused_by_name(models, env):
     result = run([*MLX_KNORM, "generate", "--model", models["mamba"], "--prompt", PROMPT, "--budget", "8"], env)
     assert result.returncode != 0
     assert "cannot serve this mamba model" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_server_answers_a_family_it_cannot_serve_with_the_refusal_and_keeps_serving(models, env, tmp_path):
+    server = Server([*MLX_KNORM, "server", "--model", models["mamba"], "--budget", "8"], env, tmp_path / "log")
+    try:
+        for _ in range(2):
+            status, raw = server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
+            assert status == 404 and "cannot serve this mamba model" in json.loads(raw)["error"]
+        assert server.get("/health")[0] == 200
+        assert "Traceback" not in server.log_text()
+    finally:
+        server.stop()

@@ -211,6 +211,16 @@ class ServerSession(Session):
                 session.loading_models(draft_model_path)
                 super()._load(model_path, adapter_path, draft_model_path)
 
+            def load_default(self):
+                # mlx-lm loads the default model as the generation thread
+                # starts, where a raise ends the thread. A model family the
+                # cache refuses (make_knorm_cache's ValueError) is instead
+                # loaded again by each request, which gets the refusal.
+                try:
+                    super().load_default()
+                except ValueError as e:
+                    logging.error(str(e))
+
         class LRUPromptCache(TrimAwareLRUPromptCache):
             def fetch_nearest_cache(self, model, tokens):
                 return super().fetch_nearest_cache((model, session.current_config()), tokens)
