@@ -1,7 +1,8 @@
 """Trim and exact small blocks (docs/spec.md §8): ``trim(n)`` removes the
-newest tokens exactly while no eviction has ranked them, and refuses past
-them; a short block of linked caches attends as single steps do; so mlx-lm's
-speculative decoding gives the tokens of ordinary decoding."""
+newest tokens exactly while no eviction has ranked them, as many as that
+allows past them, and says how many; a short block of linked caches attends
+as single steps do; so mlx-lm's speculative decoding gives the tokens of
+ordinary decoding."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.generate import generate_step, speculative_generate_step
+from mlx_lm.models.cache import trim_prompt_cache
 
 from mlx_knorm.cache import EXACT_BLOCK, L2NormKVCache, make_knorm_cache
 
@@ -90,24 +92,46 @@ configs = st.fixed_dictionaries(
 )
 
 
-@given(configs, st.lists(st.integers(0, 6), min_size=1, max_size=8), st.integers(0, 14), st.integers(0, 3))
-def test_a_trim_is_exact_or_refused(config, blocks, n, seed):
+@given(configs, st.lists(st.integers(0, 6), min_size=1, max_size=8),
+       st.lists(st.integers(0, 14), min_size=1, max_size=4), st.integers(0, 3))
+def test_trims_remove_what_they_can_exactly_and_say_how_much(config, blocks, counts, seed):
+    """Call after call, as KVCache's trims while nothing was evicted: each
+    removes ``min(n, trimmable())`` and returns it; the cache is the cache
+    that never saw the tokens removed, now and at the next block."""
     cache = fed(blocks, seed, **config)
     assert cache.is_trimmable()
     assert cache.trimmable() == expected_trimmable(blocks, config["budget"]) >= blocks[-1]
-    before = copy.deepcopy(cache)
-    if n > cache.trimmable():
-        assert cache.trim(n) == 0
-        assert_same_cache(cache, before)
-        return
-    assert cache.trim(n) == n
-    never_saw = fed(without_last(blocks, n), seed, **config)
+    removed = 0
+    for n in counts:
+        before = copy.deepcopy(cache)
+        trimmed = cache.trim(n)
+        assert trimmed == min(n, before.trimmable())
+        assert cache.trimmable() == before.trimmable() - trimmed
+        if trimmed == 0:
+            assert_same_cache(cache, before)
+        removed += trimmed
+    if expected_trimmable(blocks, config["budget"]) == sum(blocks):
+        # Nothing was ever evicted: KVCache's counts, min(n, tokens left).
+        left = sum(blocks)
+        for n in counts:
+            left -= min(n, left)
+        assert cache.offset == left
+    never_saw = fed(without_last(blocks, removed), seed, **config)
     assert_same_logical_state(cache, never_saw)
     # The same future: the next block returns the same rows, and trims the same.
     keys, values = rows(3, seed + 100)
     for a, b in zip(cache.update_and_fetch(keys, values), never_saw.update_and_fetch(keys, values)):
         assert_bitwise_equal(a, b)
     assert_same_cache(cache, never_saw)
+
+
+def test_mlx_lm_s_trim_prompt_cache_counts_are_kvcache_s_under_the_budget():
+    """mlx-lm's tests/test_prompt_cache.py::test_trim_cache with eviction
+    caches for its KVCaches: ten tokens, trim 7, then 4 asked and 3 left."""
+    cache = [fed([10], budget=64, n_sink=1) for _ in range(2)]
+    assert trim_prompt_cache(cache, 7) == 7
+    assert trim_prompt_cache(cache, 4) == 3
+    assert [c.offset for c in cache] == [0, 0]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -117,12 +141,9 @@ def test_trim_edges_on_the_last_block(layout):
     cache = fed(blocks, **config)
     assert cache.trimmable() == 4
     assert cache.trim(0) == 0 and cache.offset == 18
-    # One more than the last block: an older row may have been evicted for them.
-    before = copy.deepcopy(cache)
-    assert cache.trim(5) == 0
-    assert_same_cache(cache, before)
-    # All of the last block: the cache of the first three blocks, pending eviction applied.
-    assert cache.trim(4) == 4 and cache.trimmable() == 0
+    # One more than the last block: an older row may have been evicted for
+    # them, so it trims the last block and says so.
+    assert cache.trim(5) == 4 and cache.trimmable() == 0
     assert cache.offset == 14 and cache.size() == 8
     reference = fed(blocks[:3], **config)
     assert mx.array_equal(cache.positions, reference.positions).item()
@@ -143,9 +164,10 @@ def test_trims_reach_back_to_the_last_evicting_step():
     assert cache.trimmable() == 2
 
 
-def test_a_refused_trim_would_have_been_wrong():
-    """Past the last block, the naive trim (dropping the newest rows) differs
-    from the cache that never saw them: the row evicted in their favour is gone."""
+def test_a_trim_past_the_last_evicting_step_would_have_been_wrong():
+    """Past the last evicting step, the naive trim (dropping the newest rows)
+    differs from the cache that never saw them: the row evicted in their
+    favour is gone."""
     config = dict(budget=4, n_sink=0, layout="temporal")
     blocks = [4, 1, 1]
     cache = fed(blocks, **config)
@@ -169,6 +191,8 @@ def test_trim_arguments_and_loaded_states():
     # One that has evicted cannot tell what it evicted for whom.
     evicted = L2NormKVCache.from_state(fed([12, 1], budget=8, n_sink=1).state)
     assert evicted.trimmable() == 0 and evicted.trim(1) == 0
+    # Trimmed back to the start, as KVCache, and no further.
+    assert loaded.trim(1) == 0 and loaded.offset == 0
     assert L2NormKVCache().trim(1) == 0
 
 

@@ -49,12 +49,13 @@ def test_a_cache_that_evicted_is_not_trimmed_past_its_last_block(skip_first):
     question = PROMPT[:30] + [7, 8]
     cache, rest = store.fetch_nearest_cache(MODEL, question)
     assert cache is None and rest == question
-    # mlx-lm's own class trims it anyway, ignoring the refusal: the cache
-    # then holds 40 tokens where it says it answers for 30.
+    # mlx-lm's own class trims it anyway, ignoring the count trimmed (the
+    # last step's token): the cache then holds 39 tokens where it says it
+    # answers for 30.
     theirs = mlx_lm_cache.LRUPromptCache()
     theirs.insert_cache(MODEL, PROMPT, prompt_cache(PROMPT, [39, 1], 16, skip_first))
     cache, rest = theirs.fetch_nearest_cache(MODEL, question)
-    assert len(question) - len(rest) == 30 and cache[-1].offset == 40
+    assert len(question) - len(rest) == 30 and cache[-1].offset == 39
     # With a last block of 2, a prompt one token shorter is within it (the
     # store keeps the prompt's last token to process, so it trims 2).
     store.insert_cache(MODEL, PROMPT, prompt_cache(PROMPT, [38, 2], 16, skip_first))

@@ -26,6 +26,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 from .cache import L2NormKVCache, _storage_dtype, order_tree_argument, step_capacity
 from .cache_state import check_block, decimal_int
 from .ops.evict_and_fill import check_layout, evict_and_fill_unchecked
+from .sharing import note_shared_read
 from .validation import INT32_MAX, check_config, check_int
 
 # hi_b of a sequence whose tokens run on (no right-padded prefill pending).
@@ -95,6 +96,8 @@ class BatchL2NormKVCache(_BaseCache):
         self._ranges = mx.array(pairs, dtype=mx.int32).reshape(-1, 2)
         # The order tree ranks by the ranges it was built for.
         self._tree = None
+        # Rows of the last step, while its rows are what keys_and_values gives.
+        self._last_steps = None
 
     def _valid(self, heads: int) -> mx.array:
         batch = len(self._lo)
@@ -167,8 +170,24 @@ class BatchL2NormKVCache(_BaseCache):
         self.filled = kept + steps
         self.timeline = stop
         self.offset = self.offset + steps
-        occupied = lambda b: b[..., : self.filled, :]
-        return occupied(self.keys), occupied(self.values)
+        self._last_steps = steps
+        return self._occupied()
+
+    def _occupied(self):
+        return self.keys[..., : self.filled, :], self.values[..., : self.filled, :]
+
+    def keys_and_values(self):
+        """The keys and values the last step's attention read, in the order
+        its mask assumes (mlx-lm 0.32.2's ``BatchKVCache.keys_and_values``):
+        slots ``[0, filled)``, each sequence's padding in front. ``(None,
+        None)`` when empty (docs/spec.md §8, KV sharing)."""
+        if self.keys is None:
+            return None, None
+        keys, values = self._occupied()
+        if self._last_steps is not None:
+            first = mx.array([self.timeline - self._last_steps - lo for lo in self._lo], dtype=mx.int32)
+            note_shared_read(keys, first)
+        return keys, values
 
     def size(self) -> int:
         """Rows each head attends to before the next block: ``min(filled, budget)``."""

@@ -30,8 +30,11 @@ would, when the caches are linked by ``make_knorm_cache`` (docs/spec.md
 §8, exact small blocks): the model asks one layer for the mask, and every
 layer returns the rows each query would see as segments that the mask
 separates. ``trim(n)`` removes the ``n`` newest tokens exactly while no
-eviction has ranked them yet (``trimmable()``), and otherwise refuses, so
-speculative decoding works on these caches.
+eviction has ranked them yet (``trimmable()``), else as many as that
+allows, and returns how many, so speculative decoding and mlx-lm's
+``trim_prompt_cache`` work on these caches. ``keys_and_values()`` returns
+the rows the last step attended to, which layers that share another
+layer's cache read (mlx_knorm.sharing).
 
 ``offset`` is the true absolute position (RoPE stays right after eviction);
 ``size()`` is the number of rows kept. ``keys`` and ``values`` are the
@@ -68,7 +71,7 @@ from typing import Any, Iterable
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import cache as mlx_lm_cache
-from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask
+from mlx_lm.models.cache import CacheList, KVCache, _BaseCache, create_attention_mask
 
 from .backend import current_backend, resolve
 from .cache_state import StateError, check_block, check_state, parse_meta_state
@@ -76,6 +79,7 @@ from .defaults import (DEFAULT_BUDGET, DEFAULT_KEEP, DEFAULT_KV_GROUP_SIZE, DEFA
                        DEFAULT_RECENT, DEFAULT_SKIP_LAYERS, default_recent, uses_order_tree)
 from .ops.evict_and_fill import check_layout, evict_and_fill_unchecked
 from .ops.key_norms import key_norms_unchecked
+from .sharing import note_shared_read, share_positions
 from .validation import FLOAT_DTYPES, INT32_MAX, check_config, check_int
 
 # Slots added at a time while the cache fills, as KVCache grows.
@@ -182,6 +186,7 @@ class L2NormCacheBase(_BaseCache):
     # older version of this class).
     _tree = None
     _checked_block = None
+    _last_block = None
 
     def _extra(self) -> tuple:
         """The state's and meta_state's fields after the float cache's."""
@@ -209,6 +214,7 @@ class L2NormCacheBase(_BaseCache):
             self.filled = checked.rows[3].shape[2]
         # A loaded state's history is unknown unless nothing was ever evicted.
         self._trimmable = self.offset if self.filled == self.offset else 0
+        self._last_block = None
         self._forget_block()
 
     def _buffers(self) -> list:
@@ -276,13 +282,14 @@ class L2NormCacheBase(_BaseCache):
         try:
             out = self._step(buffers, new_keys, new_values, new_norms, self.filled, self.offset,
                              capacity, tree=tree, backend=backend)
-            segments = self._segments(out, new_keys, new_values, new_norms, kept) if exact else None
+            segments = self._segments(out, new_keys, new_values, new_norms, kept, self.offset) if exact else None
         except BaseException:
             self._set_buffers(previous, previous_tree)
             raise
         evicted = self.filled > self.budget
         self._set_buffers(out[:4], out[4] if tree is not False else None)
         self._trimmable = steps + (0 if evicted else self._trimmable)
+        self._last_block = (steps, kept if exact else None)
         self.filled = kept + steps
         self.offset += steps
         self._checked_block = block
@@ -316,12 +323,12 @@ class L2NormCacheBase(_BaseCache):
             )
         return True
 
-    def _segments(self, out, new_keys, new_values, new_norms, kept: int):
-        """Keys and values of an exact small block: for each query ``j`` the
-        rows a one-token-at-a-time cache attends to there, one segment after
-        the other (docs/spec.md §8). Segment 0 is the step's own first
-        ``kept + 1`` rows; each later one is a single step, out of place,
-        from the one before."""
+    def _segments(self, out, new_keys, new_values, new_norms, kept: int, offset: int):
+        """Keys and values of an exact small block at ``offset``: for each
+        query ``j`` the rows a one-token-at-a-time cache attends to there,
+        one segment after the other (docs/spec.md §8). Segment 0 is the
+        step's own first ``kept + 1`` rows; each later one is a single step,
+        out of place, from the one before."""
         steps = _first(new_keys).shape[2]
         lengths = segment_lengths(kept, steps, self.budget)
         first = lengths[0]
@@ -332,7 +339,7 @@ class L2NormCacheBase(_BaseCache):
             previous = self._step(
                 previous, _each(row, new_keys), _each(row, new_values),
                 None if new_norms is None else row(new_norms),
-                lengths[j - 1], self.offset + j, lengths[j],
+                lengths[j - 1], offset + j, lengths[j],
             )
             segments.append(previous[:2])
 
@@ -388,6 +395,32 @@ class L2NormCacheBase(_BaseCache):
         kept = self._kept_rows()
         return None if kept is None else kept[3]
 
+    def keys_and_values(self):
+        """The keys and values the last step's attention read, in the order
+        its mask assumes, as mlx-lm 0.32.2's ``KVCache.keys_and_values``:
+        what the last ``update_and_fetch`` returned (docs/spec.md §8, KV
+        sharing). That is slots ``[0, filled)``: the kept rows, then the
+        last block's rows (its eviction is still pending); after an exact
+        small block, that block's segments again, recomputed from the
+        buffers (holding them would keep ``budget`` times a block's rows
+        alive between steps). After a trim or a load, slots ``[0, filled)``.
+        ``(None, None)`` when empty. Models whose later layers reuse an
+        earlier layer's cache (gemma3n, afm7) read its rows here."""
+        if self.keys is None:
+            return None, None
+        block = self._last_block
+        if block is None or block[1] is None:
+            keys, values = self._occupied(self.keys), self._occupied(self.values)
+        else:
+            steps, kept = block
+            buffers = self._buffers()
+            new = lambda b: b[:, :, kept : kept + steps]
+            keys, values = self._segments(buffers, _each(new, buffers[0]), _each(new, buffers[1]),
+                                          new(buffers[2]), kept, self.offset - steps)
+        if block is not None:
+            note_shared_read(_first(keys), self.offset - block[0])
+        return keys, values
+
     def make_mask(
         self, N: int, return_array: bool = False, window_size: int | None = None
     ):
@@ -433,19 +466,23 @@ class L2NormCacheBase(_BaseCache):
         return self._trimmable
 
     def trim(self, n: int) -> int:
-        """Remove the ``n`` newest tokens if ``n <= trimmable()``: the cache
-        is then the cache that never saw them. Returns ``n``, or 0 with
-        nothing changed when more is asked (an older row may already have
-        been evicted in favour of one of them)."""
+        """Remove the ``n`` newest tokens, or as many of them as
+        ``trimmable()`` allows: the cache is then the cache that never saw
+        the tokens removed. Returns how many it removed, as mlx-lm's
+        ``KVCache`` and ``RotatingKVCache`` do (past ``trimmable()`` an
+        older row may already have been evicted in favour of a newer one,
+        and nothing brings it back)."""
         n = check_int(n, "n")
         if n < 0:
             raise ValueError(f"mlx_knorm: {type(self).__name__}.trim: n must be >= 0, got {n}")
-        if n == 0 or n > self._trimmable:
+        n = min(n, self._trimmable)
+        if n == 0:
             return 0
         self.filled -= n
         self.offset -= n
         self._trimmable -= n
         self._tree = None
+        self._last_block = None
         if self.offset == 0:
             # Back to the start: the empty cache, which takes any shape.
             self._set_buffers([None] * 4)
@@ -604,7 +641,7 @@ class L2NormKVCache(L2NormCacheBase):
     ``slot_positions`` (int32 absolute positions) ``[B, H, capacity]``;
     slots ``[0, filled)`` are occupied, in storage order. ``state`` and
     ``positions`` give the kept rows in temporal order. ``trim`` removes the
-    newest tokens exactly or refuses (``trimmable()``); ``to_quantized``
+    newest tokens exactly, as many as ``trimmable()`` allows; ``to_quantized``
     gives the quantized cache that mlx-lm's ``kv_bits`` asks for;
     ``merge`` gives the batch cache that mlx-lm's ``BatchGenerator`` asks
     for.
@@ -671,6 +708,7 @@ class L2NormKVCache(L2NormCacheBase):
             quantized.filled = self.filled
             quantized.offset = self.offset
         quantized._trimmable = self._trimmable
+        quantized._last_block = self._last_block
         if getattr(self, "_mask_plan", None) is not None:
             quantized._mask_plan = self._mask_plan
         return quantized
@@ -741,6 +779,100 @@ def _model_cache(model: nn.Module) -> list:
     return [KVCache() for _ in model.layers]
 
 
+def model_family(model: nn.Module) -> str:
+    """The model's mlx-lm family: its ``model_type``, else its module's name."""
+    family = getattr(model, "model_type", None) or getattr(getattr(model, "args", None), "model_type", None)
+    return family if isinstance(family, str) else type(model).__module__.rsplit(".", 1)[-1]
+
+
+def layer_caches(prompt_cache) -> list:
+    """Every cache of ``prompt_cache``, each ``CacheList``'s members in its
+    place (a layer whose attention keeps its rows beside other state)."""
+    caches = []
+    for cache in prompt_cache:
+        if isinstance(cache, CacheList):
+            caches.extend(layer_caches(cache.caches))
+        else:
+            caches.append(cache)
+    return caches
+
+
+# Families whose layers keep one CacheList of several KVCaches, each the
+# rows of its own attention (longcat_flash runs two attentions a layer).
+INDEPENDENT_CACHE_LISTS = frozenset({"longcat_flash", "longcat_flash_ngram"})
+
+
+def _replaceable(cache, family: str) -> bool:
+    """Whether a layer's model cache is, or holds, KVCaches that eviction
+    caches replace: a ``KVCache``, or a ``CacheList`` with one ``KVCache``
+    among recurrent or windowed state (falcon_h1, baichuan_m1), or of
+    independent attentions' ``KVCache``s (``INDEPENDENT_CACHE_LISTS``).
+    Any other ``CacheList`` of several ``KVCache``s is kept: their rows are
+    read together (deepseek_v32's indexer keys pick rows of its attention's)."""
+    if type(cache) is KVCache:
+        return True
+    if not isinstance(cache, CacheList):
+        return False
+    kinds = [type(c) for c in cache.caches]
+    nested = any(isinstance(c, (CacheList, mlx_lm_cache.QuantizedKVCache)) for c in cache.caches)
+    independent = kinds.count(KVCache) == 1 or family in INDEPENDENT_CACHE_LISTS
+    return KVCache in kinds and independent and not nested
+
+
+def _replaced(cache, make):
+    """``cache`` with each KVCache replaced by ``make()`` (``_replaceable``)."""
+    if type(cache) is KVCache:
+        return make()
+    return CacheList(*(make() if type(c) is KVCache else c for c in cache.caches))
+
+
+def check_family(model: nn.Module, caches: list) -> list[tuple[int, bool, int | None]]:
+    """Refuse a model the eviction cache cannot serve, naming its family
+    and what the cache needs (docs/spec.md §8, model families); else the
+    masks the model asks its plain KVCache layers for (``mask_requests``)."""
+    family = model_family(model)
+    if any(_replaceable(cache, family) for cache in caches):
+        try:
+            requests = mask_requests(model)
+        except Exception as err:
+            raise ValueError(
+                f"mlx_knorm: make_knorm_cache cannot serve this {family} model here: a 2-token "
+                f"forward pass with its own cache fails ({type(err).__name__}: {err}); the cache "
+                "needs a model that runs on this device"
+            ) from err
+        windows = [(layer, window) for layer, _, window in requests if window is not None]
+        if windows:
+            layer, window = windows[0]
+            raise ValueError(
+                f"mlx_knorm: make_knorm_cache cannot serve this {family} model: it asks the KVCache "
+                f"of layer {layer} for a sliding-window mask (window_size={window}) and gives it to "
+                "its sliding-window layers, which keep KVCaches (the model defines no make_cache "
+                "giving them window caches). Once it evicts, an eviction cache holds rows at "
+                "different positions in different heads, so no one window mask fits it; the "
+                "cache needs the model's sliding-window layers in window caches (RotatingKVCache, "
+                "which make_knorm_cache keeps). Use the model's own cache (model.make_cache())."
+            )
+        return requests
+    shared = [c for c in caches if isinstance(c, CacheList) and any(type(m) is KVCache for m in c.caches)]
+    if shared:
+        members = ", ".join(type(m).__name__ for m in shared[0].caches)
+        raise ValueError(
+            f"mlx_knorm: make_knorm_cache cannot serve this {family} model: each of its "
+            f"attention layers keeps a CacheList({members}) whose KVCaches the model reads "
+            "together (an indexer's keys choose rows of the attention's), and evicting "
+            "each by its own key norms would break that; the eviction cache needs a layer "
+            "whose KVCache holds one attention's rows alone. Use the model's own cache "
+            "(model.make_cache())."
+        )
+    kinds = sorted({type(cache).__name__ for cache in layer_caches(caches)})
+    raise ValueError(
+        f"mlx_knorm: make_knorm_cache cannot serve this {family} model: none of its "
+        f"layers keeps an mlx-lm KVCache (its caches: {', '.join(kinds) or 'none'}), "
+        "and the eviction cache replaces a full-attention layer's KVCache; there is "
+        "nothing for it to bound. Use the model's own cache (model.make_cache())."
+    )
+
+
 def mask_requests(model: nn.Module, probe: list | None = None) -> list[tuple[int, bool, int | None]]:
     """``(layer, return_array, window_size)`` of every mask the model asks
     the plain ``KVCache`` layers of its cache for, in the order asked.
@@ -763,18 +895,6 @@ def mask_requests(model: nn.Module, probe: list | None = None) -> list[tuple[int
     return asked
 
 
-def _array_mask_sources(model: nn.Module) -> list[int]:
-    """The layers whose plain KVCache the model asks for an array mask.
-
-    mlx-lm models build a mask from one layer's cache and hand it to every
-    layer. A ``"causal"`` mask adapts to each layer's own row count; an array
-    mask (``return_array=True``, or any ``window_size``) has the row count of
-    the cache it came from.
-    """
-    return sorted({layer for layer, return_array, window_size in mask_requests(model)
-                   if return_array or window_size is not None})
-
-
 def make_knorm_cache(
     model: nn.Module,
     budget: int = DEFAULT_BUDGET,
@@ -788,15 +908,29 @@ def make_knorm_cache(
 
     Starts from the cache mlx-lm would build (``model.make_cache()`` where the
     model defines it, else one ``KVCache`` per layer) and replaces each plain
-    ``KVCache`` by an ``L2NormKVCache``. ``recent`` (rows) defaults to
+    ``KVCache`` by an ``L2NormKVCache``, also inside a ``CacheList`` that
+    holds one beside recurrent or window state, or several independent
+    attentions' (docs/spec.md §8, model families). ``recent`` (rows) defaults to
     ``default_recent(budget, n_sink)``: ``DEFAULT_RECENT_SHARE`` of the budget
     (docs/quality.md has the evidence); ``recent=0`` is the paper's pure
     keep-low and the reference's default. Layers listed in ``skip_layers`` keep
-    a plain ``KVCache``: the paper leaves layers 0 and 1 uncompressed
+    their model cache: the paper leaves layers 0 and 1 uncompressed
     (``skip_layers=(0, 1)``), since their key norms do not predict attention.
     Layers whose model cache is something else (sliding-window
-    ``RotatingKVCache``, recurrent state) keep that cache. ``layout`` is
-    each ``L2NormKVCache``'s storage order (``"slots"`` or ``"temporal"``).
+    ``RotatingKVCache``, recurrent state, ``CacheList``s of caches read
+    together) keep that cache. ``layout`` is each ``L2NormKVCache``'s
+    storage order (``"slots"`` or ``"temporal"``).
+
+    A model it cannot serve raises ``ValueError`` naming the family and
+    what the cache needs: no layer to replace (recurrent models), only
+    ``CacheList``s read together (deepseek_v32's indexer), or a
+    sliding-window mask asked of a plain ``KVCache`` layer. To tell, it
+    builds a 2-token forward pass over a throwaway cache that records the
+    masks asked for; the pass is never evaluated, so nothing runs and no
+    process of a distributed group communicates. Layers that attend to an
+    earlier layer's rows (gemma3n, afm7, gemma4) read exactly that layer's
+    kept rows; afm7's, which take their queries' position from the row
+    count, are given the cache's (``mlx_knorm.sharing.share_positions``).
 
     Without a plain ``KVCache`` left (no ``skip_layers``), the
     ``L2NormKVCache``s are linked by one ``MaskPlan``, so that short blocks
@@ -810,20 +944,16 @@ def make_knorm_cache(
     shares it across layers (in mlx-lm 0.32 gemma2 and deepseek_v3, among
     others) would apply it to layers holding another number of rows once
     eviction starts, so for such a model ``skip_layers`` raises
-    ``ValueError``. To tell, ``make_knorm_cache`` builds a 2-token forward
-    pass that records the masks asked for, only when ``skip_layers`` names a
-    layer; the pass is never evaluated, so nothing runs and no process of a
-    distributed group communicates.
+    ``ValueError`` (the same recorded masks tell).
 
     After mlx-lm's ``pipeline()``, ``model.layers`` is the rank's own share
     of the layers, so ``skip_layers`` counts from the rank's first layer
     (``model.model.start_idx`` of the whole model).
 
-    Tried on tiny random mlx-lm models: llama (also with ``skip_layers``, and
-    split over ``mx.distributed`` by ``shard()``), qwen2 (also with
-    ``skip_layers``), deepseek_v2 (keys 24 wide, values 16; also with
-    ``skip_layers``, and split by ``pipeline()``), gemma2 and deepseek_v3
-    (which refuse ``skip_layers``).
+    tests/test_model_families.py runs it on a tiny model of every mlx-lm
+    0.32.2 model file, docs/models.md lists what each family's layers get;
+    tests/test_distributed.py splits llama and deepseek_v2 over
+    ``mx.distributed`` by ``shard()`` and ``pipeline()``.
     """
     if recent is None:
         budget, n_sink, _, keep = check_config(budget, n_sink, 0, keep)
@@ -831,6 +961,8 @@ def make_knorm_cache(
     budget, n_sink, recent, keep = check_config(budget, n_sink, recent, keep)
     layout = check_layout(layout)
     caches = _model_cache(model)
+    family = model_family(model)
+    requests = check_family(model, caches)
     skipped = set()
     for layer in skip_layers:
         layer = check_int(layer, "skip_layers entry")
@@ -840,9 +972,12 @@ def make_knorm_cache(
                 f"with {len(caches)} layers"
             )
         skipped.add(layer)
-    compress = [type(cache) is KVCache and index not in skipped for index, cache in enumerate(caches)]
-    if any(compress) and any(type(caches[index]) is KVCache for index in skipped):
-        sources = _array_mask_sources(model)
+    compress = [_replaceable(cache, family) and index not in skipped for index, cache in enumerate(caches)]
+    if any(compress) and any(_replaceable(caches[index], family) for index in skipped):
+        # A "causal" mask adapts to each layer's own row count; an array mask
+        # (return_array, or any window) has the row count of the cache it came from.
+        sources = sorted({layer for layer, return_array, window in requests
+                          if return_array or window is not None})
         if sources:
             raise ValueError(
                 f"mlx_knorm: skip_layers={sorted(skipped)} cannot work with this "
@@ -852,12 +987,10 @@ def make_knorm_cache(
                 f"hold at most budget={budget} rows, so the mask fits only one of them. "
                 "Use skip_layers=() with this model."
             )
-    caches = [
-        L2NormKVCache(budget=budget, n_sink=n_sink, recent=recent, keep=keep, layout=layout)
-        if replace
-        else cache
-        for replace, cache in zip(compress, caches)
-    ]
+    make = lambda: L2NormKVCache(budget=budget, n_sink=n_sink, recent=recent, keep=keep, layout=layout)
+    caches = [_replaced(cache, make) if replace else cache for replace, cache in zip(compress, caches)]
+    if any(compress):
+        share_positions(model)
     # A pipeline rank sees only its own layers' caches: another rank may hold
     # a KVCache layer, which would leave the whole model unlinked (§8).
     if getattr(getattr(model, "model", None), "pipeline_size", 1) == 1:
@@ -874,10 +1007,11 @@ def link_prompt_cache(prompt_cache: list) -> bool:
     its full-attention layers, so caches are linked only where no mlx-lm
     ``KVCache`` or ``QuantizedKVCache`` layer (``skip_layers``) could
     receive a segment mask."""
-    if any(type(c) in (KVCache, mlx_lm_cache.QuantizedKVCache) for c in prompt_cache):
+    caches = layer_caches(prompt_cache)
+    if any(type(c) in (KVCache, mlx_lm_cache.QuantizedKVCache) for c in caches):
         return False
     plan = MaskPlan()
-    for cache in prompt_cache:
+    for cache in caches:
         if isinstance(cache, L2NormCacheBase):
             cache._mask_plan = plan
     return True
@@ -897,4 +1031,5 @@ def _register_with_mlx_lm() -> None:
 
 _register_with_mlx_lm()
 
-__all__ = ["L2NormCacheBase", "L2NormKVCache", "QuantizedL2NormKVCache", "link_prompt_cache", "make_knorm_cache"]
+__all__ = ["L2NormCacheBase", "L2NormKVCache", "QuantizedL2NormKVCache", "layer_caches", "link_prompt_cache",
+           "make_knorm_cache", "model_family"]

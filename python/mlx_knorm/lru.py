@@ -7,7 +7,7 @@ a copy of a longer cached prompt down to the common prefix and ignores the
 count ``trim_prompt_cache`` returns, and ``insert_cache`` drops the entries
 of the new prompt's prefixes, counting on trimming the new cache back to
 them. An ``L2NormKVCache`` trims exactly only what no eviction has ranked
-yet (``trimmable()``, docs/spec.md §8) and refuses the rest, so with mlx-lm's
+yet (``trimmable()``, docs/spec.md §8), no further, so with mlx-lm's
 class a request could be answered from a cache still holding tokens that
 are not in its prompt.
 

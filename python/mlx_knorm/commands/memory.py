@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from mlx_lm.models.cache import RotatingKVCache
 
-from ..cache import L2NormCacheBase
+from ..cache import L2NormCacheBase, layer_caches
 
 
 @dataclass(frozen=True)
@@ -41,13 +41,15 @@ def _full_bytes(cache) -> int:
 
 
 def kv_memory(prompt_cache: list) -> KVMemory:
-    budgets = {c.budget for c in prompt_cache if isinstance(c, L2NormCacheBase)}
+    # A CacheList layer (attention beside recurrent state) counts as its members.
+    caches = layer_caches(prompt_cache)
+    budgets = {c.budget for c in caches if isinstance(c, L2NormCacheBase)}
     return KVMemory(
-        kept_bytes=sum(c.nbytes for c in prompt_cache),
-        full_bytes=sum(_full_bytes(c) for c in prompt_cache),
-        tokens=max((getattr(c, "offset", 0) for c in prompt_cache), default=0),
+        kept_bytes=sum(c.nbytes for c in caches),
+        full_bytes=sum(_full_bytes(c) for c in caches),
+        tokens=max((getattr(c, "offset", 0) for c in caches), default=0),
         budget=max(budgets) if budgets else None,
-        window=max((c.max_size for c in prompt_cache if isinstance(c, RotatingKVCache)), default=None),
+        window=max((c.max_size for c in caches if isinstance(c, RotatingKVCache)), default=None),
     )
 
 

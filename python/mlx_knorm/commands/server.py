@@ -80,7 +80,7 @@ import weakref
 import mlx.core as mx
 from huggingface_hub.utils import CacheNotFound
 
-from ..cache import L2NormCacheBase, L2NormKVCache
+from ..cache import L2NormCacheBase, L2NormKVCache, layer_caches
 from ..lru import LRUPromptCache as TrimAwareLRUPromptCache
 from ..lru import tokens_held
 from .memory import kv_memory_line
@@ -145,7 +145,7 @@ class ServerSession(Session):
                     cache = model.make_cache()
             except (TypeError, ValueError):
                 return False
-            ours = [isinstance(c, L2NormCacheBase) for c in cache]
+            ours = [isinstance(c, L2NormCacheBase) for c in layer_caches(cache)]
             self._batchable[key] = (all(type(c) is L2NormKVCache for c in cache) if any(ours)
                                     else all(hasattr(c, "merge") for c in cache))
         return self._batchable[key]
@@ -210,6 +210,16 @@ class ServerSession(Session):
             def _load(self, model_path, adapter_path=None, draft_model_path=None):
                 session.loading_models(draft_model_path)
                 super()._load(model_path, adapter_path, draft_model_path)
+
+            def load_default(self):
+                # mlx-lm loads the default model as the generation thread
+                # starts, where a raise ends the thread. A model family the
+                # cache refuses (make_knorm_cache's ValueError) is instead
+                # loaded again by each request, which gets the refusal.
+                try:
+                    super().load_default()
+                except ValueError as e:
+                    logging.error(str(e))
 
         class LRUPromptCache(TrimAwareLRUPromptCache):
             def fetch_nearest_cache(self, model, tokens):
