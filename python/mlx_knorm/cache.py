@@ -63,6 +63,7 @@ resolves the class names of a saved cache in that module's namespace.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Iterable
 
 import mlx.core as mx
@@ -90,10 +91,30 @@ class MaskPlan:
     its next block: ``block = (offset, S, kept)`` when the mask that the
     model got from one of them shows each query its own segment, else None.
     The model builds one mask and gives it to every layer, so every layer
-    must return the rows that mask describes."""
+    must return the rows that mask describes.
 
-    def __init__(self) -> None:
+    ``caches`` is how many caches ``link_prompt_cache`` linked, ``holders``
+    how many hold this plan. A deep copy of the whole prompt cache copies
+    the plan once for all its layers; a layer deep-copied on its own gets a
+    plan no other copy holds, which plans no block (``linked``): the model
+    gives its mask to layers whose plans it never saw."""
+
+    def __init__(self, caches: int = 0) -> None:
         self.block: tuple[int, int, int] | None = None
+        self.caches = caches
+        self.holders = caches
+
+    @property
+    def linked(self) -> bool:
+        """Whether every cache this plan linked holds it."""
+        return self.holders == self.caches
+
+    def __deepcopy__(self, memo) -> "MaskPlan":
+        # The copied caches count themselves in (L2NormCacheBase.__deepcopy__).
+        copied = MaskPlan(self.caches)
+        copied.holders = 0
+        copied.block = self.block
+        return copied
 
 
 def segment_lengths(kept: int, steps: int, budget: int) -> list[int]:
@@ -186,6 +207,18 @@ class L2NormCacheBase(_BaseCache):
     def _extra(self) -> tuple:
         """The state's and meta_state's fields after the float cache's."""
         return ()
+
+    def __deepcopy__(self, memo) -> "L2NormCacheBase":
+        """Every field deep-copied, the mask plan through ``memo`` (one
+        copy for all the layers copied together, MaskPlan)."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            setattr(copied, name, copy.deepcopy(value, memo))
+        plan = getattr(copied, "_mask_plan", None)
+        if plan is not None:
+            plan.holders += 1
+        return copied
 
     def _load(self, checked) -> None:
         """Take a state that passed ``check_state``: the only way anything
@@ -405,7 +438,7 @@ class L2NormCacheBase(_BaseCache):
         plan = getattr(self, "_mask_plan", None)
         if plan is not None:
             plan.block = None
-            if window_size is None and 1 < N <= EXACT_BLOCK and stored + N > self.budget + 1:
+            if plan.linked and window_size is None and 1 < N <= EXACT_BLOCK and stored + N > self.budget + 1:
                 plan.block = (self.offset, N, stored)
                 return segment_mask(segment_lengths(stored, N, self.budget))
         if window_size is not None and stored < self.offset:
@@ -876,10 +909,10 @@ def link_prompt_cache(prompt_cache: list) -> bool:
     receive a segment mask."""
     if any(type(c) in (KVCache, mlx_lm_cache.QuantizedKVCache) for c in prompt_cache):
         return False
-    plan = MaskPlan()
-    for cache in prompt_cache:
-        if isinstance(cache, L2NormCacheBase):
-            cache._mask_plan = plan
+    caches = [c for c in prompt_cache if isinstance(c, L2NormCacheBase)]
+    plan = MaskPlan(len(caches))
+    for cache in caches:
+        cache._mask_plan = plan
     return True
 
 
