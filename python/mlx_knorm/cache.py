@@ -56,8 +56,8 @@ inputs, every sequence the same length) work on the plain cache too.
 cache with its rows in MLX's affine quantization (mlx-lm's ``kv_bits``):
 norms are taken before quantization, so it keeps the float cache's rows.
 
-Importing this module registers both classes in
-``mlx_lm.models.cache``, because ``mlx_lm.models.cache.load_prompt_cache``
+Importing this module registers both classes, and ``BatchL2NormKVCache``,
+in ``mlx_lm.models.cache``, because ``mlx_lm.models.cache.load_prompt_cache``
 resolves the class names of a saved cache in that module's namespace.
 """
 
@@ -916,9 +916,9 @@ def link_prompt_cache(prompt_cache: list) -> bool:
     return True
 
 
-def _register_with_mlx_lm() -> None:
-    """Make ``load_prompt_cache`` find both caches by their saved class names."""
-    for cls in (L2NormKVCache, QuantizedL2NormKVCache):
+def _register_with_mlx_lm(classes) -> None:
+    """Make ``load_prompt_cache`` find ``classes`` by their saved class names."""
+    for cls in classes:
         existing = getattr(mlx_lm_cache, cls.__name__, None)
         if existing is not None and existing.__module__ != cls.__module__:
             raise ImportError(
@@ -928,6 +928,9 @@ def _register_with_mlx_lm() -> None:
         setattr(mlx_lm_cache, cls.__name__, cls)
 
 
-_register_with_mlx_lm()
+_register_with_mlx_lm((L2NormKVCache, QuantizedL2NormKVCache))
+# A file may hold the batch cache too, which registers itself as it loads
+# (it builds on the classes above).
+from . import batch_cache  # noqa: E402,F401
 
 __all__ = ["L2NormCacheBase", "L2NormKVCache", "QuantizedL2NormKVCache", "link_prompt_cache", "make_knorm_cache"]
