@@ -235,6 +235,21 @@ def test_a_follow_up_reuses_the_conversation_s_cache_with_the_same_settings(serv
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+@pytest.mark.parametrize("fields", [{}, {"skip_layers": [0]}], ids=["batched", "alone"])
+def test_a_prompt_equal_to_a_stored_conversation_reuses_all_but_its_last_token(server, fields):
+    """Past the budget, a batched request's stored caches (extract()ed)
+    cannot trim, so a prompt equal to a stored key takes the cache stored
+    under the prompt without its last token, looked up under the server's
+    settings once; a cache served alone trims its last token."""
+    prompt = LONG_PROMPT + f"def run_{len(fields)}(path):\n    return os.path."
+    # Stored: the prompt and one answer token, then the prompt and two.
+    answers = [text_of(server.complete("/v1/completions", {"prompt": prompt, "max_tokens": n, **fields}))
+               for n in (1, 2)]
+    assert answers[0] == answers[1][:1] and len(answers[1]) == 2  # letters: one token each
+    again = server.complete("/v1/completions", {"prompt": prompt + answers[1], "max_tokens": 4, **fields})
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) + 1
+
+
 def test_past_the_budget_a_request_goes_on_and_memory_stays_at_the_budget(server):
     before = len(kv_lines(server.log_text()))
     for prompt in (LONG_PROMPT, LONG_PROMPT * 2):
