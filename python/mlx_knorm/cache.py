@@ -84,6 +84,9 @@ GROWTH_STEP = 256
 # The longest block a linked cache attends to as single steps would
 # (docs/spec.md §8): speculative decoding's verify blocks, num_draft + 1.
 EXACT_BLOCK = 16
+# The most draft tokens whose verify block is exact: the commands and the
+# server refuse more (a longer block would attend as a block).
+MAX_DRAFT_TOKENS = EXACT_BLOCK - 1
 
 
 class MaskPlan:
