@@ -279,29 +279,31 @@ def test_state_checks_name_the_field():
         batch.meta_state = ("1", "0", "9", "0", "0", "low", "slots")
 
 
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
 @pytest.mark.parametrize("layout", ["slots", "temporal"])
-def test_batch_cache_files_round_trip_and_continue_identically(layout):
+def test_batch_cache_files_round_trip_and_continue_identically(layout, backend):
     """save_prompt_cache writes a batch (padding, a pending eviction, an
     empty batch beside it) that load_prompt_cache reads back field for
     field; both then step alike."""
-    rng = np.random.default_rng(8)
-    config = dict(budget=6, n_sink=1, recent=1, layout=layout)
-    batch, sequences = merged(rng, config, [9, 4, 0], 3)
-    rows = [seq.rows(1) for seq in sequences]
-    step(batch, mx.concatenate([k for k, _ in rows]), mx.concatenate([v for _, v in rows]))
-    empty = L2NormKVCache.merge([L2NormKVCache(**config)] * 2)
-    loaded, loaded_empty = saved_and_loaded([batch, empty])
-    assert type(loaded) is BatchL2NormKVCache and loaded_empty.empty() and loaded_empty.batch_size == 2
-    assert batch.filled == loaded.filled == 7 and loaded.meta_state == batch.meta_state
-    for _ in range(3):
+    with mlx_knorm.use_backend(backend):
+        rng = np.random.default_rng(8)
+        config = dict(budget=6, n_sink=1, recent=1, layout=layout)
+        batch, sequences = merged(rng, config, [9, 4, 0], 3)
         rows = [seq.rows(1) for seq in sequences]
-        keys, values = mx.concatenate([k for k, _ in rows]), mx.concatenate([v for _, v in rows])
-        for a, b in zip(batch.update_and_fetch(keys, values), loaded.update_and_fetch(keys, values)):
-            assert_bitwise_equal(a, b)
-        for index in range(len(sequences)):
-            for a, b in zip(batch.extract(index).state[:4], loaded.extract(index).state[:4]):
-                if a is not None:
-                    assert_bitwise_equal(a, b, f"sequence {index}")
+        step(batch, mx.concatenate([k for k, _ in rows]), mx.concatenate([v for _, v in rows]))
+        empty = L2NormKVCache.merge([L2NormKVCache(**config)] * 2)
+        loaded, loaded_empty = saved_and_loaded([batch, empty])
+        assert type(loaded) is BatchL2NormKVCache and loaded_empty.empty() and loaded_empty.batch_size == 2
+        assert batch.filled == loaded.filled == 7 and loaded.meta_state == batch.meta_state
+        for _ in range(3):
+            rows = [seq.rows(1) for seq in sequences]
+            keys, values = mx.concatenate([k for k, _ in rows]), mx.concatenate([v for _, v in rows])
+            for a, b in zip(batch.update_and_fetch(keys, values), loaded.update_and_fetch(keys, values)):
+                assert_bitwise_equal(a, b)
+            for index in range(len(sequences)):
+                for a, b in zip(batch.extract(index).state[:4], loaded.extract(index).state[:4]):
+                    if a is not None:
+                        assert_bitwise_equal(a, b, f"sequence {index}")
 
 
 def _tampered(state, field: int, value):
