@@ -169,10 +169,12 @@ def check_prompt_tokens(prompt: list, args, model, tokenizer) -> None:
 
 def client_gone(connection) -> bool:
     """Whether the client closed ``connection`` (a socket whose request has
-    been read): readable with nothing to read, or reset."""
+    been read): readable with nothing to read, or reset. (``poll``, not
+    ``select``, which refuses descriptors past 1023.)"""
     try:
-        readable, _, _ = select.select([connection], [], [], 0)
-        return bool(readable) and connection.recv(1, socket.MSG_PEEK) == b""
+        poller = select.poll()
+        poller.register(connection, select.POLLIN)
+        return bool(poller.poll(0)) and connection.recv(1, socket.MSG_PEEK) == b""
     except (OSError, ValueError):
         return True
 
