@@ -6,12 +6,14 @@ mask hides exactly the padding in every head; the protocol's edges."""
 from __future__ import annotations
 
 import copy
+import tempfile
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 import mlx_knorm
 from conftest import ALL_BACKENDS, assert_bitwise_equal
@@ -127,9 +129,18 @@ operations = st.lists(
         st.tuples(st.just("leave"), st.integers(0, 2**16)),
         st.tuples(st.just("copy")),
         st.tuples(st.just("reload")),
+        st.tuples(st.just("file")),
     ),
     min_size=1, max_size=7,
 )
+
+
+def saved_and_loaded(caches: list) -> list:
+    """``caches`` through mlx-lm's save_prompt_cache and load_prompt_cache."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = f"{folder}/cache.safetensors"
+        save_prompt_cache(path, caches)
+        return load_prompt_cache(path)
 
 
 def run_schedule(config, histories, blocks, ops, seed):
@@ -166,6 +177,8 @@ def run_schedule(config, histories, blocks, ops, seed):
             state, meta = batch.state, batch.meta_state
             batch = BatchL2NormKVCache.from_state(state)
             batch.meta_state = meta
+        elif kind == "file":
+            [batch] = saved_and_loaded([batch])
         assert_same_state(batch, sequences)
 
 
@@ -251,8 +264,6 @@ def test_merge_refuses_mixed_configurations_naming_the_field():
     with pytest.raises(ValueError, match="QuantizedL2NormKVCache cannot be batched"):
         QuantizedL2NormKVCache.merge([QuantizedL2NormKVCache(budget=8)])
     with pytest.raises(ValueError, match=r"caches\[1\] is a KVCache"):
-        from mlx_lm.models.cache import KVCache
-
         L2NormKVCache.merge([L2NormKVCache(budget=8), KVCache()])
 
 
@@ -268,15 +279,52 @@ def test_state_checks_name_the_field():
         batch.meta_state = ("1", "0", "9", "0", "0", "low", "slots")
 
 
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("layout", ["slots", "temporal"])
+def test_batch_cache_files_round_trip_and_continue_identically(layout, backend):
+    """save_prompt_cache writes a batch (padding, a pending eviction, an
+    empty batch beside it) that load_prompt_cache reads back field for
+    field; both then step alike."""
+    with mlx_knorm.use_backend(backend):
+        rng = np.random.default_rng(8)
+        config = dict(budget=6, n_sink=1, recent=1, layout=layout)
+        batch, sequences = merged(rng, config, [9, 4, 0], 3)
+        rows = [seq.rows(1) for seq in sequences]
+        step(batch, mx.concatenate([k for k, _ in rows]), mx.concatenate([v for _, v in rows]))
+        empty = L2NormKVCache.merge([L2NormKVCache(**config)] * 2)
+        loaded, loaded_empty = saved_and_loaded([batch, empty])
+        assert type(loaded) is BatchL2NormKVCache and loaded_empty.empty() and loaded_empty.batch_size == 2
+        assert batch.filled == loaded.filled == 7 and loaded.meta_state == batch.meta_state
+        for _ in range(3):
+            rows = [seq.rows(1) for seq in sequences]
+            keys, values = mx.concatenate([k for k, _ in rows]), mx.concatenate([v for _, v in rows])
+            for a, b in zip(batch.update_and_fetch(keys, values), loaded.update_and_fetch(keys, values)):
+                assert_bitwise_equal(a, b)
+            for index in range(len(sequences)):
+                for a, b in zip(batch.extract(index).state[:4], loaded.extract(index).state[:4]):
+                    if a is not None:
+                        assert_bitwise_equal(a, b, f"sequence {index}")
+
+
 def _tampered(state, field: int, value):
     state = list(state)
     state[field] = value(state[field]) if callable(value) else value
     return state
 
 
+def _set(a: mx.array, index, value) -> mx.array:
+    a = mx.array(a)
+    a[index] = value
+    return a
+
+
 BATCH_STATE_FLAWS = [
     # (what is wrong, field index, change, message)
     ("norms that are not the keys' norms", 2, lambda a: a * 2, r"sequence 0: .*field 'norms'"),
+    # Sequence 1 holds 4 rows behind 2 padding slots: rows no single cache check sees.
+    ("a padding row's norm", 2, lambda a: _set(a, (1, 0, 1), 9.0), r"sequence 1: field 'norms'"),
+    ("a padding row off its slot", 3, lambda a: _set(a, (1, 1, 0), 1), r"sequence 1: field 'positions'"),
+    ("a real row in a padding slot", 3, lambda a: _set(a, (1, 0, 1), 5), r"sequence 1: field 'positions'"),
     ("a position held twice", 3, lambda a: a * 0, r"sequence 0: .*field 'positions'"),
     ("int32 keys", 0, lambda a: a.astype(mx.int32), r"keys and values of one dtype"),
     ("a budget that is not a number", 8, "eight", r"field 'budget' must be a decimal integer"),

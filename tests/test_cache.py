@@ -3,6 +3,7 @@ on tiny randomly initialised mlx-lm models (no downloads)."""
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -14,11 +15,11 @@ from mlx_lm.generate import generate, generate_step, stream_generate
 from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
 
 import mlx_knorm
-from mlx_knorm.cache import L2NormKVCache, make_knorm_cache, order_tree_argument
+from mlx_knorm.cache import L2NormKVCache, link_prompt_cache, make_knorm_cache, order_tree_argument
 from mlx_knorm.defaults import (DEFAULT_RECENT, DEFAULT_RECENT_SHARE, ORDER_TREE_MIN_BUDGET,
                                 ORDER_TREE_MIN_BUDGET_WITH_WINDOW, default_recent, uses_order_tree)
 
-from conftest import requires_emulator
+from conftest import ALL_BACKENDS, requires_emulator
 from tiny_models import HEAD_DIM, KV_HEADS, VOCAB, teacher_forced, tiny_model, tokens
 
 ARCHS = ("llama", "qwen2")
@@ -515,3 +516,49 @@ def test_a_cache_keeps_the_order_tree_where_its_configuration_gains(budget, rece
         assert np.array_equal(np.array(a[:, :, :filled]), np.array(e[:, :, :filled]))
     if kernel.order_tree is not None:
         assert np.array_equal(np.array(kernel.order_tree), np.array(fallback.order_tree))
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_layer_of_a_linked_prompt_cache_copied_alone_is_a_correct_cache(layout, backend):
+    """A linked layer deep-copied on its own is an unlinked cache: a short
+    block past the budget attends as one block (what caches made one by
+    one give), since the model's one mask reaches layers whose plans it
+    never saw. Linked again, the copies attend it as single steps, as a
+    copy of the whole list does; the original is untouched throughout."""
+    with mlx_knorm.use_backend(backend):
+        model = tiny_model("llama", mx.float32)
+        ids = tokens(1, 30, seed=5)
+        prompt, block = ids[:, :24], ids[:, 24:28]
+        cache = make_knorm_cache(model, budget=16, n_sink=2, recent=1, layout=layout)
+        model(prompt, cache=cache)
+        mx.eval([c.state for c in cache])
+        before = [c.state for c in cache]
+
+        def fed(caches):
+            logits = model(block, cache=caches)
+            mx.eval(logits, [c.state for c in caches])
+            return logits
+
+        unlinked = copy.deepcopy(cache)
+        for c in unlinked:
+            c._mask_plan = None  # the same buffers, not linked
+        layers = [copy.deepcopy(c) for c in cache]
+        assert mx.array_equal(fed(layers), fed(unlinked)).item()
+
+        whole = copy.deepcopy(cache)
+        relinked = [copy.deepcopy(c) for c in cache]
+        assert link_prompt_cache(relinked)
+        at_once = fed(relinked)
+        assert mx.array_equal(at_once, fed(whole)).item()
+        assert not mx.allclose(at_once, fed([copy.deepcopy(c) for c in unlinked])).item()
+        # Evicting after the copy: every copy continues on its own rows.
+        for caches in (layers, relinked, whole):
+            for t in range(28, 30):
+                fed_one = model(ids[:, t : t + 1], cache=caches)
+                mx.eval(fed_one)
+            assert all(c.offset == 30 and c.size() == 16 for c in caches)
+        for c, state in zip(cache, before):
+            assert c.offset == 24
+            for a, b in zip(c.state[:4], state[:4]):
+                assert mx.array_equal(a, b).item()

@@ -23,11 +23,13 @@ from mlx_knorm.cache_state import (
     QUANTIZATION_BITS,
     QUANTIZATION_GROUP_SIZES,
     QUANTIZED_FIELDS,
+    OVERFLOWED_NORM,
     check_state,
+    norm_distance,
     quantized_norm_bound,
 )
 
-from conftest import assert_bitwise_equal
+from conftest import ALL_BACKENDS, assert_bitwise_equal
 from generators import fill
 from tiny_models import teacher_forced, tiny_model, tokens
 
@@ -400,4 +402,71 @@ def test_the_norm_bound_holds_for_every_quantized_row(seed, palette, scale, offs
     norms = mlx_knorm.key_norms(keys)
     dequantized_norms, bound = quantized_norm_bound(quantize(keys, group_size, bits), group_size, bits)
     # Rows whose bound overflows are not checked (the load check skips them too).
-    assert mx.all((mx.abs(norms - dequantized_norms) <= bound) | ~mx.isfinite(bound)).item()
+    assert mx.all((norm_distance(norms, dequantized_norms) <= bound) | ~mx.isfinite(bound)).item()
+
+
+# A §2 sum overflows float32 from a norm of about 2**64 (sqrt of float32's range).
+OVERFLOW_NORM = 2.0**64
+
+
+@pytest.mark.parametrize("backend", ["kernel", "fallback"])
+@settings(max_examples=max(10, settings.default.max_examples // 3))
+@given(
+    seed=st.integers(0, 2**16),
+    palette=st.sampled_from(["normal", "ties", "large"]),
+    dtype=st.sampled_from(["bfloat16", "float32"]),
+    quantization=st.sampled_from([(g, b) for g in QUANTIZATION_GROUP_SIZES for b in QUANTIZATION_BITS]),
+    groups=st.integers(1, 2),
+    spread=st.sampled_from([0.003, 0.03, 0.3]),
+)
+def test_keys_near_the_overflow_threshold_are_accepted_and_read_back(backend, seed, palette, dtype, quantization,
+                                                                     groups, spread):
+    """What update_and_fetch accepts, the load check accepts (docs/spec.md
+    §8): keys whose norms lie around 2**64, where the key's own norm or its
+    dequantized key's may overflow alone, at every bit width and group
+    size, through ``state`` and through a file."""
+    group_size, bits = quantization
+    rng = np.random.default_rng(seed)
+    shape = (1, 2, 24, group_size * groups)
+    x = np.asarray(fill(rng, shape, palette, "float32").astype(mx.float32), dtype=np.float64)
+    x[np.all(x == 0, axis=-1)] = 1.0
+    # Each row to its own norm within `spread` of the threshold, either side.
+    target = OVERFLOW_NORM * np.exp(rng.uniform(-spread, spread, size=(*shape[:3], 1)))
+    x = x / np.linalg.norm(x, axis=-1, keepdims=True) * target
+    keys = mx.array(x.astype(np.float32)).astype(getattr(mx, dtype))
+    values = fill(rng, shape, "normal", dtype)
+    cache = QuantizedL2NormKVCache(budget=16, n_sink=1, recent=2, group_size=group_size, bits=bits)
+    with mlx_knorm.use_backend(backend):
+        for start, stop in ((0, 9), (9, 10), (10, 24)):
+            cache.update_and_fetch(keys[:, :, start:stop], values[:, :, start:stop])
+        state = cache.state
+    assert_same_state(QuantizedL2NormKVCache.from_state(state).state, state)
+    [loaded] = saved_and_loaded([cache])
+    assert_same_state(loaded.state, state)
+
+
+def test_an_overflowed_norm_is_refused_on_a_row_far_below_the_threshold():
+    """An infinite norm stands for a key norm from OVERFLOWED_NORM up, not for any."""
+    good = quantized_state()
+    for norm in (OVERFLOWED_NORM / 4, float("inf")):
+        bad = tampered(good, "norms", lambda n, norm=norm: mx.where(mx.arange(n.shape[2]) == 3, norm, n))
+        with pytest.raises(ValueError, match="QuantizedL2NormKVCache state field 'norms'"):
+            QuantizedL2NormKVCache.from_state(bad)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_a_key_whose_dequantized_norm_alone_overflows_reads_back(backend):
+    """A float32 key of norm 0.9985 * 2**64 at 4 bits, group 32: its norm
+    is finite, its dequantized key's (one step of 1.2e18 up) overflows."""
+    x = np.zeros((1, 1, 1, 32))
+    x[..., :2] = [1.8285897e19, 2.0e18]
+    keys = mx.array(x.astype(np.float32))
+    cache = QuantizedL2NormKVCache(budget=4, n_sink=1, recent=0, group_size=32, bits=4)
+    with mlx_knorm.use_backend(backend):
+        cache.update_and_fetch(keys, keys)
+        state = cache.state
+    dequantized, _ = quantized_norm_bound(state[0], 32, 4)
+    assert mx.isfinite(state[2]).item() and dequantized.item() == float("inf")
+    cache.state = state
+    [loaded] = saved_and_loaded([cache])
+    assert_same_state(loaded.state, state)

@@ -10,6 +10,7 @@ import json
 import re
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -27,6 +28,7 @@ from command_runs import (
     WIDE_HEAD_DIM,
     command_env,
     kv_lines,
+    run,
     tiny_kv_bytes,
     write_tiny_llama,
 )
@@ -206,6 +208,159 @@ def test_bad_requests_get_mlx_lm_s_answer_and_the_server_keeps_serving(case, ser
     assert text_of(server.complete("/v1/completions", {"prompt": PROMPT, "max_tokens": 40})) == expected
 
 
+# Requests that stock mlx_lm.server cannot take (its generation thread, or
+# the whole process, dies of them): ours answers each and keeps serving.
+HOSTILE_REQUESTS = {
+    "an empty prompt": ({"prompt": ""}, 400, "prompt must be a non-empty string"),
+    "a prompt of token lists": ({"prompt": ["import os"]}, 400, "prompt must be a non-empty string"),
+    "a stop word that is a number": ({"prompt": PROMPT, "stop": [1]}, 400, "stop must be a string or a list"),
+    "a negative logit bias token": ({"prompt": PROMPT, "logit_bias": {"-1": 2}}, 400, "in [0, 2**31)"),
+    # Only the generation thread knows the model: mlx-lm answers its errors with 404.
+    "a logit bias token past the vocabulary": ({"prompt": PROMPT, "logit_bias": {"99999": 2}}, 404,
+                                              "logit_bias token 99999 is outside the model's 256 tokens"),
+    "more draft tokens than a verify block holds exactly": ({"prompt": PROMPT, "num_draft_tokens": 16}, 400,
+                                                            "num_draft_tokens must be at most 15"),
+}
+
+
+def assert_serving(server, expected) -> None:
+    assert server.get("/health") == (200, {"status": "ok"})
+    assert text_of(server.complete("/v1/completions", {"prompt": PROMPT, "max_tokens": 40})) == expected
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_REQUESTS))
+def test_requests_stock_mlx_lm_dies_of_are_answered_and_the_server_keeps_serving(case, server, expected):
+    body, status, why = HOSTILE_REQUESTS[case]
+    for stream in (False, True):
+        answer = server.post("/v1/completions", {**body, "max_tokens": 4, "stream": stream})
+        assert answer[0] == status and why in json.loads(answer[1])["error"], answer
+        assert_serving(server, expected)
+
+
+def test_the_generation_thread_refuses_what_the_text_does_not_show():
+    """A chat template or tokenizer giving no tokens, a logit bias past the
+    vocabulary: refused for that request (mlx-lm's thread reports it to the
+    request alone) before any of it reaches the batch."""
+    from types import SimpleNamespace
+
+    from mlx_knorm.commands.server import check_prompt_tokens
+
+    model, tokenizer = SimpleNamespace(args=SimpleNamespace(vocab_size=300)), [None] * 256
+    args = lambda bias: SimpleNamespace(logits=SimpleNamespace(logit_bias=bias))
+    with pytest.raises(ValueError, match="the prompt holds no tokens"):
+        check_prompt_tokens([], args(None), model, tokenizer)
+    with pytest.raises(ValueError, match="logit_bias token 256 is outside the model's 256 tokens"):
+        check_prompt_tokens([1], args({3: 1.0, 256: 1.0}), model, tokenizer)
+    check_prompt_tokens([1], args({255: 1.0}), model, tokenizer)
+
+
+def test_a_closed_connection_is_told_from_an_open_one():
+    from mlx_knorm.commands.server import client_gone
+
+    ours, theirs = socket.socketpair()
+    with ours:
+        assert not client_gone(ours)
+        theirs.sendall(b"GET / HTTP/1.1\r\n")  # a pipelined request is not a goodbye
+        assert not client_gone(ours)
+        ours.recv(64)
+        theirs.close()
+        assert client_gone(ours)
+
+
+def started(server: Server, count: int, deadline_s: float = 60) -> None:
+    """Wait until mlx-lm has taken its ``count``-th request (it logs the
+    prompt store at the start of each)."""
+    deadline = time.monotonic() + deadline_s
+    while server.log_text().count("Prompt Cache:") < count:
+        assert time.monotonic() < deadline, server.log_text()
+        time.sleep(0.05)
+
+
+def abandon(server: Server, body: dict) -> None:
+    """Send ``body`` on a raw connection and close it once the server is
+    generating (a streamed request: its first token received)."""
+    data = json.dumps(body).encode()
+    taken = server.log_text().count("Prompt Cache:")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=REQUEST_TIMEOUT_S) as connection:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                           b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+        if body.get("stream"):
+            received = b""
+            while b"data: " not in received:
+                received += connection.recv(4096)
+        else:
+            started(server, taken + 1)
+
+
+GENERATED = re.compile(r"Generation: (\d+) tokens")
+
+
+def generation_stopped(server: Server, logged_before: int, deadline_s: float = 60) -> int:
+    """The tokens generated for the request abandoned after ``logged_before``
+    statistics lines, once its generation has stopped and logged them."""
+    deadline = time.monotonic() + deadline_s
+    while len(GENERATED.findall(server.log_text())) <= logged_before:
+        assert time.monotonic() < deadline, "the abandoned request is still generating"
+        time.sleep(0.05)
+    return int(GENERATED.findall(server.log_text())[logged_before])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("fields", [{}, {"skip_layers": [0]}], ids=["batched", "alone"])
+def test_a_request_whose_client_is_gone_stops_generating(server, expected, stream, fields):
+    """A client that closes its connection stops its request's generation
+    within a few tokens, streamed or not, batched or served alone (stock
+    mlx_lm.server decodes a non-streamed request to max_tokens)."""
+    most = 100_000
+    before = len(GENERATED.findall(server.log_text()))
+    abandon(server, {"prompt": PROMPT, "max_tokens": most, "stream": stream, **fields})
+    assert generation_stopped(server, before) < most
+    assert "the client closed its connection; its request is stopped" in server.log_text()
+    assert_serving(server, expected)
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the server's RSS from /proc")
+def test_memory_stays_flat_through_hostile_requests(tmp_path_factory, env, expected):
+    """Ten rounds of ten requests (answers whole and streamed, every hostile
+    request above, invalid JSON, two abandoned requests) after three rounds
+    to warm up: the server answers each and its resident memory stays
+    flat (a fixed allowance; measured: well under 1 MB)."""
+    s = Server([*MLX_KNORM, "server", "--model", MODEL_DIR, "--budget", BUDGET], env,
+               tmp_path_factory.mktemp("logs") / "rss-server.log")
+    try:
+        def one_round(k: int) -> None:
+            prompt = f"# {k}\n" + PROMPT  # a new conversation for the store each time
+            s.complete("/v1/completions", {"prompt": prompt, "max_tokens": 16})
+            s.stream("/v1/completions", {"prompt": prompt + LONG_PROMPT, "max_tokens": 16})
+            for body, status, _ in HOSTILE_REQUESTS.values():
+                assert s.post("/v1/completions", {**body, "max_tokens": 4})[0] == status
+            assert s.post("/v1/completions", b'{"prompt": ')[0] == 400
+            for stream in (False, True):
+                before = len(GENERATED.findall(s.log_text()))
+                abandon(s, {"prompt": prompt, "max_tokens": 100_000, "stream": stream})
+                generation_stopped(s, before)
+
+        for k in range(3):
+            one_round(k)
+        warm = rss_bytes(s.process.pid)
+        for k in range(3, 13):
+            one_round(k)
+        grown = rss_bytes(s.process.pid) - warm
+        assert_serving(s, expected)
+    finally:
+        s.stop()
+    assert grown < RSS_ALLOWANCE, f"RSS grew by {grown} bytes over 100 requests"
+
+
+# What the server's resident memory may grow by over 100 requests once warm.
+RSS_ALLOWANCE = 8 << 20
+
+
 @pytest.mark.parametrize("fields, why", [
     ({"budget": 4}, "n_sink (4) + recent (0) must be < budget (4)"),
     ({"budget": 16, "n_sink": 8, "recent": 8}, "n_sink (8) + recent (8) must be < budget (16)"),
@@ -235,16 +390,35 @@ def test_a_follow_up_reuses_the_conversation_s_cache_with_the_same_settings(serv
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+@pytest.mark.parametrize("fields", [{}, {"skip_layers": [0]}], ids=["batched", "alone"])
+def test_a_prompt_equal_to_a_stored_conversation_reuses_all_but_its_last_token(server, fields):
+    """Past the budget, a batched request's stored caches (extract()ed)
+    cannot trim, so a prompt equal to a stored key takes the cache stored
+    under the prompt without its last token, looked up under the server's
+    settings once; a cache served alone trims its last token."""
+    prompt = LONG_PROMPT + f"def run_{len(fields)}(path):\n    return os.path."
+    # Stored: the prompt and one answer token, then the prompt and two.
+    answers = [text_of(server.complete("/v1/completions", {"prompt": prompt, "max_tokens": n, **fields}))
+               for n in (1, 2)]
+    assert answers[0] == answers[1][:1] and len(answers[1]) == 2  # letters: one token each
+    again = server.complete("/v1/completions", {"prompt": prompt + answers[1], "max_tokens": 4, **fields})
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) + 1
+
+
 def test_past_the_budget_a_request_goes_on_and_memory_stays_at_the_budget(server):
     before = len(kv_lines(server.log_text()))
     for prompt in (LONG_PROMPT, LONG_PROMPT * 2):
         response = server.complete("/v1/completions", {"prompt": prompt, "max_tokens": 30})
         assert response["usage"]["completion_tokens"] == 30
+    # Each request's line, by its token count (an earlier test's request may log after `before`).
+    tokens = (len(LONG_PROMPT) + 30, 2 * len(LONG_PROMPT) + 30)
     deadline = time.monotonic() + 10
-    while len(kv_lines(server.log_text())) < before + 2 and time.monotonic() < deadline:
+    while True:
+        lines = {line[2]: line for line in kv_lines(server.log_text())[before:]}
+        if all(t in lines for t in tokens) or time.monotonic() > deadline:
+            break
         time.sleep(0.1)
-    (kept_1, full_1, tokens_1, label_1), (kept_2, full_2, tokens_2, _) = kv_lines(server.log_text())[-2:]
-    assert (tokens_1, tokens_2) == (len(LONG_PROMPT) + 30, 2 * len(LONG_PROMPT) + 30)
+    (kept_1, full_1, _, label_1), (kept_2, full_2, _, _) = (lines[t] for t in tokens)
     assert kept_1 == kept_2 < full_1 < full_2 and label_1 == f"budget {BUDGET}"
     assert "Peak memory:" in server.log_text()
 
@@ -323,6 +497,16 @@ def test_a_draft_model_s_server_answers_what_decoding_without_one_gives(tmp_path
         assert text_of(again) == plain and plain.strip()
     finally:
         s.stop()
+
+
+def test_a_server_refuses_more_draft_tokens_than_a_verify_block_holds_exactly(env):
+    """--num-draft-tokens is each request's default (a request may name a
+    draft model): past MAX_DRAFT_TOKENS the server does not start."""
+    from mlx_knorm.cache import MAX_DRAFT_TOKENS
+
+    refused = run([*MLX_KNORM, "server", "--model", MODEL_DIR, "--num-draft-tokens", MAX_DRAFT_TOKENS + 1,
+                   "--port", free_port()], env)
+    assert refused.returncode == 2 and f"--num-draft-tokens must be at most {MAX_DRAFT_TOKENS}" in refused.stderr
 
 
 def test_kv_bits_on_the_server_keeps_budget_quantized_rows(tmp_path_factory, env, models):

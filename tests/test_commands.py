@@ -25,6 +25,7 @@ from command_runs import (
     write_tiny_llama,
 )
 from mlx_knorm.__main__ import main as mlx_knorm_main
+from mlx_knorm.cache import MAX_DRAFT_TOKENS
 from mlx_knorm.commands.session import SKIP_LAYERS_WITH_DRAFT
 from mlx_knorm.quality import MODEL_DIR
 
@@ -175,6 +176,21 @@ def test_a_draft_model_gives_the_tokens_of_ordinary_decoding(tiny, env):
         drafted = succeeded(run([*MLX_KNORM, "generate", *args, "--draft-model", tiny,
                                  "--num-draft-tokens", "3"], env)).stdout
         assert drafted == plain and len(plain) > 90
+
+
+def test_draft_tokens_past_an_exact_verify_block_are_refused(env):
+    """A verify block of MAX_DRAFT_TOKENS + 1 = EXACT_BLOCK tokens still
+    attends as single steps would (docs/spec.md §8: the model drafting for
+    itself, every draft accepted, every block evicting inside); one more
+    draft token would not (its output differs), so the command refuses it."""
+    args = ["--model", MODEL_DIR, "--prompt", SHIPPED_PROMPT, "--max-tokens", "200", "--budget", "48",
+            "--verbose", "F", "--draft-model", MODEL_DIR]
+    plain = succeeded(run([*MLX_KNORM, "generate", *args[:-2]], env)).stdout
+    most = succeeded(run([*MLX_KNORM, "generate", *args, "--num-draft-tokens", str(MAX_DRAFT_TOKENS)], env))
+    assert most.stdout == plain
+    refused = run([*MLX_KNORM, "generate", *args, "--num-draft-tokens", str(MAX_DRAFT_TOKENS + 1)], env)
+    assert refused.returncode == 2 and not refused.stdout
+    assert f"--num-draft-tokens must be at most {MAX_DRAFT_TOKENS}" in refused.stderr
 
 
 def test_a_model_drafting_for_itself_is_the_target_once_and_the_draft_once(env):

@@ -140,6 +140,40 @@ def test_an_exact_hit_leaves_the_prompt_s_last_token_to_process(trimmable):
     assert theirs.fetch_nearest_cache(MODEL, PROMPT)[1] == []
 
 
+class SettingsKeyed(LRUPromptCache):
+    """The store as the server keys it: by model and cache settings."""
+
+    def fetch_nearest_cache(self, model, tokens):
+        return super().fetch_nearest_cache((model, "settings"), tokens)
+
+    def insert_cache(self, model, tokens, prompt_cache, *, cache_type="assistant"):
+        super().insert_cache((model, "settings"), tokens, prompt_cache, cache_type=cache_type)
+
+
+def reloaded(layers: list) -> list:
+    """``layers`` through their state, as a batch's extract() gives them:
+    past the budget, a cache whose history is unknown trims nothing."""
+    for layer in layers:
+        layer.state = layer.state
+    assert not can_trim_prompt_cache(layers, 1)
+    return layers
+
+
+@pytest.mark.parametrize("store_class", [LRUPromptCache, SettingsKeyed])
+def test_an_exact_hit_on_a_cache_that_cannot_trim_falls_back_once_keyed(store_class):
+    """The fallback of an exact hit looks up the prompt without its last
+    token under the key as the store holds it (the server's subclass adds
+    its settings once): the cache stored there as it is, else the nearest."""
+    store = store_class()
+    store.insert_cache(MODEL, PROMPT[:20], reloaded(prompt_cache(PROMPT[:20], [20], 16)))
+    store.insert_cache(MODEL, PROMPT, reloaded(prompt_cache(PROMPT, [40], 16)))
+    cache, rest = store.fetch_nearest_cache(MODEL, PROMPT)
+    assert check_answer(PROMPT, cache, rest) == 20
+    store.insert_cache(MODEL, PROMPT[:-1], reloaded(prompt_cache(PROMPT[:-1], [39], 16)))
+    cache, rest = store.fetch_nearest_cache(MODEL, PROMPT)
+    assert check_answer(PROMPT, cache, rest) == 39
+
+
 def test_remove_drops_one_entry_and_its_bytes():
     store = LRUPromptCache()
     short, long = PROMPT[:20], PROMPT

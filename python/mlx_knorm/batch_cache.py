@@ -23,9 +23,10 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from .cache import L2NormKVCache, _storage_dtype, order_tree_argument, step_capacity
+from .cache import L2NormKVCache, _register_with_mlx_lm, _storage_dtype, order_tree_argument, step_capacity
 from .cache_state import check_block, decimal_int
 from .ops.evict_and_fill import check_layout, evict_and_fill_unchecked
+from .ops.key_norms import key_norms_unchecked
 from .sharing import note_shared_read
 from .validation import INT32_MAX, check_config, check_int
 
@@ -488,15 +489,56 @@ class BatchL2NormKVCache(_BaseCache):
         self._real = counts
         self._ranges_changed()
         # Each sequence's rows must be a state a single cache loads (what
-        # extract() gives and the step assumes); else nothing changes.
+        # extract() gives and the step assumes), in the slots where the
+        # steps leave them; else nothing changes.
         try:
+            flaws = self._slot_flaws()
             for i in range(batch):
+                if flaws[i] is not None:
+                    raise ValueError(flaws[i])
                 self.extract(i)
         except (ValueError, TypeError) as err:
             self.__dict__.clear()
             self.__dict__.update(before)
             error = ValueError if isinstance(err, ValueError) else TypeError
             raise error(f"mlx_knorm: BatchL2NormKVCache state, sequence {i}: {err}") from None
+
+    def _slot_flaws(self) -> list:
+        """What every step leaves in the occupied slots (docs/spec.md §8,
+        batches), as a loaded state must hold it: each row's norm is §2 of
+        its key (padding rows' too: the pending eviction ranks them), and,
+        outside a right-padded prefill, each sequence's padding rows fill
+        its front slots at positions equal to their slots (below its first
+        position), its real rows the others, so that the mask hides exactly
+        the padding. Per sequence, what it breaks (naming the field) or None."""
+        batch, filled = self.batch_size, self.filled
+        if self.keys is None or not filled:
+            return [None] * batch
+        stored = key_norms_unchecked(self.keys[:, :, :filled]).view(mx.uint32)
+        wrong_norms = (stored != self.norms[:, :, :filled].view(mx.uint32)).reshape(batch, -1).any(axis=1)
+        if self._padded():
+            wrong_positions = mx.zeros((batch,), mx.bool_)
+        else:
+            positions = self.slot_positions[:, :, :filled]
+            slot = mx.arange(filled, dtype=mx.int32)
+            front = mx.array([filled - real for real in self._real], dtype=mx.int32)[:, None, None]
+            lo = mx.array(self._lo, dtype=mx.int32)[:, None, None]
+            held = mx.where(slot < front, (positions == slot) & (positions < lo),
+                            (positions >= lo) & (positions < self.timeline))
+            wrong_positions = (~held).reshape(batch, -1).any(axis=1)
+        flaws = []
+        for real, lo, norms, positions in zip(self._real, self._lo, wrong_norms.tolist(), wrong_positions.tolist()):
+            if norms:
+                flaws.append(f"field 'norms': the rows of slots [0, {filled}) must hold the norms of their "
+                             "keys (docs/spec.md §2)")
+            elif positions:
+                flaws.append(
+                    f"field 'positions': its {filled - real} padding rows must fill the first slots at "
+                    f"positions equal to their slots (below its first position {lo}), its {real} real rows "
+                    f"the others, at positions in [{lo}, {self.timeline})")
+            else:
+                flaws.append(None)
+        return flaws
 
     @property
     def meta_state(self) -> tuple[str, ...]:
@@ -532,5 +574,7 @@ class BatchL2NormKVCache(_BaseCache):
         through; None where the next step builds it."""
         return self._tree
 
+
+_register_with_mlx_lm((BatchL2NormKVCache,))
 
 __all__ = ["BatchL2NormKVCache"]

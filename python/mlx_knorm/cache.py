@@ -59,13 +59,14 @@ inputs, every sequence the same length) work on the plain cache too.
 cache with its rows in MLX's affine quantization (mlx-lm's ``kv_bits``):
 norms are taken before quantization, so it keeps the float cache's rows.
 
-Importing this module registers both classes in
-``mlx_lm.models.cache``, because ``mlx_lm.models.cache.load_prompt_cache``
+Importing this module registers both classes, and ``BatchL2NormKVCache``,
+in ``mlx_lm.models.cache``, because ``mlx_lm.models.cache.load_prompt_cache``
 resolves the class names of a saved cache in that module's namespace.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Iterable
 
 import mlx.core as mx
@@ -87,6 +88,9 @@ GROWTH_STEP = 256
 # The longest block a linked cache attends to as single steps would
 # (docs/spec.md §8): speculative decoding's verify blocks, num_draft + 1.
 EXACT_BLOCK = 16
+# The most draft tokens whose verify block is exact: the commands and the
+# server refuse more (a longer block would attend as a block).
+MAX_DRAFT_TOKENS = EXACT_BLOCK - 1
 
 
 class MaskPlan:
@@ -94,10 +98,30 @@ class MaskPlan:
     its next block: ``block = (offset, S, kept)`` when the mask that the
     model got from one of them shows each query its own segment, else None.
     The model builds one mask and gives it to every layer, so every layer
-    must return the rows that mask describes."""
+    must return the rows that mask describes.
 
-    def __init__(self) -> None:
+    ``caches`` is how many caches ``link_prompt_cache`` linked, ``holders``
+    how many hold this plan. A deep copy of the whole prompt cache copies
+    the plan once for all its layers; a layer deep-copied on its own gets a
+    plan no other copy holds, which plans no block (``linked``): the model
+    gives its mask to layers whose plans it never saw."""
+
+    def __init__(self, caches: int = 0) -> None:
         self.block: tuple[int, int, int] | None = None
+        self.caches = caches
+        self.holders = caches
+
+    @property
+    def linked(self) -> bool:
+        """Whether every cache this plan linked holds it."""
+        return self.holders == self.caches
+
+    def __deepcopy__(self, memo) -> "MaskPlan":
+        # The copied caches count themselves in (L2NormCacheBase.__deepcopy__).
+        copied = MaskPlan(self.caches)
+        copied.holders = 0
+        copied.block = self.block
+        return copied
 
 
 def segment_lengths(kept: int, steps: int, budget: int) -> list[int]:
@@ -191,6 +215,18 @@ class L2NormCacheBase(_BaseCache):
     def _extra(self) -> tuple:
         """The state's and meta_state's fields after the float cache's."""
         return ()
+
+    def __deepcopy__(self, memo) -> "L2NormCacheBase":
+        """Every field deep-copied, the mask plan through ``memo`` (one
+        copy for all the layers copied together, MaskPlan)."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in self.__dict__.items():
+            setattr(copied, name, copy.deepcopy(value, memo))
+        plan = getattr(copied, "_mask_plan", None)
+        if plan is not None:
+            plan.holders += 1
+        return copied
 
     def _load(self, checked) -> None:
         """Take a state that passed ``check_state``: the only way anything
@@ -438,7 +474,7 @@ class L2NormCacheBase(_BaseCache):
         plan = getattr(self, "_mask_plan", None)
         if plan is not None:
             plan.block = None
-            if window_size is None and 1 < N <= EXACT_BLOCK and stored + N > self.budget + 1:
+            if plan.linked and window_size is None and 1 < N <= EXACT_BLOCK and stored + N > self.budget + 1:
                 plan.block = (self.offset, N, stored)
                 return segment_mask(segment_lengths(stored, N, self.budget))
         if window_size is not None and stored < self.offset:
@@ -1010,16 +1046,17 @@ def link_prompt_cache(prompt_cache: list) -> bool:
     caches = layer_caches(prompt_cache)
     if any(type(c) in (KVCache, mlx_lm_cache.QuantizedKVCache) for c in caches):
         return False
-    plan = MaskPlan()
-    for cache in caches:
-        if isinstance(cache, L2NormCacheBase):
-            cache._mask_plan = plan
+    # Each cache once, however many layers read it.
+    ours = list({id(c): c for c in caches if isinstance(c, L2NormCacheBase)}.values())
+    plan = MaskPlan(len(ours))
+    for cache in ours:
+        cache._mask_plan = plan
     return True
 
 
-def _register_with_mlx_lm() -> None:
-    """Make ``load_prompt_cache`` find both caches by their saved class names."""
-    for cls in (L2NormKVCache, QuantizedL2NormKVCache):
+def _register_with_mlx_lm(classes) -> None:
+    """Make ``load_prompt_cache`` find ``classes`` by their saved class names."""
+    for cls in classes:
         existing = getattr(mlx_lm_cache, cls.__name__, None)
         if existing is not None and existing.__module__ != cls.__module__:
             raise ImportError(
@@ -1029,7 +1066,10 @@ def _register_with_mlx_lm() -> None:
         setattr(mlx_lm_cache, cls.__name__, cls)
 
 
-_register_with_mlx_lm()
+_register_with_mlx_lm((L2NormKVCache, QuantizedL2NormKVCache))
+# A file may hold the batch cache too, which registers itself as it loads
+# (it builds on the classes above).
+from . import batch_cache  # noqa: E402,F401
 
 __all__ = ["L2NormCacheBase", "L2NormKVCache", "QuantizedL2NormKVCache", "layer_caches", "link_prompt_cache",
            "make_knorm_cache", "model_family"]

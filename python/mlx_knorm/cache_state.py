@@ -36,6 +36,12 @@ _ROUNDOFF = {
     mx.bfloat16: (2.0**-8, 2.0**-134),
     mx.float32: (2.0**-24, 2.0**-150),
 }
+# What an infinite §2 norm stands for in that bound: any value from here
+# up. A §2 sum overflows only for keys whose norm is about 2^64 or more
+# (sqrt of float32's range), and a key quantized near there may have its
+# own norm or its dequantized key's overflow alone; half of 2^64 leaves a
+# margin far above the norms' rounding.
+OVERFLOWED_NORM = 2.0**63
 
 
 class CheckedState(NamedTuple):
@@ -235,6 +241,14 @@ def quantized_norm_bound(keys, group_size: int, bits: int) -> tuple[mx.array, mx
     return key_norms_unchecked(dequantized), bound
 
 
+def norm_distance(a: mx.array, b: mx.array) -> mx.array:
+    """``|a - b|`` of two float32 §2 norms ``>= +0``, reading an infinite
+    one as every value from ``OVERFLOWED_NORM`` up (docs/spec.md §8): the
+    distance between the two sets, 0 where both overflowed."""
+    lowest = lambda x: mx.where(x == mx.inf, OVERFLOWED_NORM, x)
+    return mx.maximum(mx.maximum(lowest(a) - b, lowest(b) - a), 0.0)
+
+
 def _check_quantized_norms(keys, norms, group_size: int, bits: int) -> None:
     """Norms of the keys before quantization, which are gone: each is
     ``>= +0`` or the canonical NaN, and within the quantization error of
@@ -248,8 +262,7 @@ def _check_quantized_norms(keys, norms, group_size: int, bits: int) -> None:
         raise StateError("norms", "must be >= +0 or the canonical NaN (docs/spec.md §2)")
     dequantized, bound = quantized_norm_bound(keys, group_size, bits)
     checked = mx.isfinite(bound)
-    far = mx.abs(norms - dequantized) > bound
-    if mx.any(checked & (far | nan)).item():
+    if mx.any(checked & (nan | (norm_distance(norms, dequantized) > bound))).item():
         raise StateError(
             "norms", "are not the norms of the stored keys before quantization: they lie "
             "farther from the dequantized keys' norms than the quantization error allows"

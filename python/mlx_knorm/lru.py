@@ -28,8 +28,9 @@ are not in its prompt.
 - ``insert_cache`` drops a prefix's entry only when the new cache can be
   trimmed back to that prefix;
 - an exact hit returns the cache trimmed by one token and the prompt's last
-  token (when every layer can trim it; else what the prompt without its
-  last token gets, and that token): mlx-lm returns no tokens to process,
+  token (when every layer can trim it; else the cache stored under the
+  prompt without its last token, or failing that the nearest cache for
+  those tokens, and that last token): mlx-lm returns no tokens to process,
   and generation refuses an empty prompt.
 
 Layers without ``trimmable()`` (mlx-lm's own caches) answer by
@@ -93,6 +94,13 @@ class LRUPromptCache(mlx_lm_cache.LRUPromptCache):
         self._trie = _PromptTrie()
 
     def fetch_nearest_cache(self, model: Any, tokens: list[int]):
+        return self._fetch_nearest(model, tokens)
+
+    def _fetch_nearest(self, model: Any, tokens: list[int]):
+        """The look-up under ``model`` as stored. A subclass that maps the
+        key it is given (the server adds the cache settings) overrides
+        ``fetch_nearest_cache`` alone, so the key is mapped once, the
+        exact hit's fallback included."""
         result = self._trie.search(model, tokens)
         shorter = len(result.shorter) if result.shorter is not None else 0
         if result.exact is not None and tokens:
@@ -103,7 +111,13 @@ class LRUPromptCache(mlx_lm_cache.LRUPromptCache):
                 cache = copy.deepcopy(entry.prompt_cache)
                 mlx_lm_cache.trim_prompt_cache(cache, 1)
                 return cache, tokens[-1:]
-            cache, rest = self.fetch_nearest_cache(model, tokens[:-1])
+            # The prompt without its last token: the cache stored under
+            # exactly those tokens, as it is (the last token is left to
+            # process), else the nearest cache for them.
+            head = self.entry(model, tokens[:-1])
+            if head is not None:
+                return copy.deepcopy(head.prompt_cache), tokens[-1:]
+            cache, rest = self._fetch_nearest(model, tokens[:-1])
             return cache, rest + tokens[-1:]
         if result.exact is None and result.longer is not None and result.common_prefix > shorter:
             # mlx-lm would trim the longer prompt's cache to this prefix.

@@ -1,21 +1,33 @@
 """``mlx-knorm server``: ``mlx_lm.server``'s ``main`` with an eviction cache per request.
 
 mlx-lm's server, its HTTP handling and its generation thread run as they
-are; four of ``mlx_lm.server``'s globals are replaced by thin subclasses or
+are; some of ``mlx_lm.server``'s globals are replaced by thin subclasses or
 wrappers for the duration of ``main``:
 
 - ``APIHandler``: after mlx-lm's own parameter checks, the request's cache
   fields (``budget``, ``max_kv_size``, ``n_sink``, ``recent``, ``keep``,
   ``skip_layers``, ``layout``; each defaults to the command line's) are
   checked the same way, so a bad one is answered as mlx-lm answers a bad
-  ``max_tokens``: HTTP 400 with ``{"error": ...}``. The settings ride on the
-  ``CompletionRequest`` to the generation thread. (Installed through
-  ``_run_http_server``, since ``mlx_lm.server.run`` does not pass its
-  ``handler_class`` on.)
-- ``ResponseGenerator``: ``_serve_single`` builds the request's caches with
-  its settings (model-dependent checks such as ``skip_layers`` against the
-  layer count fail there, before the response starts, as mlx-lm reports a
-  failed model load) and resets the peak memory for the request's report.
+  ``max_tokens``: HTTP 400 with ``{"error": ...}``; so are what mlx-lm
+  passes on unchecked and its generation thread (or process) dies of (an
+  empty or non-string ``prompt``, a ``stop`` of other types, a negative
+  ``logit_bias`` token) and more draft tokens than a verify block holds
+  exactly (``check_draft_tokens``). The settings ride on the
+  ``CompletionRequest`` to the generation thread. A client that closes its
+  connection ends the answer (``until_client_gone``; a stream's failed
+  write ends it too), and mlx-lm's handler then stops the request.
+  (Installed through ``_run_http_server``, since ``mlx_lm.server.run``
+  does not pass its ``handler_class`` on.)
+- ``ResponseGenerator``: ``generate`` watches the client's connection while
+  the answer runs; ``_tokenize`` refuses, for that request alone, what the
+  text does not show (no tokens, a ``logit_bias`` token past the
+  vocabulary) before it reaches the batch; ``_serve_single`` builds the
+  request's caches with its settings (model-dependent checks such as
+  ``skip_layers`` against the layer count fail there, before the response
+  starts, as mlx-lm reports a failed model load) and resets the peak
+  memory for the request's report.
+- ``TimeBudget``: mlx-lm's round of batch steps, cut short after a client
+  leaves, so that the loop removes its request within a step or two.
 - ``LRUPromptCache``: prefix reuse keyed by model *and* cache settings, so a
   request never continues a cache made with other settings, on
   ``mlx_knorm.lru.LRUPromptCache`` (which trims a stored cache only by what
@@ -30,9 +42,9 @@ wrappers for the duration of ``main``:
   Hugging Face cache directory exists (mlx-lm's handler would fail there).
 
 - ``BatchGenerator``: mlx-lm's, timing each request it serves so that a
-  batched request's statistics are logged as a single one's are (the peak
-  memory is reset when a request joins an idle batch, as ``_serve_single``
-  resets it per request).
+  batched request's statistics are logged as a single one's are, a
+  request stopped early included (the peak memory is reset when a request
+  joins an idle batch, as ``_serve_single`` resets it per request).
 
 mlx-lm's batch loop splits a prompt's last token off into a segment of its
 own (``BatchGenerator.insert_segments``), and the server stores a cache at
@@ -72,7 +84,11 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import logging
+import select
+import socket
+import threading
 import time
 import types
 import weakref
@@ -83,8 +99,9 @@ from huggingface_hub.utils import CacheNotFound
 from ..cache import L2NormCacheBase, L2NormKVCache, layer_caches
 from ..lru import LRUPromptCache as TrimAwareLRUPromptCache
 from ..lru import tokens_held
+from ..validation import INT32_MAX
 from .memory import kv_memory_line
-from .session import BUDGET_ALIAS, CACHE_FIELDS, Session, cache_config
+from .session import BUDGET_ALIAS, CACHE_FIELDS, Session, cache_config, check_draft_tokens
 
 mlx_lm_server = importlib.import_module("mlx_lm.server")
 
@@ -102,6 +119,74 @@ caches with --skip-layers are served one at a time.
 A request may set its own cache with the fields "budget" (or "max_kv_size"),
 "n_sink", "recent", "keep", "skip_layers" and "layout"; the flags below are the
 defaults. A bad value gets HTTP 400, as a bad max_tokens does."""
+
+
+class ClientGone(ConnectionError):
+    """The client of a request closed its connection before the answer ended."""
+
+
+CLIENT_GONE = "the client closed its connection; its request is stopped"
+# Rounds of batch steps that end at their first step once a request is
+# stopped (TimeBudget): mlx-lm's loop removes a stopped request only at the
+# end of a round, and the step that shows it stopped may fall in the
+# round after the one running when it stopped.
+CUT_ROUNDS = 2
+
+
+def check_request_body(path: str, body: dict, logit_bias) -> None:
+    """What mlx-lm's handler passes on unchecked and its generation thread
+    cannot take (an empty or non-string prompt ends it; an out-of-range
+    logit bias token ends the process): ``ValueError``, which the handler
+    answers with HTTP 400. ``logit_bias`` as mlx-lm's check leaves it."""
+    if path == "/v1/completions" and "prompt" in body:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"prompt must be a non-empty string, got {json.dumps(prompt)[:40]}")
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(word, str) for word in stop)):
+        raise ValueError("stop must be a string or a list of strings")
+    for token in logit_bias or ():
+        if not 0 <= token <= INT32_MAX:
+            raise ValueError(f"logit_bias token ids must be in [0, 2**31), got {token}")
+
+
+def check_prompt_tokens(prompt: list, args, model, tokenizer) -> None:
+    """A tokenized request the generation thread can serve (what the text
+    does not show: a chat template or tokenizer giving no tokens, a logit
+    bias past the model's vocabulary); ``ValueError`` otherwise, which
+    mlx-lm's thread reports to that request alone."""
+    if not prompt:
+        raise ValueError("the prompt holds no tokens; generation needs at least one")
+    bias = args.logits.logit_bias
+    if bias:
+        sizes = (getattr(getattr(model, "args", None), "vocab_size", None), len(tokenizer))
+        vocabulary = min(n for n in sizes if isinstance(n, int))
+        outside = sorted(t for t in bias if t >= vocabulary)
+        if outside:
+            raise ValueError(f"logit_bias token {outside[0]} is outside the model's {vocabulary} tokens")
+
+
+def client_gone(connection) -> bool:
+    """Whether the client closed ``connection`` (a socket whose request has
+    been read): readable with nothing to read, or reset. (``poll``, not
+    ``select``, which refuses descriptors past 1023.)"""
+    try:
+        poller = select.poll()
+        poller.register(connection, select.POLLIN)
+        return bool(poller.poll(0)) and connection.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True
+
+
+def until_client_gone(responses, connection):
+    """``responses`` while the client is there; ``ClientGone`` once it is
+    not, which ends mlx-lm's handler and with it the generation (its
+    ``finally`` stops the request's context)."""
+    for response in responses:
+        if client_gone(connection):
+            raise ClientGone(CLIENT_GONE)
+        yield response
 
 
 def request_settings(body: dict) -> dict:
@@ -129,6 +214,9 @@ class ServerSession(Session):
         self.batch_checkpoints: dict[int, list] = {}
         self._batchable: dict = {}  # config -> whether it batches, for the model below
         self._batchable_model = lambda: None
+        # The connection of the request an HTTP handler thread is answering.
+        self._client = threading.local()
+        self.rounds_to_cut = 0  # TimeBudget's, set when a request's client is gone
 
     def batchable(self, config, model) -> bool:
         """Whether requests with ``config`` can be batched: every layer of
@@ -156,7 +244,23 @@ class ServerSession(Session):
         class APIHandler(mlx_lm_server.APIHandler):
             def validate_model_parameters(self) -> None:
                 super().validate_model_parameters()
+                check_request_body(self.path, self.body, self.logit_bias)
+                check_draft_tokens(self.num_draft_tokens)
                 self.mlx_knorm_cache = cache_config(request_settings(self.body), session.config)
+
+            def handle_completion(self, request, stop_words):
+                # ResponseGenerator.generate watches this connection.
+                session._client.connection = self.connection
+                try:
+                    super().handle_completion(request, stop_words)
+                except ConnectionError as gone:
+                    # Found by the watch, or by a write (a stream): mlx-lm's
+                    # handler has stopped the request's context.
+                    self.close_connection = True
+                    session.rounds_to_cut = CUT_ROUNDS
+                    logging.info(f"mlx-knorm: {gone if isinstance(gone, ClientGone) else CLIENT_GONE}")
+                finally:
+                    session._client.connection = None
 
             def handle_chat_completions(self):
                 request = super().handle_chat_completions()
@@ -174,10 +278,27 @@ class ServerSession(Session):
                              "concurrent requests with the same cache settings are batched")
                 super().__init__(*args, **kwargs)
 
-            def generate(self, request, generation_args, *args, **kwargs):
+            def generate(self, request, generation_args, progress_callback=None):
                 # _is_batchable sees only the arguments: they carry the settings too.
                 generation_args.mlx_knorm_cache = getattr(request, "mlx_knorm_cache", None)
-                return super().generate(request, generation_args, *args, **kwargs)
+                connection = getattr(session._client, "connection", None)
+                if connection is None:
+                    return super().generate(request, generation_args, progress_callback)
+
+                def progress(*counts):
+                    # A long prompt reports progress before any token.
+                    if client_gone(connection):
+                        raise ClientGone(CLIENT_GONE)
+                    if progress_callback is not None:
+                        progress_callback(*counts)
+
+                ctx, responses = super().generate(request, generation_args, progress)
+                return ctx, until_client_gone(responses, connection)
+
+            def _tokenize(self, tokenizer, request, args):
+                tokenized = super()._tokenize(tokenizer, request, args)
+                check_prompt_tokens(tokenized[0], args, self.model_provider.model, tokenizer)
+                return tokenized
 
             def _is_batchable(self, args):
                 config = getattr(args, "mlx_knorm_cache", None) or session.config
@@ -296,21 +417,49 @@ class ServerSession(Session):
                         timing[2] = now
                     timing[3] += 1
                     if r.finish_reason is not None:
-                        prompt_tokens, inserted, first, tokens, checkpoint = self._mlx_knorm_timing.pop(r.uid)
-                        session.batch_statistics[id(r.prompt_cache)] = session.statistics_line(
-                            prompt_tokens, prompt_tokens / max(first - inserted, 1e-9),
-                            tokens, (tokens - 1) / (now - first) if tokens > 1 else 0.0)
-                        session.batch_checkpoints[id(r.prompt_cache)] = checkpoint
+                        timing = self._mlx_knorm_timing.pop(r.uid)
+                        session.batch_statistics[id(r.prompt_cache)] = self._statistics(timing, now)
+                        session.batch_checkpoints[id(r.prompt_cache)] = timing[4]
                 return prompt_responses, generation_responses
 
+            @staticmethod
+            def _statistics(timing: list, now: float) -> str:
+                prompt_tokens, inserted, first, tokens, _ = timing
+                first = now if first is None else first
+                return session.statistics_line(prompt_tokens, prompt_tokens / max(first - inserted, 1e-9),
+                                               tokens, (tokens - 1) / (now - first) if tokens > 1 else 0.0)
+
             def remove(self, uids, *args, **kwargs):
+                # mlx-lm's loop removes a request whose answer ended first (its client is gone).
+                now = time.perf_counter()
                 for uid in uids:
-                    self._mlx_knorm_timing.pop(uid, None)
+                    timing = self._mlx_knorm_timing.pop(uid, None)
+                    if timing is not None:
+                        logging.info(f"mlx-knorm: stopped a request (its client is gone): "
+                                     f"{self._statistics(timing, now)}")
                 return super().remove(uids, *args, **kwargs)
 
             def close(self):
                 session.batch_config = None
                 super().close()
+
+        class TimeBudget(mlx_lm_server.TimeBudget):
+            """mlx-lm's round of batch steps (half a second), ending at its
+            first step while ``rounds_to_cut`` says so: a request whose
+            client is gone is then removed within a step or two, not after
+            the round. Not between processes: every rank counts the same
+            steps."""
+
+            def __iter__(self):
+                self._mlx_knorm_steps = 0
+                return super().__iter__()
+
+            def __next__(self):
+                if not self._is_distributed and session.rounds_to_cut > 0 and self._mlx_knorm_steps:
+                    session.rounds_to_cut -= 1
+                    raise StopIteration()
+                self._mlx_knorm_steps += 1
+                return super().__next__()
 
         scan = mlx_lm_server.scan_cache_dir
 
@@ -328,6 +477,7 @@ class ServerSession(Session):
             "scan_cache_dir": scan_cache_dir,
             "stream_generate": stream_generate,
             "BatchGenerator": BatchGenerator,
+            "TimeBudget": TimeBudget,
         }
 
     def statistics(self, prompt_cache=None) -> str:

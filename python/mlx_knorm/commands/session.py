@@ -34,7 +34,7 @@ import weakref
 from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
-from ..cache import make_knorm_cache
+from ..cache import EXACT_BLOCK, MAX_DRAFT_TOKENS, make_knorm_cache
 from ..defaults import DEFAULT_BUDGET, DEFAULT_KEEP, DEFAULT_LAYOUT, DEFAULT_N_SINK, DEFAULT_RECENT_SHARE, default_recent
 from ..ops.evict_and_fill import LAYOUTS, check_layout
 from ..validation import KEEP_CHOICES, check_config, check_int
@@ -45,6 +45,16 @@ from .loading import install_cache, load_model
 CACHE_FIELDS = ("budget", "n_sink", "recent", "keep", "skip_layers", "layout")
 # mlx-lm's name for a bounded cache; here the same setting as --budget.
 BUDGET_ALIAS = "max_kv_size"
+
+
+def check_draft_tokens(count, name: str = "num_draft_tokens") -> None:
+    """Refuse a draft token count whose verify blocks would not be exact
+    (docs/spec.md §8): ``ValueError`` naming ``name``."""
+    if isinstance(count, int) and count > MAX_DRAFT_TOKENS:
+        raise ValueError(
+            f"{name} must be at most {MAX_DRAFT_TOKENS} with eviction caches, got {count}: a verify "
+            f"block of more than {EXACT_BLOCK} tokens past the budget attends as one block, not as "
+            "single steps, so the output would differ from the output without a draft")
 
 
 # Why speculative output is exact only without skip_layers (docs/commands.md).
@@ -231,6 +241,7 @@ class Session:
         try:
             self.given = given_cache_settings(namespace)
             self.config = cache_config(self.given)
+            check_draft_tokens(getattr(namespace, "num_draft_tokens", None), "--num-draft-tokens")
         except ValueError as e:
             parser.error(str(e))
         if self.draft_path is not None and self.config.skip_layers:
