@@ -22,10 +22,10 @@ import mlx_knorm
 from conftest import assert_bitwise_equal
 from mlx_knorm.__main__ import main
 from mlx_knorm.quality import MODEL_DIR, data
-from mlx_knorm.quality.calibrate import calibration_sequences, default_filters_path, query_filters
+from mlx_knorm.quality.calibrate import calibration_sequences, query_filters
 from mlx_knorm.quality.eval import evaluate
 from mlx_knorm.quality.policies import Policy, attention_layers, policy_scores
-from mlx_knorm.scorers import FILTERS_FORMAT, QueryFilters, as_query_filters, check_scorer
+from mlx_knorm.scorers import FILTERS_FORMAT, QueryFilters, as_query_filters, check_scorer, default_filters_path
 
 # The module (the package exports its function of the same name).
 fetch_module = importlib.import_module("mlx_knorm.models.fetch")

@@ -24,15 +24,16 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from .cache import L2NormKVCache, _register_with_mlx_lm, _storage_dtype, order_tree_argument, step_capacity
-from .cache_state import check_block, decimal_int
+from .cache_state import STATE_SCORERS, check_block, decimal_int
 from .ops.evict_and_fill import check_layout, evict_and_fill_unchecked
 from .ops.key_norms import key_norms_unchecked
 from .sharing import note_shared_read
+from .scorers import DEFAULT_SCORER, check_scorer, score_rows
 from .validation import INT32_MAX, check_config, check_int
 
 # hi_b of a sequence whose tokens run on (no right-padded prefill pending).
 OPEN = INT32_MAX
-_CONFIG = ("budget", "n_sink", "recent", "keep", "layout")
+_CONFIG = ("budget", "n_sink", "recent", "keep", "layout", "scorer")
 # The state's integer fields, ints or decimal strings.
 _STATE_INTS = ("timeline", "filled", "budget", "n_sink", "recent")
 
@@ -51,6 +52,19 @@ def _check_same_config(caches, what: str) -> tuple:
                     f"caches[0] has {name}={a!r}, caches[{index}] has {name}={b!r}"
                 )
     return first
+
+
+def _joined_sums(caches) -> mx.array | None:
+    """keydiff's running sums of ``caches`` (single or batch caches, in
+    order) along the batch axis, +0 for a cache that has none yet; None
+    where none has one."""
+    sums = [c._score_sum for c in caches]
+    template = next((s for s in sums if s is not None), None)
+    if template is None:
+        return None
+    return mx.concatenate([mx.zeros((c.batch_size if isinstance(c, BatchL2NormKVCache) else 1,
+                                     *template.shape[1:]), mx.float32) if s is None else s
+                           for c, s in zip(caches, sums)], axis=0)
 
 
 def _padding_front(rows: mx.array, count: int) -> mx.array:
@@ -74,9 +88,14 @@ class BatchL2NormKVCache(_BaseCache):
     ``left_padding``, as ``BatchKVCache(left_padding)`` is)."""
 
     def __init__(self, left_padding, *, budget: int, n_sink: int, recent: int, keep: str,
-                 layout: str = "slots") -> None:
+                 layout: str = "slots", scorer=DEFAULT_SCORER, filters: mx.array | None = None) -> None:
         self.budget, self.n_sink, self.recent, self.keep = check_config(budget, n_sink, recent, keep)
         self.layout = check_layout(layout)
+        # What the sequences' caches rank by (docs/spec.md §2a): keydiff's
+        # running sums [B, H, D] (None before the first block), qfilter's filters.
+        self.scorer = check_scorer(scorer)
+        self._filters = filters
+        self._score_sum = None
         self.keys = self.values = self.norms = self.slot_positions = None
         self.filled = 0
         self.timeline = 0
@@ -148,21 +167,29 @@ class BatchL2NormKVCache(_BaseCache):
             buffers = self._buffers()
             dtype = self.keys.dtype
         capacity = step_capacity(kept + steps, buffers[2].shape[2], self.budget)
+        new_keys, new_values = keys.astype(dtype), values.astype(dtype)
+        new_norms, score_sum = None, self._score_sum
+        if self.scorer != "knorm":
+            # Each sequence's padding rows score +0 and join no running sum.
+            new_norms, score_sum = score_rows(self.scorer, new_keys, new_values, self._score_sum,
+                                              offset=self.timeline, valid=self._valid(heads),
+                                              filters=self._filters)
         previous_tree = self._tree
         tree = order_tree_argument(self.layout, self.budget, self.recent, previous_tree)
         # The op writes in place only if it holds the buffers' last reference.
         self._set_buffers([None] * 4)
         try:
             out = evict_and_fill_unchecked(
-                *buffers, keys.astype(dtype), values.astype(dtype),
+                *buffers, new_keys, new_values,
                 filled=self.filled, offset=self.timeline, capacity=capacity,
                 budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
-                layout=self.layout, valid=self._valid(heads), tree=tree,
+                layout=self.layout, new_norms=new_norms, valid=self._valid(heads), tree=tree,
             )
         except BaseException:
             self._set_buffers(buffers, previous_tree)
             raise
         self._set_buffers(out[:4], out[4] if tree is not False else None)
+        self._score_sum = score_sum
         start, stop = self.timeline, self.timeline + steps
         self._real = [
             min(real, kept) + max(0, min(stop, hi) - max(start, lo))
@@ -274,6 +301,8 @@ class BatchL2NormKVCache(_BaseCache):
         self._lo = [self._lo[i] for i in indices]
         self._hi = [self._hi[i] for i in indices]
         self._real = [self._real[i] for i in indices]
+        if self._score_sum is not None:
+            self._score_sum = self._score_sum[mx.array(indices, dtype=mx.int32)]
         if self.keys is not None:
             index = mx.array(indices, dtype=mx.int32)
             rows = [b[index] for b in self._buffers()]
@@ -327,6 +356,7 @@ class BatchL2NormKVCache(_BaseCache):
                 rows[3] = mx.where(is_real, shifted, _slot_positions(batch, heads, filled))
                 parts.append(rows)
             self._set_buffers([mx.concatenate([p[i] for p in parts], axis=0) for i in range(4)])
+        self._score_sum = _joined_sums(sides)
         self._lo = [lo + timeline - c.timeline for c in sides for lo in c._lo]
         self._hi = [OPEN] * len(self._lo)
         self._real = self._real + other._real
@@ -347,7 +377,7 @@ class BatchL2NormKVCache(_BaseCache):
                     f"mlx_knorm: L2NormKVCache.merge: caches[{index}] is a {type(cache).__name__}; "
                     "only L2NormKVCache layers merge"
                 )
-        budget, n_sink, recent, keep, layout = _check_same_config(caches, "L2NormKVCache.merge")
+        budget, n_sink, recent, keep, layout, scorer = _check_same_config(caches, "L2NormKVCache.merge")
         states = [c._kept_rows() for c in caches]
         template = None
         for index, (cache, rows) in enumerate(zip(caches, states)):
@@ -375,8 +405,15 @@ class BatchL2NormKVCache(_BaseCache):
         offsets = [c.offset for c in caches]
         filled = max(kept)
         timeline = max(o + filled - k for o, k in zip(offsets, kept))
+        first = caches[0]
+        for index, cache in enumerate(caches[1:], 1):
+            if (first._filters is None) != (cache._filters is None) or (
+                    first._filters is not None and not mx.array_equal(first._filters, cache._filters).item()):
+                raise ValueError(f"mlx_knorm: L2NormKVCache.merge: caches[{index}] ranks by other query filters "
+                                 "than caches[0]")
         batch = cls([timeline - o for o in offsets], budget=budget, n_sink=n_sink, recent=recent,
-                    keep=keep, layout=layout)
+                    keep=keep, layout=layout, scorer=scorer, filters=first._filters)
+        batch._score_sum = _joined_sums(caches)
         batch.timeline = timeline
         batch._real = kept
         if template is not None:
@@ -403,7 +440,7 @@ class BatchL2NormKVCache(_BaseCache):
             raise ValueError(f"mlx_knorm: BatchL2NormKVCache.extract: idx {idx} is out of range "
                              f"for {self.batch_size} sequences")
         cache = L2NormKVCache(budget=self.budget, n_sink=self.n_sink, recent=self.recent,
-                              keep=self.keep, layout=self.layout)
+                              keep=self.keep, layout=self.layout, scorer=self.scorer, filters=self._filters)
         lo, end = self._lo[idx], min(self.timeline, self._hi[idx])
         if self.keys is None or end <= lo:
             return cache  # no token of this sequence yet: the empty cache
@@ -424,8 +461,20 @@ class BatchL2NormKVCache(_BaseCache):
         order = mx.argsort(mx.where(is_real, positions, INT32_MAX), axis=2)[:, :, :real]
         rows = [mx.take_along_axis(b, order if b.ndim == 3 else order[..., None], axis=2) for b in rows]
         cache.state = (rows[0], rows[1], rows[2], rows[3] - lo, end - lo,
-                       self.budget, self.n_sink, self.recent, self.keep, self.layout)
+                       self.budget, self.n_sink, self.recent, self.keep, self.layout,
+                       *self._scorer_fields(slice(idx, idx + 1)))
+        if callable(self.scorer):
+            cache.scorer, cache._score_sum = self.scorer, self._score_sum
         return cache
+
+    def _scorer_fields(self, rows=slice(None)) -> tuple:
+        """The state's scorer fields (as ``L2NormCacheBase._scorer_fields``)
+        for the sequences ``rows``."""
+        if self.scorer == "knorm" or callable(self.scorer):
+            return ()
+        if self.scorer == "keydiff":
+            return ("keydiff", None if self._score_sum is None else self._score_sum[rows])
+        return (self.scorer, self._filters)
 
     # -- state and accounting -----------------------------------------------
 
@@ -435,15 +484,23 @@ class BatchL2NormKVCache(_BaseCache):
         filled, budget, n_sink, recent, keep, layout)``: the buffers as
         stored, int32 ``[B, 2]`` valid ranges and ``[B]`` real row counts,
         then the host fields."""
+        if callable(self.scorer):
+            raise ValueError("mlx_knorm: a batch cache that ranks by a user's scorer has no state a file can hold")
         return (*self._buffers(), self._ranges, mx.array(self._real, dtype=mx.int32),
-                self.timeline, self.filled, self.budget, self.n_sink, self.recent, self.keep, self.layout)
+                self.timeline, self.filled, self.budget, self.n_sink, self.recent, self.keep, self.layout,
+                *self._scorer_fields())
 
     @state.setter
     def state(self, v) -> None:
         v = tuple(v)
-        if len(v) != 13:
-            raise ValueError(f"mlx_knorm: BatchL2NormKVCache state must have 13 fields, got {len(v)}")
-        keys, values, norms, positions, ranges, real, timeline, filled, *config = v
+        if len(v) not in (13, 15):
+            raise ValueError(f"mlx_knorm: BatchL2NormKVCache state must have 13 fields, and two more (scorer, "
+                             f"scorer_state) for a scorer other than knorm, got {len(v)}")
+        scorer, scorer_array = v[13:] if len(v) == 15 else ("knorm", None)
+        if len(v) == 15 and scorer not in STATE_SCORERS:
+            raise ValueError(f"mlx_knorm: BatchL2NormKVCache state field 'scorer' must be one of {STATE_SCORERS}, "
+                             f"got {scorer!r}")
+        keys, values, norms, positions, ranges, real, timeline, filled, *config = v[:13]
         timeline, filled, budget, n_sink, recent = (
             decimal_int(x, f"BatchL2NormKVCache state field '{name}'")
             for x, name in zip((timeline, filled, *config[:3]), _STATE_INTS))
@@ -483,6 +540,9 @@ class BatchL2NormKVCache(_BaseCache):
                              f"0 <= lo <= hi for every sequence, got {pairs}")
         before = dict(self.__dict__)
         self.budget, self.n_sink, self.recent, self.keep, self.layout = budget, n_sink, recent, keep, layout
+        self.scorer = scorer
+        self._filters = scorer_array if scorer == "qfilter" else None
+        self._score_sum = scorer_array if scorer == "keydiff" else None
         self._set_buffers(arrays)
         self.timeline, self.filled = timeline, filled
         self._lo, self._hi = (list(x) for x in zip(*pairs)) if batch else ([], [])
@@ -514,8 +574,13 @@ class BatchL2NormKVCache(_BaseCache):
         batch, filled = self.batch_size, self.filled
         if self.keys is None or not filled:
             return [None] * batch
-        stored = key_norms_unchecked(self.keys[:, :, :filled]).view(mx.uint32)
-        wrong_norms = (stored != self.norms[:, :, :filled].view(mx.uint32)).reshape(batch, -1).any(axis=1)
+        if self.scorer == "knorm":
+            stored = key_norms_unchecked(self.keys[:, :, :filled]).view(mx.uint32)
+            wrong_norms = (stored != self.norms[:, :, :filled].view(mx.uint32)).reshape(batch, -1).any(axis=1)
+        else:
+            # Another scorer's scores: what extract()'s load check holds of
+            # each sequence's real rows.
+            wrong_norms = mx.zeros((batch,), mx.bool_)
         if self._padded():
             wrong_positions = mx.zeros((batch,), mx.bool_)
         else:

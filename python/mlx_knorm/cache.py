@@ -80,6 +80,7 @@ from .defaults import (DEFAULT_BUDGET, DEFAULT_KEEP, DEFAULT_KV_GROUP_SIZE, DEFA
                        DEFAULT_RECENT, DEFAULT_SKIP_LAYERS, default_recent, uses_order_tree)
 from .ops.evict_and_fill import check_layout, evict_and_fill_unchecked
 from .ops.key_norms import key_norms_unchecked
+from .scorers import DEFAULT_SCORER, as_query_filters, check_scorer, score_rows, scorer_label
 from .sharing import note_shared_read, share_positions
 from .validation import FLOAT_DTYPES, INT32_MAX, check_config, check_int
 
@@ -216,6 +217,19 @@ class L2NormCacheBase(_BaseCache):
         """The state's and meta_state's fields after the float cache's."""
         return ()
 
+    def _scorer_fields(self) -> tuple:
+        """The state's scorer fields (docs/spec.md §8): none for knorm, else
+        the scorer's name and its array (keydiff's running sum, qfilter's
+        filters). A user's scorer has none that a file could hold."""
+        if callable(self.scorer):
+            raise ValueError(
+                f"mlx_knorm: a cache that ranks by a user's scorer ({scorer_label(self.scorer)}) has no "
+                "state a file can hold; save caches of a built-in scorer"
+            )
+        if self.scorer == "knorm":
+            return ()
+        return (self.scorer, {"keydiff": self._score_sum, "qfilter": self._filters}.get(self.scorer))
+
     def __deepcopy__(self, memo) -> "L2NormCacheBase":
         """Every field deep-copied, the mask plan through ``memo`` (one
         copy for all the layers copied together, MaskPlan)."""
@@ -248,8 +262,12 @@ class L2NormCacheBase(_BaseCache):
         if checked.rows is not None:
             self._set_buffers(checked.rows)
             self.filled = checked.rows[3].shape[2]
+        self.scorer, array = checked.scorer
+        self._filters = array if self.scorer == "qfilter" else None
+        self._score_sum = array if self.scorer == "keydiff" else None
         # A loaded state's history is unknown unless nothing was ever evicted.
         self._trimmable = self.offset if self.filled == self.offset else 0
+        self._score_anchor = None if self._trimmable == self.offset else self._score_sum
         self._last_block = None
         self._forget_block()
 
@@ -309,6 +327,10 @@ class L2NormCacheBase(_BaseCache):
             dtype = self._storage_dtype()
         capacity = self._capacity(kept + steps, buffers[2].shape[2])
         new_keys, new_values, new_norms = self._new_rows(keys, values, dtype)
+        score_sum = self._score_sum
+        if self.scorer != "knorm":
+            new_norms, score_sum = score_rows(self.scorer, *self._as_stored(new_keys, new_values), self._score_sum,
+                                              offset=self.offset, filters=self._filters)
         # Resolved once for the step and its order tree: both ask the current backend.
         backend = resolve(None, key_dim=key_dim if new_norms is None else None)
         previous_tree = self._tree
@@ -324,6 +346,10 @@ class L2NormCacheBase(_BaseCache):
             raise
         evicted = self.filled > self.budget
         self._set_buffers(out[:4], out[4] if tree is not False else None)
+        if evicted:
+            # What trim rebuilds the running sum from (docs/spec.md §8).
+            self._score_anchor = self._score_sum
+        self._score_sum = score_sum
         self._trimmable = steps + (0 if evicted else self._trimmable)
         self._last_block = (steps, kept if exact else None)
         self.filled = kept + steps
@@ -523,8 +549,26 @@ class L2NormCacheBase(_BaseCache):
             # Back to the start: the empty cache, which takes any shape.
             self._set_buffers([None] * 4)
             self._checked_block = None
+            self._score_sum = None
+        elif self.scorer != "knorm" and self._score_sum is not None:
+            self._score_sum = self._rebuilt_score_sum()
         self._forget_block()
         return n
+
+    def _rebuilt_score_sum(self):
+        """A stateful scorer's state after a trim: from its anchor (the state
+        at ``offset - trimmable()``, before the rows no eviction has ranked
+        yet) over those rows, which sit in the last ``trimmable()`` occupied
+        slots in position order (new rows go to the slots after the kept
+        ones, and none has moved since): the state of the cache that never
+        saw the rows trimmed (docs/spec.md §8). A stateless scorer's stays."""
+        tail = self._trimmable
+        if tail == 0:
+            return self._score_anchor
+        rows = [_each(lambda b: b[:, :, self.filled - tail : self.filled], r) for r in (self.keys, self.values)]
+        _, total = score_rows(self.scorer, *self._as_stored(*rows), self._score_anchor,
+                              offset=self.offset - tail, filters=self._filters)
+        return total
 
     def _forget_block(self) -> None:
         plan = getattr(self, "_mask_plan", None)
@@ -558,7 +602,7 @@ class L2NormCacheBase(_BaseCache):
         (``state[:2]`` is what the reference's cache stores)."""
         kept = self._kept_rows() or (None, None, None, None)
         return (*kept, self.offset, self.budget, self.n_sink, self.recent, self.keep, self.layout,
-                *self._extra())
+                *self._extra(), *self._scorer_fields())
 
     @state.setter
     def state(self, v) -> None:
@@ -597,9 +641,11 @@ class L2NormCacheBase(_BaseCache):
                 )
         if (config, layout) == ((self.budget, self.n_sink, self.recent, self.keep), self.layout):
             return
+        scorer_fields = self._scorer_fields()
         rows = self._kept_rows(config) or (None,) * 4
         try:
-            checked = check_state((*rows, self.offset, *config, layout, *self._extra()), self.quantized)
+            checked = check_state((*rows, self.offset, *config, layout, *self._extra(), *scorer_fields),
+                                  self.quantized)
         except StateError as err:
             setting = err.setting or err.field
             value = dict(zip(("budget", "n_sink", "recent"), config)).get(setting, "this value")
@@ -645,6 +691,23 @@ class L2NormCacheBase(_BaseCache):
         return self.size()
 
 
+def _scorer_state(scorer, filters) -> tuple:
+    """A new cache's scorer fields (docs/spec.md §8): none for knorm (and a
+    user's scorer, set on the cache after its state), the name and its
+    array otherwise (keydiff's running sum starts as None)."""
+    scorer = check_scorer(scorer)
+    if scorer == "qfilter":
+        if not isinstance(filters, mx.array):
+            raise ValueError("mlx_knorm: the qfilter scorer needs filters, this layer's [H, D] query filters "
+                             "(make_knorm_cache takes a `mlx-knorm calibrate` file)")
+        return ("qfilter", filters)
+    if filters is not None:
+        raise ValueError(f"mlx_knorm: filters are for the qfilter scorer, not {scorer_label(scorer)}")
+    if callable(scorer) or scorer == "knorm":
+        return ()
+    return (scorer, None)
+
+
 def _pick_config(config, budget, n_sink, recent, keep) -> tuple:
     """The constructor's configuration: keyword arguments over the
     reference's config object (``knorm_budget``, ...) over the defaults."""
@@ -667,8 +730,11 @@ class L2NormKVCache(L2NormCacheBase):
     ``knorm_n_sink``, ``knorm_recent``, ``knorm_keep``; missing fields take
     the defaults 512, 4, 0, "low") and/or keyword arguments ``budget``,
     ``n_sink``, ``recent``, ``keep``, which take precedence over the config,
-    and ``layout`` (``"slots"``, the default, or ``"temporal"``). Invalid
-    settings raise ``ValueError``/``TypeError`` naming the argument.
+    and ``layout`` (``"slots"``, the default, or ``"temporal"``), and
+    ``scorer`` (docs/spec.md §2a, ``mlx_knorm.scorers``: ``"knorm"``, the
+    default, ``"keydiff"``, ``"vnorm"``, ``"qfilter"`` with ``filters``, this
+    layer's ``[H, D]`` query filters, or a callable). Invalid settings raise
+    ``ValueError``/``TypeError`` naming the argument.
 
     Storage, as ``KVCache``'s with its spare slots: ``keys``
     ``[B, H, capacity, D_k]`` and ``values [B, H, capacity, D_v]`` in the
@@ -692,9 +758,14 @@ class L2NormKVCache(L2NormCacheBase):
         recent: int | None = None,
         keep: str | None = None,
         layout: str = DEFAULT_LAYOUT,
+        scorer=DEFAULT_SCORER,
+        filters: mx.array | None = None,
     ) -> None:
         # An empty state, through the one check every change takes.
-        self.state = (None, None, None, None, 0, *_pick_config(config, budget, n_sink, recent, keep), layout)
+        self.state = (None, None, None, None, 0, *_pick_config(config, budget, n_sink, recent, keep), layout,
+                      *_scorer_state(scorer, filters))
+        if callable(scorer):
+            self.scorer = scorer
 
     def _widths(self) -> tuple[int, int]:
         return self.keys.shape[3], self.values.shape[3]
@@ -708,6 +779,10 @@ class L2NormKVCache(L2NormCacheBase):
     def _new_rows(self, keys, values, dtype):
         # The step takes the norms from the stored keys itself (docs/spec.md §4).
         return keys.astype(dtype), values.astype(dtype), None
+
+    def _as_stored(self, keys, values):
+        """Rows as the cache holds them, which a scorer other than knorm scores."""
+        return keys, values
 
     @classmethod
     def merge(cls, caches) -> "BatchL2NormKVCache":
@@ -726,7 +801,7 @@ class L2NormKVCache(L2NormCacheBase):
         rows are quantized as they come. This cache is left as it was."""
         quantized = QuantizedL2NormKVCache(
             budget=self.budget, n_sink=self.n_sink, recent=self.recent, keep=self.keep,
-            layout=self.layout, group_size=group_size, bits=bits,
+            layout=self.layout, group_size=group_size, bits=bits, scorer=self.scorer, filters=self._filters,
         )
         if self.keys is not None:
             for name, width in (("keys", self.keys.shape[3]), ("values", self.values.shape[3])):
@@ -745,6 +820,11 @@ class L2NormKVCache(L2NormCacheBase):
             quantized.offset = self.offset
         quantized._trimmable = self._trimmable
         quantized._last_block = self._last_block
+        quantized._score_sum, quantized._score_anchor = self._score_sum, self._score_anchor
+        if self.keys is not None and (self.scorer == "keydiff" or callable(self.scorer)):
+            # Its state would be rebuilt from the quantized rows, which it did
+            # not score: no trim goes back past the conversion.
+            quantized._trimmable, quantized._score_anchor = 0, self._score_sum
         if getattr(self, "_mask_plan", None) is not None:
             quantized._mask_plan = self._mask_plan
         return quantized
@@ -774,9 +854,13 @@ class QuantizedL2NormKVCache(L2NormCacheBase):
         layout: str = DEFAULT_LAYOUT,
         group_size: int = DEFAULT_KV_GROUP_SIZE,
         bits: int = 4,
+        scorer=DEFAULT_SCORER,
+        filters: mx.array | None = None,
     ) -> None:
         self.state = (None, None, None, None, 0, *_pick_config(config, budget, n_sink, recent, keep),
-                      layout, group_size, bits)
+                      layout, group_size, bits, *_scorer_state(scorer, filters))
+        if callable(scorer):
+            self.scorer = scorer
 
     def _extra(self) -> tuple:
         return self.group_size, self.bits
@@ -804,8 +888,16 @@ class QuantizedL2NormKVCache(L2NormCacheBase):
 
     def _new_rows(self, keys, values, dtype):
         keys, values = keys.astype(dtype), values.astype(dtype)
-        # Norms of the rows the float cache would store, before quantization.
-        return self._quantize(keys), self._quantize(values), key_norms_unchecked(keys)
+        # Norms of the rows the float cache would store, before quantization
+        # (another scorer scores the quantized rows, _as_stored).
+        norms = key_norms_unchecked(keys) if self.scorer == "knorm" else None
+        return self._quantize(keys), self._quantize(values), norms
+
+    def _as_stored(self, keys, values):
+        """Rows as the cache holds them, dequantized: what a scorer other
+        than knorm scores, so that a trim rebuilds keydiff's running sum
+        from them exactly (docs/spec.md §8)."""
+        return tuple(mx.dequantize(*rows, group_size=self.group_size, bits=self.bits) for rows in (keys, values))
 
 
 def _model_cache(model: nn.Module) -> list:
@@ -939,6 +1031,8 @@ def make_knorm_cache(
     keep: str = DEFAULT_KEEP,
     skip_layers: Iterable[int] = DEFAULT_SKIP_LAYERS,
     layout: str = DEFAULT_LAYOUT,
+    scorer=DEFAULT_SCORER,
+    filters=None,
 ) -> list:
     """A prompt cache for ``model`` with an ``L2NormKVCache`` per attention layer.
 
@@ -955,7 +1049,13 @@ def make_knorm_cache(
     Layers whose model cache is something else (sliding-window
     ``RotatingKVCache``, recurrent state, ``CacheList``s of caches read
     together) keep that cache. ``layout`` is each ``L2NormKVCache``'s
-    storage order (``"slots"`` or ``"temporal"``).
+    storage order (``"slots"`` or ``"temporal"``). ``scorer`` is what the
+    caches rank rows by (docs/spec.md §2a, ``mlx_knorm.scorers``):
+    ``"knorm"`` (the default, the paper's key norm), ``"keydiff"``,
+    ``"vnorm"``, ``"qfilter"`` (with ``filters``, the model's query filters:
+    a ``mlx-knorm calibrate`` file or ``QueryFilters``, one ``[H, D]`` per
+    layer it compresses), or a callable ``scorer(keys, values, state) ->
+    (scores, state)``.
 
     A model it cannot serve raises ``ValueError`` naming the family and
     what the cache needs: no layer to replace (recurrent models), only
@@ -996,6 +1096,12 @@ def make_knorm_cache(
         recent = default_recent(budget, n_sink)
     budget, n_sink, recent, keep = check_config(budget, n_sink, recent, keep)
     layout = check_layout(layout)
+    scorer = check_scorer(scorer)
+    filters = as_query_filters(filters)
+    if (scorer == "qfilter") != (filters is not None):
+        raise ValueError("mlx_knorm: the qfilter scorer needs filters, the model's query filters (run `mlx-knorm "
+                         "calibrate --model M`), and only it takes them" if scorer == "qfilter" else
+                         f"mlx_knorm: filters are for the qfilter scorer, not {scorer_label(scorer)}")
     caches = _model_cache(model)
     family = model_family(model)
     requests = check_family(model, caches)
@@ -1023,8 +1129,12 @@ def make_knorm_cache(
                 f"hold at most budget={budget} rows, so the mask fits only one of them. "
                 "Use skip_layers=() with this model."
             )
-    make = lambda: L2NormKVCache(budget=budget, n_sink=n_sink, recent=recent, keep=keep, layout=layout)
-    caches = [_replaced(cache, make) if replace else cache for replace, cache in zip(compress, caches)]
+    def make(index: int):
+        return lambda: L2NormKVCache(budget=budget, n_sink=n_sink, recent=recent, keep=keep, layout=layout,
+                                     scorer=scorer, filters=None if filters is None else filters.of_layer(index))
+
+    caches = [_replaced(cache, make(index)) if replace else cache
+              for index, (replace, cache) in enumerate(zip(compress, caches))]
     if any(compress):
         share_positions(model)
     # A pipeline rank sees only its own layers' caches: another rank may hold

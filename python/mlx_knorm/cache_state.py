@@ -7,7 +7,12 @@ absorbs (``check_block``), from which the step builds a state that passes
 refused change raises, naming the argument or field, before anything
 changes. The quantized cache's state is the float cache's with its keys
 and values as ``(packed, scales, biases)`` and two more fields; its norms
-are checked against the dequantized keys within the quantization error."""
+are checked against the dequantized keys within the quantization error.
+A cache that ranks by another scorer (docs/spec.md §2a) adds two fields,
+the scorer's name and its array (keydiff's running sum, qfilter's
+filters), and its scores stand where the norms do: checked against the
+stored rows where they follow from them (vnorm, qfilter; keydiff while no
+row was ever evicted), and for keydiff within [-1, 1] otherwise."""
 
 from __future__ import annotations
 
@@ -24,6 +29,9 @@ from .validation import INT32_MAX, check_config, check_floating, check_int, dtyp
 FIELDS = ("keys", "values", "norms", "positions", "offset", "budget", "n_sink", "recent", "keep", "layout")
 QUANTIZATION_FIELDS = ("group_size", "bits")
 QUANTIZED_FIELDS = FIELDS + QUANTIZATION_FIELDS
+# After the fields above, for a scorer other than knorm.
+SCORER_FIELDS = ("scorer", "scorer_state")
+STATE_SCORERS = ("keydiff", "vnorm", "qfilter")
 META_FIELDS = FIELDS[5:]
 STORAGE_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # What mx.quantize takes in its affine mode (MLX 0.32; tests/test_cache_quantized.py asks it).
@@ -53,6 +61,9 @@ class CheckedState(NamedTuple):
     rows: tuple | None
     # (group_size, bits) of a quantized cache, else None.
     quantization: tuple[int, int] | None = None
+    # The scorer and its array: ("knorm", None), ("keydiff", running sum
+    # [B, H, D_k] or None while empty), ("vnorm", None), ("qfilter", filters [H, D_k]).
+    scorer: tuple[str, mx.array | None] = ("knorm", None)
 
 
 class StateError(ValueError):
@@ -100,12 +111,18 @@ def check_state(state, quantized: bool = False) -> CheckedState:
 
 def _check_state(state, quantized: bool, kind: str) -> CheckedState:
     fields = QUANTIZED_FIELDS if quantized else FIELDS
-    if not isinstance(state, (tuple, list)) or len(state) != len(fields):
+    # Scorer fields open with the scorer's name (a quantized cache's two
+    # more fields, which a float cache never takes, are ints).
+    if not isinstance(state, (tuple, list)) or len(state) not in (len(fields), len(fields) + len(SCORER_FIELDS)) \
+            or (len(state) > len(fields) and not isinstance(state[len(fields)], str)):
         count = len(state) if isinstance(state, (tuple, list)) else type(state).__name__
         raise ValueError(
             f"mlx_knorm: {kind} state must have the {len(fields)} fields "
-            f"({', '.join(fields)}), got {count}"
+            f"({', '.join(fields)}), and then ({', '.join(SCORER_FIELDS)}) for a scorer other than "
+            f"knorm, got {count}"
         )
+    scorer = _check_scorer_fields(state[len(fields):])
+    state = state[:len(fields)]
     keys, values, norms, positions, offset, budget, n_sink, recent, keep, layout = state[:10]
     config = check_config(budget, n_sink, recent, keep)
     budget, n_sink, recent, _ = config
@@ -118,7 +135,9 @@ def _check_state(state, quantized: bool, kind: str) -> CheckedState:
     if all(a is None for a in arrays.values()):
         if offset != 0:
             raise StateError("keys", f"no rows are stored but offset is {offset}")
-        return CheckedState(config, layout, offset, None, quantization)
+        if scorer[0] == "keydiff" and scorer[1] is not None:
+            raise StateError("scorer_state", "keydiff's running sum of an empty cache is None")
+        return CheckedState(config, layout, offset, None, quantization, scorer)
     if quantized:
         keys, values = (_quantized_rows(arrays.pop(field), field) for field in ("keys", "values"))
     for field, a in arrays.items():
@@ -136,13 +155,87 @@ def _check_state(state, quantized: bool, kind: str) -> CheckedState:
         row_shape = keys.shape[:3]
     _check_norms_and_positions_shapes(norms, positions, row_shape)
     _check_positions(positions, offset, n_sink, recent)
-    if quantized:
+    if scorer[0] != "knorm":
+        # A quantized cache's scores may come from the rows before a
+        # conversion (to_quantized): their bounds only.
+        if quantized:
+            _check_score_bounds(scorer, keys[0].shape, norms)
+        else:
+            _check_scores(scorer, keys, values, norms, offset)
+    elif quantized:
         _check_quantized_norms(keys, norms, *quantization)
     else:
         stored = key_norms_unchecked(keys)
         if not mx.array_equal(stored.view(mx.uint32), norms.view(mx.uint32)).item():
             raise StateError("norms", "differ from the norms of the stored keys (docs/spec.md §2)")
-    return CheckedState(config, layout, offset, (keys, values, norms, positions), quantization)
+    return CheckedState(config, layout, offset, (keys, values, norms, positions), quantization, scorer)
+
+
+def _check_scorer_fields(fields) -> tuple:
+    """``(name, array)`` of the state's scorer fields (none: knorm)."""
+    if not fields:
+        return ("knorm", None)
+    name, array = fields
+    if name not in STATE_SCORERS:
+        raise StateError("scorer", f"must be one of {STATE_SCORERS} (a knorm cache has no scorer fields), "
+                                   f"got {name!r}")
+    if name == "vnorm":
+        if array is not None:
+            raise StateError("scorer_state", "vnorm keeps no array: None")
+        return (name, None)
+    if array is None and name == "keydiff":
+        return (name, None)
+    if not isinstance(array, mx.array) or array.dtype != mx.float32:
+        raise StateError("scorer_state", f"{name}'s array must be a float32 mlx.core.array")
+    if name == "qfilter" and (array.ndim != 2 or not mx.all(mx.isfinite(array)).item()):
+        raise StateError("scorer_state", f"qfilter's filters must be finite, [H, D], got {list(array.shape)}")
+    return (name, array)
+
+
+def _check_score_bounds(scorer: tuple, row_shape, scores: mx.array) -> None:
+    """What holds of a scorer's scores whatever the rows: the canonical NaN
+    or a number, +0 for a zero; keydiff's within [-1, 1], vnorm's >= +0."""
+    name, array = scorer
+    batch, heads, _, dim = row_shape
+    if name == "qfilter" and array.ndim == 2 and array.shape[0] != heads:
+        raise StateError("scorer_state", f"qfilter's filters are {list(array.shape)}, the keys' {heads} heads")
+    if name == "keydiff" and array is not None and (array.ndim != 3 or array.shape[:2] != (batch, heads)
+                                                    or not mx.all(mx.isfinite(array)).item()):
+        raise StateError("scorer_state", f"keydiff's running sum must be finite float32 [{batch}, {heads}, D]")
+    bits = scores.view(mx.uint32)
+    fine = ~mx.isnan(scores) | (bits == 0x7FC00000)
+    if name == "keydiff":
+        fine = fine & (mx.isnan(scores) | (mx.abs(scores) <= 1.0 + 2.0**-20))
+    elif name == "vnorm":
+        fine = fine & (bits < 0x80000000)
+    if not mx.all(fine & (bits != 0x80000000)).item():
+        raise StateError("norms", f"are not {name} scores (docs/spec.md §2a)")
+
+
+def _check_scores(scorer: tuple, keys: mx.array, values: mx.array, scores: mx.array, offset: int) -> None:
+    """The scores of the stored rows (docs/spec.md §2a), from the rows as
+    the cache holds them: recomputed where they follow from the rows alone
+    (vnorm, qfilter, and keydiff with every row since the start held, the
+    running sum too); keydiff's otherwise +0, the canonical NaN or in
+    [-1, 1] (a cosine, within rounding)."""
+    from .scorers import score_rows
+
+    name, array = scorer
+    batch, heads, kept, dim = keys.shape
+    if name == "qfilter" and tuple(array.shape) != (heads, dim):
+        raise StateError("scorer_state", f"qfilter's filters are {list(array.shape)}, the keys' heads and "
+                                         f"width [{heads}, {dim}]")
+    if name == "keydiff":
+        if array is None or tuple(array.shape) != (batch, heads, dim) or not mx.all(mx.isfinite(array)).item():
+            raise StateError("scorer_state", f"keydiff's running sum must be finite float32 [{batch}, {heads}, {dim}]")
+        if kept < offset:
+            _check_score_bounds(scorer, keys.shape, scores)
+            return
+    expected, total = score_rows(name, keys, values, None, filters=array)
+    if not mx.array_equal(expected.view(mx.uint32), scores.view(mx.uint32)).item():
+        raise StateError("norms", f"differ from the {name} scores of the stored rows (docs/spec.md §2a)")
+    if name == "keydiff" and not mx.array_equal(total.view(mx.uint32), array.view(mx.uint32)).item():
+        raise StateError("scorer_state", "keydiff's running sum is not the sum of the stored rows' unit keys")
 
 
 def _quantized_rows(rows, field: str) -> tuple[mx.array, mx.array, mx.array]:

@@ -31,6 +31,7 @@ any other's.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Callable, Union
 
@@ -62,6 +63,39 @@ def scorer_label(scorer: Scorer) -> str:
     return scorer if isinstance(scorer, str) else getattr(scorer, "__name__", "custom")
 
 
+def score_rows(scorer: Scorer, keys: mx.array, values: mx.array, state, *, offset: int = 0,
+               valid: mx.array | None = None, filters: mx.array | None = None):
+    """``(scores [B, H, S] float32, state)`` of new rows ``keys``/``values``
+    ``[B, H, S, D]`` under ``scorer`` (not ``knorm``, whose norms the cache's
+    step takes itself): keydiff's running sum (``state``, None at the start)
+    moves on; qfilter reads ``filters [H, D]``; a callable is called as
+    ``scorer(keys, values, state)``. ``offset`` and ``valid`` as
+    ``row_scores`` takes them (a batch's padding rows)."""
+    from .ops.row_scores import row_scores
+
+    batch, heads, _, dim = keys.shape
+    if callable(scorer):
+        scores, state = scorer(keys, values, state)
+        if not isinstance(scores, mx.array) or scores.dtype != mx.float32 or scores.shape != keys.shape[:3]:
+            got = f"{scores.dtype} {list(scores.shape)}" if isinstance(scores, mx.array) else type(scores).__name__
+            raise ValueError(f"mlx_knorm: scorer {scorer_label(scorer)} must return float32 scores "
+                             f"{list(keys.shape[:3])} for keys {list(keys.shape)}, got {got}")
+        return scores, state
+    if scorer == "keydiff":
+        start = mx.zeros((batch, heads, dim), mx.float32) if state is None else state
+        return row_scores(keys, None, start, scorer="keydiff", offset=offset, valid=valid)
+    if scorer == "vnorm":
+        return row_scores(keys, values, None, scorer="vnorm", offset=offset, valid=valid)[0], None
+    if scorer == "qfilter":
+        if filters is None or tuple(filters.shape) != (heads, dim):
+            shape = None if filters is None else list(filters.shape)
+            raise ValueError(f"mlx_knorm: the qfilter scorer's filters are {shape}, the keys [{heads}, {dim}] "
+                             "per layer: calibrated for another model? Run `mlx-knorm calibrate`")
+        filters = mx.broadcast_to(filters, (batch, heads, dim))
+        return row_scores(keys, None, filters, scorer="qfilter", offset=offset, valid=valid)[0], None
+    raise ValueError(f"mlx_knorm: score_rows: no scores for scorer {scorer!r}")
+
+
 class QueryFilters:
     """The ``qfilter`` scorer's filters: for each full-attention layer of a
     model, one unit float32 vector per KV head, ``[H_kv, D]``, the principal
@@ -73,17 +107,21 @@ class QueryFilters:
         self.filters = {int(layer): np.asarray(f, dtype=np.float32) for layer, f in filters.items()}
         self.metadata = dict(metadata or {})
 
-    def layer(self, index: int, heads: int, dim: int) -> mx.array:
-        """Layer ``index``'s filters, ``[heads, dim]``; a mismatch raises naming the layer."""
+    def of_layer(self, index: int) -> mx.array:
+        """Layer ``index``'s filters, ``[H_kv, D]``; a layer they lack raises."""
         if index not in self.filters:
             raise ValueError(f"mlx_knorm: the query filters have no layer {index} (they cover layers "
                              f"{sorted(self.filters)}): calibrated for another model? Run `mlx-knorm calibrate`")
-        f = self.filters[index]
-        if f.shape != (heads, dim):
+        return mx.array(self.filters[index])
+
+    def layer(self, index: int, heads: int, dim: int) -> mx.array:
+        """Layer ``index``'s filters, ``[heads, dim]``; a mismatch raises naming the layer."""
+        f = self.of_layer(index)
+        if tuple(f.shape) != (heads, dim):
             raise ValueError(f"mlx_knorm: the query filters of layer {index} are {list(f.shape)}, the model's "
                              f"keys [{heads}, {dim}] per layer: calibrated for another model? "
                              "Run `mlx-knorm calibrate`")
-        return mx.array(f)
+        return f
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -120,3 +158,13 @@ def as_query_filters(filters) -> QueryFilters | None:
         return QueryFilters.load(filters)
     raise TypeError(f"mlx_knorm: filters must be a path to a `mlx-knorm calibrate` file or QueryFilters, "
                     f"got {type(filters).__name__}")
+
+
+def default_filters_path(model) -> Path:
+    """Where ``mlx-knorm calibrate`` writes, and the commands look for, the
+    query filters of ``model`` (as given to ``--model``) by default: the
+    cache folder's ``filters/<model>.safetensors``."""
+    from .models.fetch import cache_dir
+
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(model).rstrip("/")).strip("_") or "model"
+    return cache_dir() / "filters" / f"{name}.safetensors"

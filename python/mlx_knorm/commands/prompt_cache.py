@@ -74,7 +74,7 @@ def _kind(c) -> str:
 
 def _settings(c: L2NormCacheBase) -> str:
     return (f"budget {c.budget}, n_sink {c.n_sink}, recent {c.recent}, keep {c.keep}, "
-            f"layout {c.layout}")
+            f"layout {c.layout}, scorer {c.scorer}")
 
 
 def check_fits_model(file_name: str, cache: list, model, expected: list, given: dict) -> None:

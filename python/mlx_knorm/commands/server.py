@@ -200,6 +200,8 @@ def request_settings(body: dict) -> dict:
         given["budget"] = body[BUDGET_ALIAS]
     if "skip_layers" in given and not isinstance(given["skip_layers"], list):
         raise ValueError("skip_layers must be a list of layer indices")
+    if "scorer" in given and not isinstance(given["scorer"], str):
+        raise ValueError("scorer must be a string")
     return given
 
 
@@ -247,6 +249,9 @@ class ServerSession(Session):
                 check_request_body(self.path, self.body, self.logit_bias)
                 check_draft_tokens(self.num_draft_tokens)
                 self.mlx_knorm_cache = cache_config(request_settings(self.body), session.config)
+                if self.mlx_knorm_cache.scorer == "qfilter" and self.mlx_knorm_cache.filters is None:
+                    raise ValueError("scorer qfilter needs the model's query filters, which this server has "
+                                     "none of: run `mlx-knorm calibrate --model M`, or start it with --filters FILE")
 
             def handle_completion(self, request, stop_words):
                 # ResponseGenerator.generate watches this connection.

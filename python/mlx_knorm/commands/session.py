@@ -37,12 +37,14 @@ from typing import Callable
 from ..cache import EXACT_BLOCK, MAX_DRAFT_TOKENS, make_knorm_cache
 from ..defaults import DEFAULT_BUDGET, DEFAULT_KEEP, DEFAULT_LAYOUT, DEFAULT_N_SINK, DEFAULT_RECENT_SHARE, default_recent
 from ..ops.evict_and_fill import LAYOUTS, check_layout
+from ..scorers import BUILTIN_SCORERS, DEFAULT_SCORER, default_filters_path
 from ..validation import KEEP_CHOICES, check_config, check_int
 from .loading import install_cache, load_model
 
 # The cache's settings: CacheConfig's fields, the commands' flags (--n-sink for
-# n_sink) and the server's request fields.
-CACHE_FIELDS = ("budget", "n_sink", "recent", "keep", "skip_layers", "layout")
+# n_sink) and the server's request fields. --filters (a file) is the command
+# line's alone: a request names a scorer, not a file to read.
+CACHE_FIELDS = ("budget", "n_sink", "recent", "keep", "skip_layers", "layout", "scorer")
 # mlx-lm's name for a bounded cache; here the same setting as --budget.
 BUDGET_ALIAS = "max_kv_size"
 
@@ -80,10 +82,15 @@ class CacheConfig:
     keep: str = DEFAULT_KEEP
     skip_layers: tuple[int, ...] = ()
     layout: str = DEFAULT_LAYOUT
+    scorer: str = DEFAULT_SCORER
+    # The qfilter scorer's query filters: a `mlx-knorm calibrate` file.
+    filters: str | None = None
 
     def __post_init__(self) -> None:
         check_config(self.budget, self.n_sink, self.window, self.keep)
         check_layout(self.layout)
+        if self.scorer not in BUILTIN_SCORERS:
+            raise ValueError(f"mlx_knorm: scorer must be one of {BUILTIN_SCORERS}, got {self.scorer!r}")
         if not isinstance(self.skip_layers, (tuple, list)):
             raise TypeError(
                 f"mlx_knorm: skip_layers must be a list of ints, got {type(self.skip_layers).__name__}")
@@ -98,12 +105,23 @@ class CacheConfig:
         return self.recent
 
     def make_cache(self, model) -> list:
-        return make_knorm_cache(model, **{**asdict(self), "recent": self.window})
+        if self.scorer == "qfilter" and self.filters is None:
+            raise ValueError("the qfilter scorer needs the model's query filters: run `mlx-knorm calibrate "
+                             "--model M` (or give --filters FILE)")
+        filters = self.filters if self.scorer == "qfilter" else None
+        return make_knorm_cache(model, **{**asdict(self), "recent": self.window, "filters": filters})
+
+    def for_draft(self) -> "CacheConfig":
+        """The settings of a draft model's cache: no ``skip_layers`` (the
+        target's layer indices), and the key norm where the target ranks by
+        its own query filters, which the draft's queries do not share."""
+        scorer = DEFAULT_SCORER if self.scorer == "qfilter" else self.scorer
+        return replace(self, skip_layers=(), scorer=scorer, filters=None)
 
     def describe(self) -> str:
         skip = ",".join(map(str, self.skip_layers)) or "none"
         return (f"budget {self.budget}, n_sink {self.n_sink}, recent {self.window}, keep {self.keep}, "
-                f"skip_layers {skip}, layout {self.layout}")
+                f"skip_layers {skip}, layout {self.layout}, scorer {self.scorer}")
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -143,6 +161,13 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--layout", choices=LAYOUTS, default=None,
                        help=f"storage order of the kept rows (default: {DEFAULT_LAYOUT}); "
                             "'temporal' keeps temporal order")
+    group.add_argument("--scorer", choices=BUILTIN_SCORERS, default=None,
+                       help=f"what rows are ranked by (default: {DEFAULT_SCORER}, the key norm; keydiff: "
+                            "redundancy with the keys before; vnorm: key over value norm; qfilter: projection "
+                            "on the model's query filters, from `mlx-knorm calibrate`); docs/spec.md 2a")
+    group.add_argument("--filters", default=None, metavar="FILE",
+                       help="the query filters of --scorer qfilter (default: where `mlx-knorm calibrate "
+                            "--model M` writes them for this --model)")
 
 
 def given_cache_settings(namespace: argparse.Namespace) -> dict:
@@ -240,7 +265,12 @@ class Session:
         self.loading_models(getattr(namespace, "draft_model", None))
         try:
             self.given = given_cache_settings(namespace)
-            self.config = cache_config(self.given)
+            # The qfilter scorer's filters (a server request may ask for it too).
+            filters = getattr(namespace, "filters", None)
+            model = getattr(namespace, "model", None)
+            if filters is None and model is not None and default_filters_path(model).is_file():
+                filters = str(default_filters_path(model))
+            self.config = cache_config({**self.given, "filters": filters})
             check_draft_tokens(getattr(namespace, "num_draft_tokens", None), "--num-draft-tokens")
         except ValueError as e:
             parser.error(str(e))
@@ -279,7 +309,7 @@ class Session:
         config = self.current_config()
         draft = self.is_draft(model)
         if draft:
-            config = replace(config, skip_layers=())
+            config = config.for_draft()
         cache = self.cache_factory(model, config) if self.cache_factory else config.make_cache(model)
         if not draft:  # the memory line reports the target's cache
             self.last_cache = cache

@@ -15,16 +15,13 @@ factor, the mean logit the queries give that key.
 from __future__ import annotations
 
 import contextlib
-import re
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from ..models.fetch import cache_dir
 from ..scorers import QueryFilters
 from . import data
 from .policies import attention_layers
@@ -104,10 +101,3 @@ def query_filters(model, sequences: np.ndarray, n_sink: int = 4) -> QueryFilters
         signs = np.where(np.einsum("gd,gd->g", top, sums[layer]) < 0, -1.0, 1.0)
         filters[layer] = (top * signs[:, None]).astype(np.float32)
     return QueryFilters(filters)
-
-
-def default_filters_path(model: str) -> Path:
-    """Where ``calibrate`` writes, and the commands look for, the filters of
-    ``model`` (as given to ``--model``) by default."""
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(model).rstrip("/")).strip("_") or "model"
-    return cache_dir() / "filters" / f"{name}.safetensors"

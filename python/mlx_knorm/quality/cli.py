@@ -109,7 +109,7 @@ def _filters(args):
     ``mlx-knorm calibrate --model M`` writes them; None without a qfilter policy."""
     if not any(p.score == "qfilter" for p in args.policies or ()):
         return None
-    from .calibrate import default_filters_path
+    from ..scorers import default_filters_path
 
     return args.filters or default_filters_path(args.model or MODEL_DIR)
 
@@ -179,7 +179,8 @@ def needle_command(args) -> int:
     clock = Clock()
     grid = run_grid(model, tokenizer, contexts=args.contexts, depths=args.depths, fractions=args.budgets,
                     n_sink=args.n_sink, prefill_step_size=args.prefill_step_size, seed=args.seed, progress=True,
-                    jobs=args.jobs, model_spec=model_spec(args.model, args), **needle_grid(args))
+                    jobs=args.jobs, model_spec=model_spec(args.model, args), filters=_filters(args),
+                    **needle_grid(args))
     timing = clock.stop()
     print(markdown_tables(grid))
     print(f"{len(grid.trials)} trials, {grid.prefill_tokens:,} prompt tokens read by the caches "
@@ -221,7 +222,8 @@ def demo_command(args) -> int:
 
 
 def calibrate_command(args) -> int:
-    from .calibrate import calibration_sequences, default_filters_path, query_filters
+    from ..scorers import default_filters_path
+    from .calibrate import calibration_sequences, query_filters
 
     model, tokenizer, _ = load(args.model, args)
     filters = query_filters(model, calibration_sequences(tokenizer, args.n_seqs, args.seq_len))
@@ -308,6 +310,9 @@ def register(commands) -> None:
     nd.add_argument("--prefill-step-size", type=_positive, default=PREFILL_STEP_SIZE,
                     help="prompt tokens per model call (generate_step's prefill_step_size)")
     nd.add_argument("--seed", type=int, default=0, help="seed of the keys and of random eviction")
+    nd.add_argument("--filters", type=Path,
+                    help="the query filters of the qfilter policies (default: where `mlx-knorm calibrate "
+                         "--model M` writes them)")
     _add_jobs_argument(nd, "policies and budgets")
     nd.add_argument("--plot", help="write the heatmaps (PNG) here")
     nd.add_argument("--json", help="write every trial and the accuracies as JSON here")

@@ -46,6 +46,7 @@ from mlx_lm.generate import generate_step
 
 from . import (HAYSTACKS, NEEDLE_BUDGET_FRACTIONS, NEEDLE_CONTEXTS, NEEDLE_DEPTHS, NEEDLE_HAYSTACKS, NEEDLE_KEYS,
                PREFILL_STEP_SIZE)
+from ..scorers import as_query_filters
 from .data import pydoc_topics
 from .policies import (FULL, NEEDLE_POLICIES, Policy, RandomEvictionCache, attention_layers, derived_key,
                        policy_cache)
@@ -259,7 +260,7 @@ def run_grid(model, tokenizer, haystacks=NEEDLE_HAYSTACKS, contexts=NEEDLE_CONTE
              fractions=NEEDLE_BUDGET_FRACTIONS, policies=NEEDLE_POLICIES, keys: int = NEEDLE_KEYS, n_sink: int = 4,
              prefill_step_size: int = PREFILL_STEP_SIZE, seed: int = 0, full: bool = True,
              progress: bool = False, jobs: int = 1, model_spec: ModelSpec | None = None,
-             replay: bool = True) -> Grid:
+             replay: bool = True, filters=None) -> Grid:
     """Every (haystack, context, depth, policy, budget fraction) with ``keys`` keys; the full cache once per depth.
 
     ``policies``: ``Policy`` objects or names (``policies.Policy.parse``).
@@ -273,12 +274,15 @@ def run_grid(model, tokenizer, haystacks=NEEDLE_HAYSTACKS, contexts=NEEDLE_CONTE
     ``model`` is); the trials are those of ``jobs=1``. ``replay``: a
     policy's cache takes the chunks it has not yet evicted from from the
     full cache's forward pass where that is exact (``replay.Replay``); the
-    trials are those of ``replay=False``.
+    trials are those of ``replay=False``. ``filters``: the model's query
+    filters (a ``mlx-knorm calibrate`` file or ``QueryFilters``), which
+    qfilter policies need.
     """
     from tqdm import tqdm
 
     policies = [p if isinstance(p, Policy) else Policy.parse(p) for p in policies]
     check_jobs(jobs, model_spec)
+    filters = as_query_filters(filters)
     if isinstance(keys, bool) or not isinstance(keys, int) or keys < 1:
         raise ValueError(f"keys must be a positive int, got {keys!r}")
     if isinstance(prefill_step_size, bool) or not isinstance(prefill_step_size, int) or prefill_step_size < 1:
@@ -313,7 +317,7 @@ def run_grid(model, tokenizer, haystacks=NEEDLE_HAYSTACKS, contexts=NEEDLE_CONTE
                     rows = policy.layer_budget(budget, context, layers, n_sink)
                     if rows is None:
                         continue
-                    policy_cache(model, policy, budget, context, n_sink)  # refuses what cannot run
+                    policy_cache(model, policy, budget, context, n_sink, filters=filters)  # refuses what cannot run
                     cuts.append((policy, fraction, budget, rows))
             plan.append((name, stream, context, prompts, cuts))
     # A policy at the same rows per layer builds the same cache at every context: one task reads the
@@ -331,7 +335,8 @@ def run_grid(model, tokenizer, haystacks=NEEDLE_HAYSTACKS, contexts=NEEDLE_CONTE
     # Progress in prompt tokens read: trials at long contexts cost more.
     costs = [_tokens_to_read([m.prompts for m in task.members], prefill_step_size) for task in tasks]
     bar = tqdm(total=sum(costs), desc="needle", unit="token", unit_scale=True, disable=not progress)
-    run_cut = functools.partial(_run_cut, n_sink=n_sink, step=prefill_step_size, seed=seed, max_tokens=max_tokens)
+    run_cut = functools.partial(_run_cut, n_sink=n_sink, step=prefill_step_size, seed=seed, max_tokens=max_tokens,
+                                filters=filters)
     by_slot = [None] * slots
     try:
         for task, (trials, counts) in zip(tasks, map_tasks(run_cut, tasks, jobs=jobs, bar=bar, model=model,
@@ -407,7 +412,7 @@ class _Task:
     replay_chunks: int
 
 
-def _run_cut(model, tokenizer, task: _Task, bar, *, n_sink, step, seed, max_tokens) -> tuple[list, dict]:
+def _run_cut(model, tokenizer, task: _Task, bar, *, n_sink, step, seed, max_tokens, filters=None) -> tuple[list, dict]:
     """``(trials per member, token counts)`` of one task: the shared haystack once, then each trial's tail.
 
     Every prompt starts with the haystack's stream (intro + filler) up to
@@ -435,7 +440,8 @@ def _run_cut(model, tokenizer, task: _Task, bar, *, n_sink, step, seed, max_toke
     snapshot_at = {(i, d): _snapshot_at(group, step)
                    for i, member in enumerate(task.members) for d, group in member.prompts.items()}
     first = task.members[0]
-    caches = policy_cache(model, policy, first.budget or first.context, first.context, n_sink, seed)
+    caches = policy_cache(model, policy, first.budget or first.context, first.context, n_sink, seed,
+                          filters=filters)
     snapshots, done = {}, 0
     for at in sorted(set(snapshot_at.values())):
         start = replayed(caches, stream, done, at)

@@ -362,7 +362,7 @@ def attention_layers(model, n_sink: int = 4) -> tuple[int, ...]:
 
 
 def policy_cache(model, policy: Policy | None, budget: int, context: int, n_sink: int = 4,
-                 seed: int = 0, layout: str | None = None) -> list:
+                 seed: int = 0, layout: str | None = None, filters=None) -> list:
     """The prompt cache that runs ``policy`` at ``budget`` rows per attention layer for a ``context``-token prompt.
 
     ``None`` is the full cache (``KVCache`` in every attention layer).
@@ -370,20 +370,22 @@ def policy_cache(model, policy: Policy | None, budget: int, context: int, n_sink
     layer, recent window and ``skip_layers``; window: mlx-lm's
     ``RotatingKVCache(max_size=budget + 1, keep=n_sink)``, which shows each
     query the same ``budget`` earlier rows as the other caches; random:
-    ``RandomEvictionCache``. Layers the model gives another cache
+    ``RandomEvictionCache``; keydiff, vnorm, qfilter: ``make_knorm_cache``
+    with that scorer (qfilter with ``filters``, the model's query filters).
+    Layers the model gives another cache
     (sliding-window, recurrent) keep it. With ``bits``, every cache that
     can is converted by its ``to_quantized`` (mlx-lm's ``kv_bits``):
     ``QuantizedL2NormKVCache``, and ``QuantizedKVCache`` for the full policy
     and skipped layers.
     """
-    caches = _float_policy_cache(model, policy, budget, context, n_sink, seed, layout)
+    caches = _float_policy_cache(model, policy, budget, context, n_sink, seed, layout, filters)
     if policy is None or policy.bits is None:
         return caches
     return [c.to_quantized(group_size=DEFAULT_KV_GROUP_SIZE, bits=policy.bits)
             if isinstance(c, (KVCache, L2NormKVCache)) else c for c in caches]
 
 
-def _float_policy_cache(model, policy, budget, context, n_sink, seed, layout) -> list:
+def _float_policy_cache(model, policy, budget, context, n_sink, seed, layout, filters) -> list:
     layers = attention_layers(model, n_sink)
     if policy is None or policy.score == "full":
         return make_prompt_cache(model)
@@ -397,10 +399,10 @@ def _float_policy_cache(model, policy, budget, context, n_sink, seed, layout) ->
         raise ValueError(f"policy {policy.name} has no room at budget {budget} for a {context}-token context")
     extra = {} if layout is None else {"layout": layout}
     recent = policy.recent_rows(rows)
-    caches = make_knorm_cache(model, budget=rows, n_sink=n_sink, recent=recent,
-                              keep="high" if policy.score == "keep-high" else "low",
-                              skip_layers=policy.skip, **extra)
-    if policy.score in ("keep-low", "keep-high"):
+    scorer, keep = CACHE_SCORERS.get(policy.score, ("knorm", "low"))
+    caches = make_knorm_cache(model, budget=rows, n_sink=n_sink, recent=recent, keep=keep, skip_layers=policy.skip,
+                              scorer=scorer, filters=filters if scorer == "qfilter" else None, **extra)
+    if policy.score in CACHE_SCORERS:
         return caches
     return [(RotatingKVCache(max_size=rows + 1, keep=n_sink) if policy.score == "window"
              else RandomEvictionCache(rows, n_sink, derived_key(seed, i), recent))
