@@ -30,7 +30,9 @@ cache: the median ms/token over the tokens after the warm-up, tokens/s
 thread's; on a machine shared with other work it moves less than wall time
 does), the peak memory of its prefill and of its decode, and minor page
 faults per token. Ours is make_knorm_cache as a user calls it, so with its
-default recent window (recorded as our_recent).
+default recent window (recorded as our_recent). With --scorers, ours also
+ranking by each scorer named (docs/spec.md §2a; layout "slots"), its
+tokens/s against RotatingKVCache's and against ours with the key norm.
 
 Peak memory: mx.reset_peak_memory() before each cache's prefill and before
 each of its decode rounds. The memory active at a reset holds the weights,
@@ -63,6 +65,7 @@ from mlx_knorm.bench.report import machine, markdown_table, now, verdict
 from mlx_knorm.bench.timing import minor_faults, summary, warm_up
 from mlx_knorm.cache import make_knorm_cache
 from mlx_knorm.defaults import DEFAULT_KV_GROUP_SIZE, default_recent
+from mlx_knorm.scorers import default_filters_path
 
 BUDGETS, PREFILL_STEP = (512,), 512
 # Targets for our cache against the baseline, checked in the report:
@@ -70,6 +73,8 @@ BUDGETS, PREFILL_STEP = (512,), 512
 MIN_TOKENS_PER_S_RATIO = 0.95
 MIN_QUANTIZED_TOKENS_PER_S_RATIO = 0.9
 MAX_PEAK_MEMORY_RATIO = 1.05
+# A scorer's decode against RotatingKVCache's and against the key norm's.
+MIN_SCORER_RATIO = 0.97
 
 
 def build_model(layers: int, intermediate: int, vocab: int) -> llama.Model:
@@ -110,7 +115,7 @@ def load_model(args):
     return model, description, mx.array(ids[: args.prompt]), "pydoc_data.topics, sorted by topic"
 
 
-def prompt_caches(model, budgets, kv_bits=None) -> dict:
+def prompt_caches(model, budgets, kv_bits=None, scorers=(), filters=None) -> dict:
     """(budget, name) -> make(): a fresh prompt cache (one cache per layer) of each kind
     that the cache-step benchmark times, at each budget; ours as a user builds it.
     KVCache keeps everything: one, listed under every budget. With ``kv_bits``:
@@ -133,6 +138,10 @@ def prompt_caches(model, budgets, kv_bits=None) -> dict:
         for layout in ("slots", "temporal"):
             kinds[(budget, layout)] = lambda layout=layout, budget=budget: make_knorm_cache(
                 model, budget=budget, n_sink=N_SINK, layout=layout)
+        for scorer in scorers:
+            kinds[(budget, scorer)] = lambda scorer=scorer, budget=budget: make_knorm_cache(
+                model, budget=budget, n_sink=N_SINK, scorer=scorer,
+                filters=filters if scorer == "qfilter" else None)
     return kinds
 
 
@@ -189,7 +198,10 @@ def run(args) -> dict:
     model, description, prompt, prompt_source = load_model(args)
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     decoders = {}
-    for key, make in prompt_caches(model, args.budgets, args.kv_bits).items():
+    filters = None
+    if "qfilter" in args.scorers:
+        filters = args.filters or default_filters_path(args.model or "")
+    for key, make in prompt_caches(model, args.budgets, args.kv_bits, args.scorers, filters).items():
         print(f"prefill {args.prompt} tokens: {key[1]} at budget {key[0]}", file=sys.stderr)
         decoders[key] = Decoder(model, make(), args.kv_bits)
         decoders[key].prefill(prompt)
@@ -222,7 +234,7 @@ def run(args) -> dict:
             c[f"tokens_per_s_ratio_to_{slug}"] = c["tokens_per_s"] / base["tokens_per_s"]
             c[f"cpu_ms_ratio_to_{slug}"] = c["cpu_median_ms"] / base["cpu_median_ms"]
             c[f"peak_memory_ratio_to_{slug}"] = c["peak_memory_bytes"] / base["peak_memory_bytes"]
-        per_budget[str(budget)] = {"caches": caches, "targets": targets(caches, args.kv_bits)}
+        per_budget[str(budget)] = {"caches": caches, "targets": targets(caches, args.kv_bits, args.scorers)}
     return {
         "benchmark": "decode_e2e",
         "mlx_knorm_version": __version__,
@@ -242,6 +254,7 @@ def run(args) -> dict:
         "kv_bits": args.kv_bits, "kv_group_size": DEFAULT_KV_GROUP_SIZE if args.kv_bits else None,
         "baseline": baseline,
         "our_recent": {str(b): default_recent(b, N_SINK) for b in args.budgets},
+        "scorers": list(args.scorers),
         "budgets": per_budget,
     }
 
@@ -253,9 +266,10 @@ def baseline_of(kv_bits) -> tuple[str, str, str]:
     return "QuantizedKVCache", "quantized", "QuantizedKVCache"
 
 
-def targets(caches: dict, kv_bits=None) -> dict:
+def targets(caches: dict, kv_bits=None, scorers=()) -> dict:
     """Ours against RotatingKVCache: tokens/s within 5%, peak memory within 5%;
-    quantized, against QuantizedKVCache: tokens/s within 10%."""
+    quantized, against QuantizedKVCache: tokens/s within 10%; each scorer's
+    tokens/s within 3% of RotatingKVCache's and of ours with the key norm."""
     slug = baseline_of(kv_bits)[1]
     min_speed = MIN_TOKENS_PER_S_RATIO if kv_bits is None else MIN_QUANTIZED_TOKENS_PER_S_RATIO
     out = {}
@@ -266,6 +280,13 @@ def targets(caches: dict, kv_bits=None) -> dict:
         if kv_bits is None:
             out[f"{layout}_peak_memory_ratio"] = verdict(
                 memory, memory <= MAX_PEAK_MEMORY_RATIO, f"<= {MAX_PEAK_MEMORY_RATIO:g}")
+    for scorer in scorers:
+        c = caches[scorer]
+        speed = c[f"tokens_per_s_ratio_to_{slug}"]
+        to_knorm = c["tokens_per_s"] / caches["slots"]["tokens_per_s"]
+        out[f"{scorer}_tokens_per_s_ratio"] = verdict(speed, speed >= MIN_SCORER_RATIO, f">= {MIN_SCORER_RATIO:g}")
+        out[f"{scorer}_tokens_per_s_ratio_to_knorm"] = verdict(
+            to_knorm, to_knorm >= MIN_SCORER_RATIO, f">= {MIN_SCORER_RATIO:g}")
     return out
 
 
@@ -331,8 +352,14 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=1024, help="random-weight llama: vocabulary")
     parser.add_argument("--kv-bits", type=int, choices=[2, 3, 4, 6, 8],
                         help="quantized caches instead: QuantizedKVCache and ours at these bits")
+    parser.add_argument("--scorers", type=lambda t: [v for v in t.split(",") if v], default=[],
+                        help="ours ranking by these scorers too, comma-separated (keydiff, vnorm, qfilter)")
+    parser.add_argument("--filters", help="qfilter's query filters (default: where mlx-knorm calibrate "
+                                          "writes them for --model)")
     parser.add_argument("--json", metavar="PATH", help="write the raw figures as JSON")
     args = parser.parse_args(argv)
+    if set(args.scorers) - {"keydiff", "vnorm", "qfilter"}:
+        parser.error(f"--scorers takes keydiff, vnorm and qfilter, got {args.scorers}")
     args.argv = sys.argv[1:] if argv is None else list(argv)
     args.prompt = args.prompt or (1024 if args.quick else 4096)
     args.tokens = args.tokens or (16 if args.quick else 96)
