@@ -289,11 +289,6 @@ void EvictAndFill::check_inputs(const EvictAndFillInputs& in) {
   }
 }
 
-bool EvictAndFill::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const EvictAndFill&>(other);
-  return config_ == o.config_ && executor_ == o.executor_;
-}
-
 // Also called by mx.compile(shapeless=True) for every new input shape,
 // without the op's argument checks having run: the shape relations the
 // kernels rely on are checked again here.

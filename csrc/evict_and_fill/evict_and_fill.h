@@ -28,6 +28,7 @@
 #include "common/cpu_dispatch.h"
 #include "common/executor.h"
 #include "common/launch_plan.h"
+#include "common/primitive.h"
 #include "common/selection.h"
 
 namespace mlx_knorm {
@@ -150,10 +151,9 @@ std::vector<mx::array> evict_and_fill(
     Executor executor = Executor::Native,
     mx::StreamOrDevice s = {});
 
-class EvictAndFill : public mx::Primitive {
+class EvictAndFill : public ConfiguredPrimitive<EvictAndFillConfig> {
  public:
-  EvictAndFill(mx::Stream stream, EvictAndFillConfig config, Executor executor)
-      : mx::Primitive(stream), config_(config), executor_(executor) {}
+  using ConfiguredPrimitive::ConfiguredPrimitive;
 
   void eval_cpu(
       const std::vector<mx::array>& inputs,
@@ -165,7 +165,6 @@ class EvictAndFill : public mx::Primitive {
   const char* name() const override {
     return "EvictAndFill";
   }
-  bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(
       const std::vector<mx::array>& inputs) override;
 
@@ -185,9 +184,6 @@ class EvictAndFill : public mx::Primitive {
   [[nodiscard]] LentSiblingInputs prepare_eval(
       const std::vector<mx::array>& inputs,
       std::vector<mx::array>& outputs);
-
-  EvictAndFillConfig config_;
-  Executor executor_;
 };
 
 // The kernels, on row-contiguous inputs and allocated outputs. An output

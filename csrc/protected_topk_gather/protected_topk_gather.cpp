@@ -86,11 +86,6 @@ void ProtectedTopKGather::check_inputs(const GatherInputs& in) {
   check_selection_config(config_);
 }
 
-bool ProtectedTopKGather::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const ProtectedTopKGather&>(other);
-  return config_ == o.config_ && executor_ == o.executor_;
-}
-
 // Also called by mx.compile(shapeless=True) for every new input shape,
 // without the op's argument checks having run: the shape relations the
 // kernels rely on are checked again here.

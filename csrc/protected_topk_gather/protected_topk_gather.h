@@ -18,6 +18,7 @@
 #include "common/cpu_dispatch.h"
 #include "common/executor.h"
 #include "common/launch_plan.h"
+#include "common/primitive.h"
 #include "common/selection.h"
 
 namespace mlx_knorm {
@@ -65,10 +66,9 @@ std::vector<mx::array> protected_topk_gather(
     Executor executor = Executor::Native,
     mx::StreamOrDevice s = {});
 
-class ProtectedTopKGather : public mx::Primitive {
+class ProtectedTopKGather : public ConfiguredPrimitive<SelectionConfig> {
  public:
-  ProtectedTopKGather(mx::Stream stream, SelectionConfig config, Executor executor)
-      : mx::Primitive(stream), config_(config), executor_(executor) {}
+  using ConfiguredPrimitive::ConfiguredPrimitive;
 
   void eval_cpu(
       const std::vector<mx::array>& inputs,
@@ -80,7 +80,6 @@ class ProtectedTopKGather : public mx::Primitive {
   const char* name() const override {
     return "ProtectedTopKGather";
   }
-  bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(
       const std::vector<mx::array>& inputs) override;
 
@@ -100,9 +99,6 @@ class ProtectedTopKGather : public mx::Primitive {
   [[nodiscard]] LentSiblingInputs prepare_eval(
       const std::vector<mx::array>& inputs,
       std::vector<mx::array>& outputs);
-
-  SelectionConfig config_;
-  Executor executor_;
 };
 
 // The kernels, on row-contiguous inputs and allocated outputs (keys, values

@@ -134,11 +134,6 @@ void RowScores::check_inputs(const RowScoresInputs& in) {
   }
 }
 
-bool RowScores::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const RowScores&>(other);
-  return config_ == o.config_ && executor_ == o.executor_;
-}
-
 // Also called by mx.compile(shapeless=True) for every new input shape,
 // without the op's argument checks having run.
 std::vector<mx::Shape> RowScores::output_shapes(const std::vector<mx::array>& inputs) {

@@ -23,6 +23,7 @@
 #include "common/cpu_dispatch.h"
 #include "common/executor.h"
 #include "common/launch_plan.h"
+#include "common/primitive.h"
 #include "common/multi_output.h"
 
 namespace mlx_knorm {
@@ -97,10 +98,9 @@ std::vector<mx::array> row_scores(
     Executor executor = Executor::Native,
     mx::StreamOrDevice s = {});
 
-class RowScores : public mx::Primitive {
+class RowScores : public ConfiguredPrimitive<RowScoresConfig> {
  public:
-  RowScores(mx::Stream stream, RowScoresConfig config, Executor executor)
-      : mx::Primitive(stream), config_(config), executor_(executor) {}
+  using ConfiguredPrimitive::ConfiguredPrimitive;
 
   void eval_cpu(
       const std::vector<mx::array>& inputs,
@@ -112,7 +112,6 @@ class RowScores : public mx::Primitive {
   const char* name() const override {
     return "RowScores";
   }
-  bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(
       const std::vector<mx::array>& inputs) override;
 
@@ -127,9 +126,6 @@ class RowScores : public mx::Primitive {
   void prepare_eval(
       const std::vector<mx::array>& inputs,
       std::vector<mx::array>& outputs);
-
-  RowScoresConfig config_;
-  Executor executor_;
 };
 
 // The kernels, on row-contiguous inputs and allocated outputs: the CPU
