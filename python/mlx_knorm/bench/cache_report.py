@@ -9,6 +9,7 @@ import mlx.core as mx
 
 from .. import __version__
 from ..backend import backend_info
+from ..extras import install_hint
 from .report import faults_text, markdown_table, verdict
 
 # Targets for our cache's decode step, checked in the report (never in tests).
@@ -117,7 +118,7 @@ def print_cache_report(report: dict) -> None:
           "in rounds; medians over all timed steps; faults/step = minor page faults per step. "
           "evict_and_fill: the op of the slot layout's step alone, on donated buffers.")
     if report["reference_version"] is None:
-        print("reference (veloxquant-mlx) not installed: pip install 'mlx-knorm[bench]'")
+        print(f"The reference (veloxquant-mlx) is not installed: {install_hint('bench')}")
     print(cache_table(report))
     print("\nTargets (this run):")
     for r in report["configs"]:
