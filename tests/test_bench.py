@@ -247,7 +247,7 @@ def test_commands_program_compares_draft_models_and_kv_bits(tmp_path):
     assert cases["self draft"]["acceptance_rate"] == 1.0 and cases["no draft"]["acceptance_rate"] == 0
     wide = write_tiny_llama(tmp_path / "wide", head_dim=WIDE_HEAD_DIM)
     _, report = run_program("commands.py", ["--compare", "kv-bits", "--model", str(wide), *small], tmp_path)
-    kv = {name: c["kv_kept_bytes"] for name, c in report["kv_bits"]["cases"].items()}
+    kv = {name: c["kv_allocated_bytes"] for name, c in report["kv_bits"]["cases"].items()}
     # 4 layers x 4 heads x 17 slots: float16 rows of 64, or packed with a
     # float16 scale and bias; in the memory line's MB of 3 decimals.
     slots = 4 * 4 * 17
