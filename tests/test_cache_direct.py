@@ -8,6 +8,7 @@ from __future__ import annotations
 import warnings
 from types import SimpleNamespace
 
+import mlx.core as mx
 import pytest
 
 from tiny_models import tiny_model
@@ -26,6 +27,21 @@ def test_built_without_recent_it_warns_that_this_is_the_paper_s_rule():
     assert caught[0].filename == __file__
 
 
+def filled(cache):
+    cache.update_and_fetch(mx.zeros((1, 2, 3, 8)), mx.zeros((1, 2, 3, 8)))
+    return cache
+
+
+def reloaded(cache):
+    from tempfile import TemporaryDirectory
+
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    with TemporaryDirectory() as where:
+        save_prompt_cache(f"{where}/c.safetensors", [cache])
+        return load_prompt_cache(f"{where}/c.safetensors")
+
+
 @pytest.mark.parametrize("build", [
     lambda: L2NormKVCache(budget=64, recent=0),
     lambda: L2NormKVCache(budget=64, recent=default_recent(64, 4)),
@@ -33,6 +49,8 @@ def test_built_without_recent_it_warns_that_this_is_the_paper_s_rule():
     lambda: L2NormKVCache(SimpleNamespace(knorm_budget=64, knorm_recent=0)),
     lambda: make_knorm_cache(tiny_model("llama", layers=2), budget=64),
     lambda: L2NormKVCache(budget=64, recent=0).to_quantized(group_size=32),
+    lambda: L2NormKVCache.merge([filled(L2NormKVCache(budget=8, recent=0))]).extract(0),
+    lambda: reloaded(filled(L2NormKVCache(budget=8, recent=0))),
 ])
 def test_a_cache_whose_window_was_chosen_builds_quietly(build):
     with warnings.catch_warnings():
