@@ -1,6 +1,6 @@
 """``mlx-knorm generate`` and ``mlx-knorm server`` next to what a user bounding
 the KV cache picks today: mlx-lm with a ``RotatingKVCache`` of the same size
-(docs/commands.md's table; the targets: decode tokens/s within 5%, peak
+(docs/benchmarks.md's commands table; the targets: decode tokens/s within 5%, peak
 memory within 5%).
 
     python bench/commands.py --model DIR --json bench/results/commands-cpu.json
