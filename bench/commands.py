@@ -1,6 +1,6 @@
 """``mlx-knorm generate`` and ``mlx-knorm server`` next to what a user bounding
 the KV cache picks today: mlx-lm with a ``RotatingKVCache`` of the same size
-(docs/commands.md's table; the targets: decode tokens/s within 5%, peak
+(docs/benchmarks.md's commands table; the targets: decode tokens/s within 5%, peak
 memory within 5%).
 
     python bench/commands.py --model DIR --json bench/results/commands-cpu.json
@@ -79,6 +79,7 @@ from mlx_knorm.bench.timing import minor_faults, warm_up
 from mlx_knorm.commands import generate as generate_command
 from mlx_knorm.commands import server as server_command
 from mlx_knorm.commands.loading import load_model, model_cache
+from mlx_knorm.commands.memory import parse_kv_memory_lines
 from mlx_knorm.quality import MODEL_DIR
 
 SIDES = ("mlx-knorm", "RotatingKVCache")
@@ -124,9 +125,6 @@ def generate_once(side: str, args, prompt: str, max_tokens: int) -> dict:
 
 # -- kv-bits and draft models ------------------------------------------------
 
-KV_LINE = re.compile(r"KV cache: ([0-9.]+) MB kept, ([0-9.]+) MB for a full cache")
-
-
 def full_cache(model, config) -> list:
     """The model's own cache, as mlx-lm builds it without us (no eviction)."""
     return model_cache(model)
@@ -170,11 +168,11 @@ def generate_text(args, prompt: str, max_tokens: int, flags: list, factory=None)
     if status != 0:
         raise RuntimeError(f"mlx-knorm generate {' '.join(flags)} exited {status}:\n{text}")
     stats = {name: (int(n), float(tps)) for name, n, tps in STAT.findall(text)}
-    kept, full = map(float, KV_LINE.search(text).groups())
+    [kv] = parse_kv_memory_lines(text)
     return {"prompt_tokens": stats["Prompt"][0], "prompt_tokens_per_s": stats["Prompt"][1],
             "generation_tokens": stats["Generation"][0], "tokens_per_s": stats["Generation"][1],
-            "peak_memory_bytes": peak, "faults": faults, "kv_kept_bytes": kept * 1e6,
-            "kv_full_bytes": full * 1e6, "accepted_drafts": sum(drafted),
+            "peak_memory_bytes": peak, "faults": faults, "kv_allocated_bytes": kv["allocated_mb"] * 1e6,
+            "kv_held_bytes": kv["held_mb"] * 1e6, "kv_full_bytes": kv["full_mb"] * 1e6, "accepted_drafts": sum(drafted),
             "drafted": drafted_tokens(drafted, args.num_draft_tokens) if "--draft-model" in flags else 0,
             "target_trims": trim_counts(trims[0::2]), "draft_trims": trim_counts(trims[1::2]),
             "text": text.split("==========")[1]}
@@ -262,12 +260,13 @@ def kv_bits_report(args, texts) -> dict:
                       KV_BITS_CASES, texts, args)
     cases = {name: summarize(runs) for name, runs in results.items()}
     for name, summary in cases.items():
-        summary["kv_kept_bytes"] = statistics.median(r["kv_kept_bytes"] for r in results[name])
+        for field in ("kv_allocated_bytes", "kv_held_bytes"):
+            summary[field] = statistics.median(r[field] for r in results[name])
     base = cases["eviction float"]
     full = cases["full float"]
     for summary in cases.values():
-        summary["kv_vs_eviction_float"] = summary["kv_kept_bytes"] / base["kv_kept_bytes"]
-        summary["kv_vs_full_float"] = summary["kv_kept_bytes"] / full["kv_kept_bytes"]
+        summary["kv_vs_eviction_float"] = summary["kv_allocated_bytes"] / base["kv_allocated_bytes"]
+        summary["kv_vs_full_float"] = summary["kv_allocated_bytes"] / full["kv_allocated_bytes"]
         summary["peak_vs_full_float"] = summary["peak_memory_bytes"] / full["peak_memory_bytes"]
     for summary in cases.values():
         for r in summary["rounds"]:
@@ -473,10 +472,11 @@ def run(args) -> dict:
 def print_kv_bits(report: dict) -> None:
     print(f"model {report['model']}; prompt {report['prompt_tokens']} tokens, {report['decode_tokens']} "
           f"decoded, budget {report['budget']}; {report['rounds']} rounds, medians")
-    header = ["cache", "KV MB", "vs eviction float", "vs full float", "peak MB", "vs full float",
-              "decode tokens/s"]
-    rows = [[name, f"{c['kv_kept_bytes'] / 1e6:.3f}", f"{c['kv_vs_eviction_float']:.3f}x",
-             f"{c['kv_vs_full_float']:.3f}x", f"{c['peak_memory_bytes'] / 1e6:.1f}",
+    header = ["cache", "KV MB allocated", "vs eviction float", "vs full float", "KV MB held", "peak MB",
+              "vs full float", "decode tokens/s"]
+    rows = [[name, f"{c['kv_allocated_bytes'] / 1e6:.3f}", f"{c['kv_vs_eviction_float']:.3f}x",
+             f"{c['kv_vs_full_float']:.3f}x", f"{c['kv_held_bytes'] / 1e6:.3f}",
+             f"{c['peak_memory_bytes'] / 1e6:.1f}",
              f"{c['peak_vs_full_float']:.3f}x", f"{c['tokens_per_s']:.4g}"]
             for name, c in report["kv_bits"]["cases"].items()]
     print(markdown_table(header, rows))

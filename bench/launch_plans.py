@@ -44,7 +44,7 @@ def recorded(run) -> list[dict]:
 
 
 def cache_steps(batch: int, heads: int, dim: int, layout: str = "slots"):
-    cache = L2NormKVCache(budget=BUDGET, layout=layout)
+    cache = L2NormKVCache(budget=BUDGET, recent=0, layout=layout)
 
     def step(steps: int) -> None:
         keys = mx.ones((batch, heads, steps, dim), mx.float16)

@@ -15,6 +15,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
+from mlx_knorm.commands.memory import parse_kv_memory_lines
 from mlx_knorm.quality import MODEL_DIR
 
 # A random-weight float16 llama (so the cache stores exactly what KVCache
@@ -83,12 +84,19 @@ def succeeded(result: subprocess.CompletedProcess) -> subprocess.CompletedProces
     return result
 
 
-KV_LINE = re.compile(r"KV cache: ([0-9.]+) MB kept, ([0-9.]+) MB for a full cache \((\d+) tokens, (budget \d+|window \d+|no eviction)\)")
+def kv_lines(text: str) -> list[dict]:
+    """Every KV memory line in ``text``: tokens, held_mb, allocated_mb, full_mb, kinds."""
+    return parse_kv_memory_lines(text)
 
 
-def kv_lines(text: str) -> list[tuple[float, float, int, str]]:
-    """Every KV memory line in ``text``: (kept MB, full MB, tokens, budget)."""
-    return [(float(k), float(f), int(t), b) for k, f, t, b in KV_LINE.findall(text)]
+def mb(n: int) -> float:
+    """Bytes in the memory line's MB, as it rounds them."""
+    return round(n / 1e6, 3)
+
+
+def evicting(line: dict, budget: int) -> bool:
+    """Whether a memory line's caches are eviction caches of ``budget`` first."""
+    return line["kinds"].startswith(f"eviction (budget {budget}")
 
 
 def mlx_lm_stat(text: str, name: str) -> int:

@@ -247,7 +247,7 @@ def test_commands_program_compares_draft_models_and_kv_bits(tmp_path):
     assert cases["self draft"]["acceptance_rate"] == 1.0 and cases["no draft"]["acceptance_rate"] == 0
     wide = write_tiny_llama(tmp_path / "wide", head_dim=WIDE_HEAD_DIM)
     _, report = run_program("commands.py", ["--compare", "kv-bits", "--model", str(wide), *small], tmp_path)
-    kv = {name: c["kv_kept_bytes"] for name, c in report["kv_bits"]["cases"].items()}
+    kv = {name: c["kv_allocated_bytes"] for name, c in report["kv_bits"]["cases"].items()}
     # 4 layers x 4 heads x 17 slots: float16 rows of 64, or packed with a
     # float16 scale and bias; in the memory line's MB of 3 decimals.
     slots = 4 * 4 * 17
@@ -278,3 +278,50 @@ def test_batch_decode_program_on_tiny_prompts(tmp_path):
     caches = program["single_caches"](model, 16)
     merged = [type(c[0].merge([c[0]])).__name__ for c in (make() for make in caches.values())]
     assert merged == ["BatchKVCache", "BatchRotatingKVCache", "BatchL2NormKVCache"]
+
+
+def recorded_quick_report() -> dict:
+    """bench/results/quick-cpu.json (a real run of the main job), its targets
+    judged by this version's rules."""
+    from mlx_knorm.bench.cases import Case
+    from mlx_knorm.bench.report import case_targets
+
+    report = json.loads((BENCH / "results" / "quick-cpu.json").read_text())
+    for case in report["cases"]:
+        case["targets"] = case_targets(Case(**case["case"]), case)
+    return report
+
+
+def test_the_main_job_reports_findings_and_only_the_live_targets(capsys):
+    from mlx_knorm.bench.report import print_report
+
+    report = recorded_quick_report()
+    # Live targets on the target decode steps only; no speed-up over the
+    # reference or the fallback is a target (those are findings).
+    for case in report["cases"]:
+        expected = {"ratio_to_memcpy", "in_place_ratio_to_memcpy"} if case["case"]["kind"] == "decode" else set()
+        assert set(case["targets"]) == expected
+    print_report(report)
+    out = capsys.readouterr().out
+    assert "MISSED" not in out and "does not hold" not in out
+    assert "Machine: AMD EPYC, 2 cores, Linux" in out and "load average 6.1 at the start" in out
+    assert "judge the targets on an idle machine" in out  # 6.1 on 2 cores: busy
+    assert "bit for bit in 4 of 4 cases" in out
+    assert "prefill: the kernel is 27x-32x the fallback's speed and 32x-39x the reference's" in out
+    assert "1006 vs 8160 (decode S=1 budget=2048)" in out
+    assert out.count(": holds") == 4
+
+
+def test_a_live_target_missed_says_so_and_a_quiet_machine_is_not_called_busy(capsys):
+    from mlx_knorm.bench.cases import Case
+    from mlx_knorm.bench.report import case_targets, print_report
+
+    report = recorded_quick_report()
+    report["machine"]["load_average_1_5_15_min"] = [0.2, 0.3, 0.4]
+    decode = report["cases"][0]
+    decode["ratio_to_memcpy"] = 3.5
+    decode["targets"] = case_targets(Case(**decode["case"]), decode)
+    print_report(report)
+    out = capsys.readouterr().out
+    assert "decode S=1 budget=512: kernel / a copy of its outputs 3.5x (target <= 3): does not hold in this run" in out
+    assert "load average 0.2 at the start" in out and "idle machine" not in out

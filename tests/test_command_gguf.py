@@ -14,7 +14,7 @@ pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from command_runs import MLX_KNORM, MLX_LM, command_env, kv_lines, mlx_lm_stat, run, succeeded  # noqa: E402
+from command_runs import MLX_KNORM, MLX_LM, command_env, evicting, kv_lines, mlx_lm_stat, run, succeeded  # noqa: E402
 from tiny_gguf import write_model  # noqa: E402
 
 PROMPT = "the tin man"
@@ -46,10 +46,10 @@ def test_generate_on_a_gguf_file_past_the_budget_keeps_the_budget(gguf_model):
     out = succeeded(run([*MLX_KNORM, "generate", "--model", path, "--prompt", PROMPT, "--max-tokens", "50",
                          "--budget", budget], env)).stdout
     assert mlx_lm_stat(out, "Generation") == 50
-    [(kept, full, tokens, label)] = kv_lines(out)
-    assert label == f"budget {budget}"
-    assert tokens == mlx_lm_stat(out, "Prompt") + 50 > budget
-    assert 0 < kept < full
+    [line] = kv_lines(out)
+    assert evicting(line, budget)
+    assert line["tokens"] == mlx_lm_stat(out, "Prompt") + 50 > budget
+    assert 0 < line["held_mb"] < line["full_mb"]
 
 
 def test_chat_on_a_gguf_file_is_chat_on_its_conversion(gguf_model):

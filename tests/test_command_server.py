@@ -27,7 +27,9 @@ from command_runs import (
     MLX_LM,
     WIDE_HEAD_DIM,
     command_env,
+    evicting,
     kv_lines,
+    mb,
     run,
     tiny_kv_bytes,
     write_tiny_llama,
@@ -414,12 +416,13 @@ def test_past_the_budget_a_request_goes_on_and_memory_stays_at_the_budget(server
     tokens = (len(LONG_PROMPT) + 30, 2 * len(LONG_PROMPT) + 30)
     deadline = time.monotonic() + 10
     while True:
-        lines = {line[2]: line for line in kv_lines(server.log_text())[before:]}
+        lines = {line["tokens"]: line for line in kv_lines(server.log_text())[before:]}
         if all(t in lines for t in tokens) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    (kept_1, full_1, _, label_1), (kept_2, full_2, _, _) = (lines[t] for t in tokens)
-    assert kept_1 == kept_2 < full_1 < full_2 and label_1 == f"budget {BUDGET}"
+    first, second = (lines[t] for t in tokens)
+    assert first["held_mb"] == second["held_mb"] < first["full_mb"] < second["full_mb"]
+    assert evicting(first, BUDGET)
     assert "Peak memory:" in server.log_text()
 
 
@@ -523,11 +526,11 @@ def test_kv_bits_on_the_server_keeps_budget_quantized_rows(tmp_path_factory, env
         deadline = time.monotonic() + 10
         while not kv_lines(s.log_text()) and time.monotonic() < deadline:
             time.sleep(0.1)
-        [(kept, full, tokens, label)] = kv_lines(s.log_text())
+        [line] = kv_lines(s.log_text())
     finally:
         s.stop()
-    assert label == "budget 48" and tokens > 48
-    assert kept == round(tiny_kv_bytes(48, WIDE_HEAD_DIM, bits=4, group_size=32) / 1e6, 3) < full
+    assert evicting(line, 48) and line["tokens"] > 48
+    assert line["allocated_mb"] == mb(tiny_kv_bytes(48, WIDE_HEAD_DIM, bits=4, group_size=32)) < line["full_mb"]
     model, tokenizer = load(str(models["wide"]))
     mx.random.seed(3)
     assert answer == generate(model, tokenizer, LONG_PROMPT[:200], max_tokens=40,

@@ -15,9 +15,13 @@ import pytest
 from command_runs import (
     MLX_KNORM,
     MLX_LM,
+    TINY_HEAD_DIM,
+    TINY_KV_HEADS,
     WIDE_HEAD_DIM,
     command_env,
+    evicting,
     kv_lines,
+    mb,
     mlx_lm_stat,
     run,
     succeeded,
@@ -106,23 +110,28 @@ def test_generate_past_the_budget_goes_on_and_memory_stays_at_the_budget(tiny, e
                              "--max-tokens", max_tokens, "--max-kv-size", budget], env)).stdout
         assert mlx_lm_stat(out, "Generation") == max_tokens
         assert "Peak memory:" in out
-        [(kept, full, tokens, label)] = kv_lines(out)
-        assert tokens == mlx_lm_stat(out, "Prompt") + max_tokens > budget
-        assert label == f"budget {budget}"
-        runs.append((kept, full))
-    (kept_60, full_60), (kept_120, full_120) = runs
-    assert kept_60 == kept_120 == round(tiny_kv_bytes(budget) / 1e6, 3)
-    assert full_120 > full_60 > kept_60
+        [line] = kv_lines(out)
+        assert line["tokens"] == mlx_lm_stat(out, "Prompt") + max_tokens > budget
+        assert line["kinds"] == f"eviction (budget {budget}) in layers 0-3"
+        runs.append(line)
+    first, second = runs
+    # The budget's rows and the newest in every layer, in the slots allocated.
+    assert first["held_mb"] == second["held_mb"] == first["allocated_mb"] == mb(tiny_kv_bytes(budget))
+    assert second["full_mb"] > first["full_mb"] > first["held_mb"]
 
 
 def test_skip_layers_keep_every_token_in_those_layers(tiny, env):
     out = succeeded(run([*MLX_KNORM, "generate", "--model", tiny, "--prompt", "hello there",
                          "--max-tokens", "120", "--budget", "48", "--skip-layers", "0,1"], env)).stdout
-    [(kept, _, tokens, _)] = kv_lines(out)
+    [line] = kv_lines(out)
     # Two evicting layers at the budget; two KVCaches of 256-slot steps.
     per_layer = tiny_kv_bytes(48) / 4
-    kv_cache_layer = 4 * 256 * -(-tokens // 256) * 8 * 2 * 2
-    assert kept == round((2 * per_layer + 2 * kv_cache_layer) / 1e6, 3)
+    kv_cache_row = TINY_KV_HEADS * TINY_HEAD_DIM * 2 * 2
+    kv_cache_layer = 256 * -(-line["tokens"] // 256) * kv_cache_row
+    assert line["allocated_mb"] == mb(2 * per_layer + 2 * kv_cache_layer)
+    assert line["held_mb"] == mb(2 * per_layer + 2 * line["tokens"] * kv_cache_row)
+    assert line["kinds"].startswith("eviction (budget 48) in layers 2-3: ")
+    assert "; no eviction in 2 layers: " in line["kinds"]
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "cache-prompt", "server"])
@@ -159,10 +168,11 @@ def test_kv_bits_past_the_budget_keeps_budget_quantized_rows(wide, env):
                          "--max-tokens", "120", "--budget", "48", "--kv-bits", "4", "--kv-group-size", "32",
                          "--quantized-kv-start", "0"], env)).stdout
     assert mlx_lm_stat(out, "Generation") == 120
-    [(kept, full, tokens, label)] = kv_lines(out)
-    assert label == "budget 48" and tokens > 48
-    assert kept == round(tiny_kv_bytes(48, WIDE_HEAD_DIM, bits=4, group_size=32) / 1e6, 3) < full
-    assert kept < tiny_kv_bytes(48, WIDE_HEAD_DIM) / 1e6 * 0.35
+    [line] = kv_lines(out)
+    assert line["kinds"] == "eviction (budget 48, 4-bit rows) in layers 0-3" and line["tokens"] > 48
+    held = mb(tiny_kv_bytes(48, WIDE_HEAD_DIM, bits=4, group_size=32))
+    assert line["held_mb"] == line["allocated_mb"] == held < line["full_mb"]
+    assert held < tiny_kv_bytes(48, WIDE_HEAD_DIM) / 1e6 * 0.35
 
 
 def test_a_draft_model_gives_the_tokens_of_ordinary_decoding(tiny, env):
@@ -202,9 +212,9 @@ def test_a_model_drafting_for_itself_is_the_target_once_and_the_draft_once(env):
     text = lambda out: out.split("==========")[1]
     assert text(drafted) == text(plain) and len(text(plain)) > 50
     # The target's cache (mlx-lm's speculative loop leaves its last token unfed).
-    [(kept, _, tokens, label)] = kv_lines(drafted)
-    [(_, _, plain_tokens, _)] = kv_lines(plain)
-    assert label == "budget 32" and tokens == plain_tokens - 1 and kept > 0
+    [line] = kv_lines(drafted)
+    [plain_line] = kv_lines(plain)
+    assert evicting(line, 32) and line["tokens"] == plain_line["tokens"] - 1 and line["held_mb"] > 0
 
 
 def test_skip_layers_are_the_target_s_not_the_draft_s(tmp_path, env):
@@ -245,8 +255,8 @@ def test_cache_prompt_writes_mlx_lm_s_file_with_budget_rows(prompt_caches):
     for layer in range(4):
         assert ours[f"{layer}.0"].shape == ours[f"{layer}.1"].shape == (1, 2, 64, 16)
         assert ours[f"{layer}.2"].shape == ours[f"{layer}.3"].shape == (1, 2, 64)
-    [(_, _, tokens, label)] = kv_lines(out)
-    assert tokens == len(DOCUMENT) and label == "budget 64"
+    [line] = kv_lines(out)
+    assert line["tokens"] == len(DOCUMENT) and evicting(line, 64)
     assert "Peak memory:" in out
 
 
@@ -263,8 +273,8 @@ def test_generate_answers_from_a_prompt_cache_as_mlx_lm_does(prompt_caches, env)
     small = succeeded(run([*MLX_KNORM, "generate", "--prompt-cache-file", files["budget64"],
                            "--prompt", "def ", "--max-tokens", "40"], env)).stdout
     assert mlx_lm_stat(small, "Generation") == 40
-    [(kept, _, tokens, label)] = kv_lines(small)
-    assert tokens == len(DOCUMENT) + 4 + 40 and label == "budget 64"
+    [line] = kv_lines(small)
+    assert line["tokens"] == len(DOCUMENT) + 4 + 40 and evicting(line, 64)
 
 
 def test_a_draft_model_answers_from_a_prompt_cache_what_decoding_without_one_gives(prompt_caches, tiny, env):
@@ -275,8 +285,8 @@ def test_a_draft_model_answers_from_a_prompt_cache_what_decoding_without_one_giv
     plain = succeeded(run([*MLX_KNORM, "generate", *args], env)).stdout
     drafted = succeeded(run([*MLX_KNORM, "generate", *args, "--draft-model", tiny], env)).stdout
     assert drafted.split("==========")[1] == plain.split("==========")[1]
-    [(_, _, tokens, label)] = kv_lines(drafted)
-    assert label == "budget 64" and tokens == kv_lines(plain)[0][2] - 1
+    [line] = kv_lines(drafted)
+    assert evicting(line, 64) and line["tokens"] == kv_lines(plain)[0]["tokens"] - 1
 
 
 def _tamper(source, target, arrays=None, metadata=None):
@@ -343,12 +353,12 @@ def test_quantized_prompt_caches_save_load_and_answer_as_mlx_lm_s(quantized_cach
                             *SAMPLING, "--verbose", "F"], env))
     assert ours.stdout == theirs.stdout and ours.stdout.strip()
     small = succeeded(run([*MLX_KNORM, "generate", "--prompt-cache-file", files["budget64"], *args], env)).stdout
-    [(kept, full, tokens, label)] = kv_lines(small)
+    [line] = kv_lines(small)
     from mlx_lm.models.cache import load_prompt_cache
 
     cached = load_prompt_cache(str(files["budget64"]))[0].offset
-    assert label == "budget 64" and tokens == cached + mlx_lm_stat(small, "Prompt") + 24 > 64
-    assert kept == round(tiny_kv_bytes(64, WIDE_HEAD_DIM, bits=4, group_size=32) / 1e6, 3) < full
+    assert evicting(line, 64) and line["tokens"] == cached + mlx_lm_stat(small, "Prompt") + 24 > 64
+    assert line["allocated_mb"] == mb(tiny_kv_bytes(64, WIDE_HEAD_DIM, bits=4, group_size=32)) < line["full_mb"]
 
 
 @pytest.mark.parametrize("case", ["bits", "group size", "norms", "scales"])
@@ -377,7 +387,7 @@ def _strip(text: str) -> str:
     """Chat output without colours, and without the lines whose figures vary
     between runs (mlx-lm's speeds) or are ours (the KV memory line)."""
     return "\n".join(line for line in _plain(text).splitlines()
-                     if "tok/s" not in line and "KV cache:" not in line)
+                     if "tok/s" not in line and "KV cache (" not in line)
 
 
 def test_chat_turns_are_mlx_lm_s_within_the_budget_and_go_on_past_it(tiny, env):
@@ -387,11 +397,12 @@ def test_chat_turns_are_mlx_lm_s_within_the_budget_and_go_on_past_it(tiny, env):
     theirs = succeeded(run([*MLX_LM, "chat", *args], env, stdin=turns)).stdout
     assert _strip(ours) == _strip(theirs)
     lines = kv_lines(ours)
-    assert len(lines) == 2 and lines[1][2] > lines[0][2]
+    assert len(lines) == 2 and lines[1]["tokens"] > lines[0]["tokens"]
     # Past the budget: the second turn still answers; the cache stays at the budget.
     small = succeeded(run([*MLX_KNORM, "chat", *args, "--budget", "32"], env, stdin=turns)).stdout
-    (kept_1, _, tokens_1, _), (kept_2, _, tokens_2, _) = kv_lines(small)
-    assert tokens_2 > tokens_1 > 32 and kept_1 == kept_2 == round(tiny_kv_bytes(32) / 1e6, 3)
+    first, second = kv_lines(small)
+    assert second["tokens"] > first["tokens"] > 32
+    assert first["allocated_mb"] == second["allocated_mb"] == mb(tiny_kv_bytes(32)) >= second["held_mb"]
     assert len(re.findall(r"^ *24 tokens ·", _plain(small), re.M)) == 2
 
 

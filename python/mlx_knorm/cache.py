@@ -67,6 +67,7 @@ resolves the class names of a saved cache in that module's namespace.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any, Iterable
 
 import mlx.core as mx
@@ -736,6 +737,15 @@ class L2NormKVCache(L2NormCacheBase):
     layer's ``[H, D]`` query filters, or a callable). Invalid settings raise
     ``ValueError``/``TypeError`` naming the argument.
 
+    ``make_knorm_cache(model, budget)`` is the way to build a model's caches:
+    it keeps half the budget as a recent window (docs/quality.md). Built
+    here without ``recent`` (neither the argument nor the config's
+    ``knorm_recent``), the cache takes the reference's 0, the paper's rule
+    alone, and warns (``UserWarning``) that this costs far more perplexity;
+    ``recent=0`` asks for that rule without the warning,
+    ``recent=default_recent(budget, n_sink)`` (``mlx_knorm.defaults``) for
+    ``make_knorm_cache``'s window.
+
     Storage, as ``KVCache``'s with its spare slots: ``keys``
     ``[B, H, capacity, D_k]`` and ``values [B, H, capacity, D_v]`` in the
     storage dtype (the inputs' dtype, as ``KVCache``'s), ``norms``
@@ -766,6 +776,15 @@ class L2NormKVCache(L2NormCacheBase):
                       *_scorer_state(scorer, filters))
         if callable(scorer):
             self.scorer = scorer
+        if recent is None and getattr(config, "knorm_recent", None) is None:
+            warnings.warn(
+                "mlx_knorm: L2NormKVCache built without recent keeps no recent window (recent=0, "
+                "the paper's rule alone), which cost 47x the full cache's perplexity at 1/8 of the "
+                "context on SmolLM2-135M where make_knorm_cache's default window of half the budget "
+                "cost 1.36x (docs/quality.md). Build a model's caches with make_knorm_cache(model, "
+                "budget), or pass recent=default_recent(budget, n_sink) (mlx_knorm.defaults) for "
+                "that window, or recent=0 for the paper's rule without this warning.",
+                UserWarning, stacklevel=2)
 
     def _widths(self) -> tuple[int, int]:
         return self.keys.shape[3], self.values.shape[3]

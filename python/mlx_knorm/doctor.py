@@ -36,6 +36,7 @@ import numpy as np
 
 from . import __version__
 from .backend import backend_info, native_available, use_backend
+from .extras import install_hint
 from .ops import evict_and_fill, key_norms, protected_topk_gather, row_scores
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -299,7 +300,7 @@ def generation_check(budget: int = 64) -> dict:
         from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import make_prompt_cache
     except ImportError:
-        return {"ran": False, "why": "mlx-lm is not installed (pip install '.[lm]')"}
+        return {"ran": False, "why": f"mlx-lm is not installed: {install_hint('lm')}"}
     from .cache import L2NormKVCache, make_knorm_cache
     from .quality.cli import load
 

@@ -9,13 +9,14 @@ import mlx.core as mx
 
 from .. import __version__
 from ..backend import backend_info
-from .report import faults_text, markdown_table, verdict
+from ..extras import install_hint
+from .report import faults_text, machine_text, markdown_table, verdict, verdict_text
 
-# Targets for our cache's decode step, checked in the report (never in tests).
+# Targets for our cache's decode step that hold on a quiet machine, checked
+# in the report (never in tests); its speed against the reference's cache is
+# in the table, with no target.
 SLOTS_MAX_RATIO_TO_ROTATING = 1.5
 SLOTS_RATIO_BUDGETS = (512, 2048, 8192)
-SLOTS_MIN_SPEEDUP_VS_REFERENCE = 20.0
-SLOTS_SPEEDUP_BUDGET = 2048
 # No page faults per step in steady state: a buffer taken fresh from the OS
 # on every step would fault at least once per step; a rare stray fault of the
 # process (its other threads, the interpreter) is not the step's.
@@ -41,10 +42,6 @@ def config_targets(result: dict) -> dict:
         targets["slots_ratio_to_rotating"] = verdict(
             slots["ratio_to_rotating"], slots["ratio_to_rotating"] <= SLOTS_MAX_RATIO_TO_ROTATING,
             f"<= {SLOTS_MAX_RATIO_TO_ROTATING:g}")
-    if budget == SLOTS_SPEEDUP_BUDGET and "reference" in caches:
-        speedup = caches["reference"]["median_ms"] / slots["median_ms"]
-        targets["slots_speedup_vs_reference"] = verdict(
-            speedup, speedup >= SLOTS_MIN_SPEEDUP_VS_REFERENCE, f">= {SLOTS_MIN_SPEEDUP_VS_REFERENCE:g}")
     targets["slots_faults_per_step"] = verdict(
         slots["faults_per_call"], slots["faults_per_call"] <= SLOTS_MAX_FAULTS_PER_STEP,
         f"<= {SLOTS_MAX_FAULTS_PER_STEP:g}")
@@ -106,21 +103,19 @@ def cache_table(report: dict) -> str:
 
 
 def print_cache_report(report: dict) -> None:
-    m = report["machine"]
     c = report["configs"][0]["config"] if report["configs"] else {}
-    print(f"mlx-knorm {report['mlx_knorm_version']} cache step on {report['device']}: "
-          f"{m['cpu_model'] or m['processor']}, MLX {report['mlx_version']}, "
+    print(f"mlx-knorm {report['mlx_knorm_version']}: the cache's decode step on {report['device']}, "
           f"mlx-lm {report['mlx_lm_version']}, {report['date']}")
+    print(f"Machine: {machine_text(report)}")
     print(f"One decode step per layer (update_and_fetch of one token + mx.eval of the attended "
           f"K/V and the stored state), H={c.get('heads')}, D={c.get('dim')}, {c.get('dtype')}. "
           "Timed in a warm process (MLX's buffer cache never cleared), the caches interleaved "
           "in rounds; medians over all timed steps; faults/step = minor page faults per step. "
           "evict_and_fill: the op of the slot layout's step alone, on donated buffers.")
     if report["reference_version"] is None:
-        print("reference (veloxquant-mlx) not installed: pip install 'mlx-knorm[bench]'")
+        print(f"The reference (veloxquant-mlx) is not installed: {install_hint('bench')}")
     print(cache_table(report))
-    print("\nTargets (this run):")
+    print("\nTargets (each holds on a quiet machine):")
     for r in report["configs"]:
         for name, v in r["targets"].items():
-            verdict = "met" if v["met"] else "MISSED"
-            print(f"  {r['label']}: {name} {v['measured']:.3g} (target {v['target']}): {verdict}")
+            print(f"  - {r['label']}: {name} {v['measured']:.3g} (target {v['target']}): {verdict_text(v)}")

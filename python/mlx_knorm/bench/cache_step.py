@@ -98,7 +98,7 @@ def cache_kinds() -> dict:
             types.SimpleNamespace(knorm_budget=budget, knorm_n_sink=N_SINK))
     for layout in ("slots", "temporal"):
         kinds[layout] = lambda budget, layout=layout: L2NormKVCache(
-            budget=budget, n_sink=N_SINK, layout=layout)
+            budget=budget, n_sink=N_SINK, recent=0, layout=layout)
     return kinds
 
 

@@ -3,6 +3,7 @@ implementation (needs matplotlib, the extra ``plot``)."""
 
 from __future__ import annotations
 
+from ..extras import install_hint
 from .cases import IMPLEMENTATIONS
 
 
@@ -13,7 +14,7 @@ def plot(report: dict, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as err:
-        raise SystemExit(f"--plot needs matplotlib (pip install 'mlx-knorm[plot]'): {err}")
+        raise SystemExit(f"--plot needs matplotlib ({install_hint('plot')}): {err}")
     panels = [("decode", "budget", "decode (S = 1, full cache)"),
               ("prefill", "n_new", "prefill (empty cache)")]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))

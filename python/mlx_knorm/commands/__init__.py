@@ -17,6 +17,8 @@ import importlib
 import importlib.util
 import sys
 
+from ..extras import install_hint
+
 # Command name -> (module under mlx_knorm.commands, the mlx-lm command it extends).
 LM_COMMANDS = {
     "generate": ("generate", "mlx_lm.generate"),
@@ -34,7 +36,7 @@ def run(name: str, argv: list[str]) -> int:
     """Run ``mlx-knorm NAME ARGV...``; returns the exit status."""
     if importlib.util.find_spec("mlx_lm") is None:
         print(f"mlx-knorm {name}: error: this command runs mlx-lm's {LM_COMMANDS[name][1]}, and "
-              "mlx-lm is not installed: pip install 'mlx-knorm[lm]'", file=sys.stderr)
+              f"mlx-lm is not installed: {install_hint('lm')}", file=sys.stderr)
         return 1
     module = importlib.import_module(f"{__name__}.{LM_COMMANDS[name][0]}")
     return module.main(argv)

@@ -19,7 +19,8 @@ DESCRIPTION = """\
 mlx_lm.chat with L2-norm KV-cache eviction: the conversation's cache keeps at
 most --budget rows per head in each attention layer, so memory stays fixed
 however long the chat grows. After each turn, a line under mlx-lm's statistics
-gives the KV bytes kept against what a full cache would hold at that context."""
+gives the KV bytes the caches hold and have allocated against what a full
+cache would hold at that context."""
 
 
 def main(argv: list[str]) -> int:
@@ -29,6 +30,8 @@ def main(argv: list[str]) -> int:
         def end_turn(self, response):
             super().end_turn(response)
             if self._rank == 0 and response is not None and session.last_cache is not None:
-                self._console.print(f"  [ui.muted]{kv_memory_line(session.last_cache)}[/ui.muted]")
+                # One line however narrow the terminal (it wraps it, not the console).
+                self._console.print(f"  [ui.muted]{kv_memory_line(session.last_cache)}[/ui.muted]",
+                                    soft_wrap=True)
 
     return session.run(argv, ChatUI=ChatUI)

@@ -23,8 +23,8 @@ DESCRIPTION = """\
 mlx_lm.generate with L2-norm KV-cache eviction: every attention layer keeps at
 most --budget rows per head, so memory stays fixed however long the prompt and
 the generation grow. With --verbose (the default) a line after mlx-lm's
-statistics gives the KV bytes kept against what a full cache would hold at that
-context."""
+statistics gives the KV bytes the caches hold and have allocated against what a
+full cache would hold at that context."""
 
 
 class GenerateSession(Session):

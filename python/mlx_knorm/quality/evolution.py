@@ -1,7 +1,7 @@
 """How the key-norm / attention relation evolves over training: the eval on each checkpoint.
 
     python -m mlx_knorm.quality.evolution build/checkpoints/step-* --init \\
-        --json docs/quality-evolution.json --plot docs/quality-evolution.png
+        --json docs/results/quality-evolution.json --plot docs/results/quality-evolution.png
 
 For each checkpoint directory written by ``train --checkpoint-dir`` (and, with
 ``--init``, the run's step-0 model rebuilt from its seed): the held-out loss on

@@ -209,7 +209,7 @@ def stored_dtype(keys: mx.array, values: mx.array) -> mx.Dtype:
     Asked of the cache itself, with one row, so that the eval follows the
     cache's rule whatever it is.
     """
-    cache = L2NormKVCache(budget=1, n_sink=0)
+    cache = L2NormKVCache(budget=1, n_sink=0, recent=0)
     cache.update_and_fetch(keys[None, :1, :1], values[None, :1, :1])
     return cache.keys.dtype
 

@@ -2,7 +2,7 @@
 
     python -m mlx_knorm.quality.train --checkpoint-dir build/checkpoints
 
-The defaults are the shipped run (docs/quality.md, "The shipped model").
+The defaults are the shipped run (docs/results/quality-shipped-model.md).
 The model is mlx-lm's own ``llama`` class and the output directory gets a
 byte-level tokenizer, so ``mlx_lm.load`` loads the result and every
 checkpoint. Every random choice (init, batch offsets, held-out windows)

@@ -7,7 +7,7 @@ indices). ``map_tasks`` runs them in ``jobs`` spawned processes, each of
 which loads the model once from a ``ModelSpec`` and runs with one BLAS
 thread: on a CPU, one single-threaded process per core keeps the cores
 busier than one process whose threaded BLAS spins and yields between the
-small matmuls of a small model (docs/quality.md has the measurement).
+small matmuls of a small model (docs/results/quality-smollm2.md has the measurement).
 Each process holds its own copy of the weights.
 """
 
