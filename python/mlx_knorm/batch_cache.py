@@ -627,10 +627,11 @@ class BatchL2NormKVCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         """Bytes of the buffers: keys, values, norms and positions, every
-        slot, and the order tree."""
+        slot, the order tree, and a scorer's arrays."""
         if self.keys is None:
             return 0
-        return sum(b.nbytes for b in self._buffers()) + (0 if self._tree is None else self._tree.nbytes)
+        extra = [a for a in (self._tree, self._score_sum, self._filters) if isinstance(a, mx.array)]
+        return sum(b.nbytes for b in self._buffers()) + sum(a.nbytes for a in extra)
 
     @property
     def order_tree(self) -> mx.array | None:

@@ -586,12 +586,12 @@ class L2NormCacheBase(_BaseCache):
     @property
     def nbytes(self) -> int:
         """Bytes of the buffers: keys, values, norms and positions, every
-        slot, and the order tree."""
+        slot, the order tree, and a scorer's arrays (keydiff's running sum,
+        qfilter's filters)."""
         if self.keys is None:
             return 0
-        tree = self._tree
-        return sum(a.nbytes for rows in self._buffers() for a in _arrays(rows)) + (
-            0 if tree is None else tree.nbytes)
+        extra = [a for a in (self._tree, self._score_sum, self._filters) if isinstance(a, mx.array)]
+        return sum(a.nbytes for rows in self._buffers() for a in _arrays(rows)) + sum(a.nbytes for a in extra)
 
     @property
     def state(self):
