@@ -17,7 +17,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 import mlx_knorm
-from conftest import ALL_BACKENDS, assert_bitwise_equal
+from conftest import ALL_BACKENDS, EMULATOR_SETTINGS, assert_bitwise_equal, requires_emulator
 from generators import fill
 from mlx_knorm.cache import L2NormKVCache, QuantizedL2NormKVCache, make_knorm_cache
 from mlx_knorm.cache_state import StateError
@@ -53,14 +53,11 @@ def feed(cache, keys, values, blocks):
     return cache
 
 
-@pytest.mark.parametrize("backend", ALL_BACKENDS)
-@pytest.mark.parametrize("scorer", SCORERS)
-@given(data=st.data())
-def test_the_kept_rows_are_the_protected_top_k_of_the_streams_scores(backend, scorer, data):
+def kept_rows_are_the_top_k(backend, scorer, data, max_length):
     """Whatever the blocks, the cache keeps the rows docs/spec.md §3 keeps
     by the scores of the whole stream (computed once), with those scores."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    length = data.draw(st.integers(1, 60))
+    length = data.draw(st.integers(1, max_length))
     budget = data.draw(st.integers(3, 24))
     n_sink = data.draw(st.integers(0, 2))
     recent = data.draw(st.integers(0, budget - 1 - n_sink))
@@ -81,6 +78,22 @@ def test_the_kept_rows_are_the_protected_top_k_of_the_streams_scores(backend, sc
         assert positions == kept_rows(np.array(scores[0, h]).tolist(), budget, n_sink, recent, "low")
         assert np.array(state[2][0, h]).view(np.uint32).tolist() == \
             np.array(scores[0, h])[positions].view(np.uint32).tolist()
+
+
+@pytest.mark.parametrize("backend", ["kernel", "fallback"])
+@pytest.mark.parametrize("scorer", SCORERS)
+@given(data=st.data())
+def test_the_kept_rows_are_the_protected_top_k_of_the_streams_scores(backend, scorer, data):
+    kept_rows_are_the_top_k(backend, scorer, data, 60)
+
+
+@requires_emulator
+@EMULATOR_SETTINGS
+@pytest.mark.parametrize("scorer", SCORERS)
+@given(data=st.data())
+def test_the_kept_rows_through_the_metal_emulator(scorer, data):
+    """The same through the emulated kernels: every block two or three emulated launches."""
+    kept_rows_are_the_top_k("metal-emulator", scorer, data, 24)
 
 
 @pytest.mark.parametrize("scorer", SCORERS)

@@ -44,13 +44,19 @@ def test_doctor_reports_a_kernel_that_differs(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setitem(doctor.OPS, "key_norms", last_bit_flipped)
     out = tmp_path / "report"
-    assert main(["doctor", "--device", "cpu", "--out", str(out), "--no-timings", "--no-generation"]) == 1
+    assert main(["doctor", "--device", "cpu", "--out", str(out), "--no-timings", "--no-generation",
+                 "--ops", "key_norms"]) == 1
     report = json.loads(out.with_suffix(".json").read_text())
     assert not report["ok"]
     bad = [r for r in report["checks"] if not r["bit_exact"]]
     assert {r["op"] for r in bad} == {"key_norms"} and len(bad) == 48 * len(NATIVE_BACKENDS)
     assert "PROBLEMS FOUND" in out.with_suffix(".md").read_text()
     assert "MISMATCH key_norms" in capsys.readouterr().out
+
+
+def test_doctor_refuses_an_op_it_does_not_have(capsys):
+    assert main(["doctor", "--ops", "key_norms,sort"]) == 2
+    assert "unknown ['sort']" in capsys.readouterr().err
 
 
 def test_doctor_refuses_a_gpu_it_does_not_have(capsys):

@@ -94,9 +94,7 @@ def test_row_scores_follow_the_spec(case):
                 expected_state.view(np.uint32).tolist()
 
 
-@pytest.mark.parametrize("backend", ALL_BACKENDS)
-@given(data=st.data())
-def test_keydiff_state_carries_across_blocks(backend, data):
+def keydiff_carries_across_blocks(backend, data):
     """keydiff is path independent: a stream scored in blocks, each taking
     the state the one before returned, scores and ends like one block."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
@@ -114,6 +112,19 @@ def test_keydiff_state_carries_across_blocks(backend, data):
         parts.append(block)
     assert_bitwise_equal(mx.concatenate(parts, axis=-1), whole[0], "scores")
     assert_bitwise_equal(state, whole[1], "state")
+
+
+@pytest.mark.parametrize("backend", ["kernel", "fallback"])
+@given(data=st.data())
+def test_keydiff_state_carries_across_blocks(backend, data):
+    keydiff_carries_across_blocks(backend, data)
+
+
+@requires_emulator
+@EMULATOR_SETTINGS
+@given(data=st.data())
+def test_keydiff_state_carries_across_blocks_through_the_metal_emulator(data):
+    keydiff_carries_across_blocks("metal-emulator", data)
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)

@@ -221,11 +221,11 @@ def same_bits(a: mx.array, b: mx.array) -> bool:
         a.size == 0 or mx.array_equal(a.reshape(-1).view(mx.uint8), b.reshape(-1).view(mx.uint8)).item())
 
 
-def check_ops(device, backends: list[str], progress=print) -> list[dict]:
-    """Every case on each of ``backends`` against the fallback, on ``device``."""
+def check_ops(device, backends: list[str], progress=print, ops=tuple(OPS)) -> list[dict]:
+    """Every case of ``ops`` on each of ``backends`` against the fallback, on ``device``."""
     stream = mx.default_stream(device)
     rows = []
-    for case in op_cases():
+    for case in (c for c in op_cases() if c.op in ops):
         expected, _ = run_case(case, "fallback", stream)
         for backend in backends:
             row = {"op": case.op, "case": case.label, "backend": backend, "donated": case.donate > 0}
@@ -405,7 +405,8 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(device_name: str, out: Path, timings: bool = True, generation: bool = True, progress=print) -> dict:
+def run(device_name: str, out: Path, timings: bool = True, generation: bool = True, progress=print,
+        ops=tuple(OPS)) -> dict:
     device = mx.gpu if device_name == "gpu" else mx.cpu
     previous = mx.default_device()
     mx.set_default_device(device)
@@ -414,7 +415,7 @@ def run(device_name: str, out: Path, timings: bool = True, generation: bool = Tr
         backends = native_backends(device)
         progress(f"mlx-knorm doctor on the {device_name.upper()}: {', '.join(backends) or 'no native backend'} "
                  "against the fallback")
-        report["checks"] = check_ops(device, backends, progress)
+        report["checks"] = check_ops(device, backends, progress, ops)
         if timings and "kernel" in backends:
             progress("timing kernel and fallback")
             report["timings"] = time_ops(device)
@@ -441,6 +442,8 @@ def register(commands) -> None:
                         help="the report's path without suffix: OUT.md and OUT.json (default: ./mlx-knorm-doctor)")
     parser.add_argument("--no-timings", action="store_true", help="skip the kernel and fallback timings")
     parser.add_argument("--no-generation", action="store_true", help="skip the generation on the shipped model")
+    parser.add_argument("--ops", type=lambda t: [v for v in t.split(",") if v], default=list(OPS),
+                        help=f"the ops to check, comma-separated (default: all of {', '.join(OPS)})")
     parser.set_defaults(func=doctor_command)
 
 
@@ -450,7 +453,12 @@ def doctor_command(args) -> int:
         return 2
     if not native_available():
         print("mlx-knorm doctor: the native extension is not loaded; checking the fallback alone", file=sys.stderr)
-    report = run(args.device, args.out, timings=not args.no_timings, generation=not args.no_generation)
+    unknown = sorted(set(args.ops) - set(OPS))
+    if unknown:
+        print(f"mlx-knorm doctor: --ops: unknown {unknown}; the ops are {', '.join(OPS)}", file=sys.stderr)
+        return 2
+    report = run(args.device, args.out, timings=not args.no_timings, generation=not args.no_generation,
+                 ops=tuple(args.ops))
     print(markdown(report))
     print(f"report: {args.out.with_suffix('.md')} and {args.out.with_suffix('.json')}")
     return 0 if report["ok"] else 1
