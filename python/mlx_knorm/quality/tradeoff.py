@@ -7,6 +7,10 @@ cache's, one line per policy (docs/quality.md's plot).
         --report docs/results/quality-eval-smollm2.json window keep-low keep-low+recent=1/2 \\
         --report docs/results/quality-eval-smollm2-kv-bits-1k.json ...
 
+``--against POLICY`` prints instead each point's perplexity over that
+policy's at the same budget and on the same windows (paired interval), the
+comparison docs/scorers.md's targets are stated in.
+
 The bytes are the rows a policy keeps per layer at the end of a window
 (``cuts``) times the bytes of its row as its cache stores it
 (``policies.row_bytes``: an eviction cache's row carries a norm and a
@@ -23,8 +27,11 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from ..validation import FLOAT_DTYPES
 from .policies import FULL, Policy, row_bytes
+from .stats import perplexity_interval, resample_indices
 
 
 def points(report: dict, head_dim: int, itemsize: int) -> list[dict]:
@@ -48,6 +55,26 @@ def points(report: dict, head_dim: int, itemsize: int) -> list[dict]:
             "interval": report["perplexity_ratio_to_full_ci"][key],
             "windows": f"{report['n_seqs']} windows of {report['seq_len']}",
         })
+    return out
+
+
+def against(report: dict, baseline: str) -> list[dict]:
+    """Each policy's perplexity over ``baseline``'s at every budget both were
+    measured at, with the eval's paired interval: per-window NLL differences
+    resampled by window, under the eval's own draw of windows."""
+    nll = report["per_sequence"]["nll"]
+    indices = resample_indices(report["n_seqs"], report["seed"])
+    out = []
+    for key, values in nll.items():
+        name, _, budget = key.rpartition("@")
+        base = nll.get(f"{baseline}@{budget}")
+        if not name or name == baseline or base is None:
+            continue
+        gap = np.asarray(values, dtype=np.float64) - np.asarray(base, dtype=np.float64)
+        out.append({"policy": name, "budget": int(budget), "baseline": baseline,
+                    "ratio": float(np.exp(gap.mean())), "interval": perplexity_interval(gap, indices)})
+    if not out:
+        raise ValueError(f"--against: {baseline!r} shares no budget with another policy of the report")
     return out
 
 
@@ -92,12 +119,29 @@ def main(argv=None) -> int:
     parser.add_argument("--report", nargs="+", action="append", required=True, metavar=("PATH", "POLICY"),
                         help="an mlx-knorm eval --json file, then the policies to take from it (names "
                              "as the eval writes them; none: every policy); repeat for more files")
-    parser.add_argument("--head-dim", type=int, required=True, help="the model's KV head dimension")
-    parser.add_argument("--dtype", choices=sorted(FLOAT_DTYPES), required=True,
-                        help="the dtype the model's caches store")
+    parser.add_argument("--head-dim", type=int, help="the model's KV head dimension (for the KV bytes)")
+    parser.add_argument("--dtype", choices=sorted(FLOAT_DTYPES), help="the dtype the model's caches store "
+                        "(for the KV bytes)")
+    parser.add_argument("--against", metavar="POLICY",
+                        help="print each policy's perplexity over this policy's at the same budget "
+                             "(paired interval) instead of the KV bytes; no plot")
     parser.add_argument("--plot", metavar="PATH", help="write the plot (needs matplotlib)")
     parser.add_argument("--title", default="Perplexity against KV bytes")
     args = parser.parse_args(argv)
+    if args.against:
+        for path, *wanted in args.report:
+            try:
+                rows = against(json.loads(Path(path).read_text()), args.against)
+            except ValueError as error:
+                parser.error(f"{path}: {error}")
+            for r in rows:
+                if not wanted or r["policy"] in wanted:
+                    low, high = r["interval"]
+                    print(f"{r['policy']:<28} budget {r['budget']:>5}  perplexity / {r['baseline']}'s "
+                          f"{r['ratio']:.3f} [{low:.3f}, {high:.3f}]")
+        return 0
+    if args.head_dim is None or args.dtype is None:
+        parser.error("--head-dim and --dtype are needed for the KV bytes (or give --against)")
     series = []
     for path, *wanted in args.report:
         report = json.loads(Path(path).read_text())
