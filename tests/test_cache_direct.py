@@ -27,6 +27,17 @@ def test_built_without_recent_it_warns_that_this_is_the_paper_s_rule():
     assert caught[0].filename == __file__
 
 
+@pytest.mark.parametrize("scorer, says", [
+    ("knorm", "the paper's rule alone), which cost 47x"),
+    ("keydiff", "the keydiff scores alone), which cost 16x"),
+    (lambda k, v, s: (mx.zeros(k.shape[:3]), None), "the <lambda> scores alone), which costs far more"),
+])
+def test_the_warning_names_the_rule_of_the_caches_scorer(scorer, says):
+    with pytest.warns(UserWarning) as caught:
+        L2NormKVCache(budget=64, n_sink=4, scorer=scorer)
+    assert says in str(caught[0].message)
+
+
 def filled(cache):
     cache.update_and_fetch(mx.zeros((1, 2, 3, 8)), mx.zeros((1, 2, 3, 8)))
     return cache

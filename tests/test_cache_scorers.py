@@ -186,7 +186,7 @@ def test_a_scorer_is_checked_by_name():
     assert cache.offset == 0 and cache.keys is None
 
 
-def test_a_users_scorer_ranks_and_is_checked():
+def test_a_users_scorer_ranks_and_is_checked(tmp_path):
     """A callable scorer: its scores rank the rows (here the position, so
     the cache keeps the earliest), its state comes back; wrong scores raise
     naming it; its cache has no file state."""
@@ -198,13 +198,25 @@ def test_a_users_scorer_ranks_and_is_checked():
         positions = mx.arange(first, first + keys.shape[2], dtype=mx.float32)
         return mx.broadcast_to(positions, keys.shape[:3]), mx.array(first + keys.shape[2])
 
-    keys = fill(np.random.default_rng(2), (1, HEADS, 20, DIM), "normal", "float16")
+    keys = fill(np.random.default_rng(2), (1, HEADS, 21, DIM), "normal", "float16")
     cache = feed(L2NormKVCache(budget=8, n_sink=0, recent=0, scorer=earliest), keys, keys, [5, 5, 5, 5, 1])
     # The earliest 8 of 21, the last block's row ranked last.
     assert np.array(cache.positions)[0, 0].tolist() == list(range(8))
     assert seen[0] is None and int(seen[-1].item()) == 20
+    # mlx-lm evaluates every cache's state while it prefills: the user's state is in it.
+    assert cache.state[-1] is cache._score_sum and int(cache.state[-1].item()) == 21
+    with pytest.raises(ValueError, match=r"user's scorer \(earliest\): a cache that ranks by one has no state"):
+        save_prompt_cache(str(tmp_path / "c.safetensors"), [cache])
+    assert not (tmp_path / "c.safetensors").exists()
+    with pytest.raises(StateError, match="scorer"):
+        cache.state = cache.state
+    with pytest.raises(ValueError, match="cannot check its rows under a new configuration"):
+        cache.meta_state = ("9", "1", "0", "low", "slots")
+    assert np.array(cache.positions)[0, 0].tolist() == list(range(8))
+    batch = L2NormKVCache.merge([cache])
+    assert int(batch.state[-1].item()) == 21
     with pytest.raises(ValueError, match="no state a file can hold"):
-        cache.state
+        save_prompt_cache(str(tmp_path / "b.safetensors"), [batch])
     bad = L2NormKVCache(budget=8, scorer=lambda k, v, s: (mx.zeros(k.shape[:3], mx.float16), None))
     with pytest.raises(ValueError, match="must return float32 scores"):
         bad.update_and_fetch(keys[:, :, :2], keys[:, :, :2])
@@ -311,3 +323,57 @@ def test_generate_takes_a_scorer_and_qfilter_finds_calibrate_s_file(command_setu
     assert mlx_lm_stat(out, "Generation") == 60
     bad = run([*MLX_KNORM, *args, "--scorer", "mean"], env)
     assert bad.returncode == 2 and "--scorer" in bad.stderr
+
+
+def test_the_documented_user_scorer_runs_in_a_models_caches():
+    """docs/scorers.md's example scorer, run as written: its scores are the
+    cosine of each key with the key before it (the first with itself), its
+    state carries the last key across blocks, so a stream split into blocks
+    keeps the rows its scores computed at once rank; then the model decodes
+    through the documented make_knorm_cache call."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "scorers.md").read_text()
+    example = next(block for block in re.findall(r"```python\n(.*?)```", text, re.S)
+                   if "def unlike_the_previous_key" in block)
+    model = tiny_model("llama", layers=2)
+    namespace = {"model": model}
+    exec(compile(example, "docs/scorers.md", "exec"), namespace)
+    scorer, cache = namespace["unlike_the_previous_key"], namespace["cache"]
+
+    rng = np.random.default_rng(11)
+    keys = fill(rng, (1, HEADS, 21, DIM), "normal", "float16")
+    k = np.array(keys.astype(mx.float32), dtype=np.float64)[0]
+    before = np.concatenate([k[:, :1], k[:, :-1]], axis=1)
+    cosine = (k * before).sum(-1) / (np.linalg.norm(k, axis=-1) * np.linalg.norm(before, axis=-1))
+    whole, _ = scorer(keys, keys, None)
+    np.testing.assert_allclose(np.array(whole)[0], cosine, rtol=1e-5)
+
+    def precomputed(block, values, state):
+        start = 0 if state is None else int(state.item())
+        return whole[:, :, start : start + block.shape[2]], mx.array(start + block.shape[2])
+
+    blocks = [5, 3, 6, 1, 5, 1]
+    ours = feed(L2NormKVCache(budget=8, n_sink=1, recent=2, scorer=scorer), keys, keys, blocks)
+    at_once = feed(L2NormKVCache(budget=8, n_sink=1, recent=2, scorer=precomputed), keys, keys, blocks)
+    assert np.array_equal(np.array(ours.positions), np.array(at_once.positions))
+
+    # A batch joins and splits the state along its first axis: each
+    # sequence's rows and last key are those of its cache fed alone.
+    other = fill(rng, (1, HEADS, 13, DIM), "normal", "float16")
+    make = lambda: L2NormKVCache(budget=8, n_sink=1, recent=2, scorer=scorer)
+    singles = [feed(make(), keys, keys, [21]), feed(make(), other, other, [13])]
+    batch = L2NormKVCache.merge([copy.deepcopy(c) for c in singles])
+    step = fill(rng, (2, HEADS, 1, DIM), "normal", "float16")
+    batch.update_and_fetch(step, step)
+    for i, single in enumerate(singles):
+        single.update_and_fetch(step[i : i + 1], step[i : i + 1])
+        alone = batch.extract(i)
+        assert np.array_equal(np.array(alone._score_sum), np.array(single._score_sum))
+        assert np.array_equal(np.array(alone.positions), np.array(single.positions))
+
+    assert len(cache) == 2 and all(c.scorer is scorer for c in cache)
+    for _ in generate_step(tokens(1, 300)[0], model, prompt_cache=cache, max_tokens=4):
+        pass
+    assert all(c.offset >= 300 and c.filled <= c.budget + 1 == 257 for c in cache)

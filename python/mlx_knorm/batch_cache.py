@@ -23,8 +23,8 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from .cache import L2NormKVCache, _register_with_mlx_lm, _storage_dtype, order_tree_argument, step_capacity
-from .cache_state import STATE_SCORERS, check_block, decimal_int
+from .cache import L2NormKVCache, UnsavableScorer, _register_with_mlx_lm, _storage_dtype, order_tree_argument, step_capacity
+from .cache_state import STATE_SCORERS, check_block, check_state, decimal_int
 from .ops.evict_and_fill import check_layout, evict_and_fill_unchecked
 from .ops.key_norms import key_norms_unchecked
 from .sharing import note_shared_read
@@ -460,11 +460,16 @@ class BatchL2NormKVCache(_BaseCache):
         # The real rows in temporal order, then the padding.
         order = mx.argsort(mx.where(is_real, positions, INT32_MAX), axis=2)[:, :, :real]
         rows = [mx.take_along_axis(b, order if b.ndim == 3 else order[..., None], axis=2) for b in rows]
-        cache.state = (rows[0], rows[1], rows[2], rows[3] - lo, end - lo,
-                       self.budget, self.n_sink, self.recent, self.keep, self.layout,
-                       *self._scorer_fields(slice(idx, idx + 1)))
+        fields = (rows[0], rows[1], rows[2], rows[3] - lo, end - lo,
+                  self.budget, self.n_sink, self.recent, self.keep, self.layout)
         if callable(self.scorer):
-            cache.scorer, cache._score_sum = self.scorer, self._score_sum
+            # Its scores are the callable's, which nothing else recomputes;
+            # its state is batch-first, as merge, extend and filter take it.
+            cache._load(check_state(fields, user_scorer=self.scorer))
+            state = self._score_sum
+            cache._score_sum = state[idx : idx + 1] if isinstance(state, mx.array) and state.ndim else state
+        else:
+            cache.state = (*fields, *self._scorer_fields(slice(idx, idx + 1)))
         return cache
 
     def _scorer_fields(self, rows=slice(None)) -> tuple:
@@ -483,12 +488,13 @@ class BatchL2NormKVCache(_BaseCache):
         """``(keys, values, norms, positions, ranges, real_rows, timeline,
         filled, budget, n_sink, recent, keep, layout)``: the buffers as
         stored, int32 ``[B, 2]`` valid ranges and ``[B]`` real row counts,
-        then the host fields."""
-        if callable(self.scorer):
-            raise ValueError("mlx_knorm: a batch cache that ranks by a user's scorer has no state a file can hold")
+        then the host fields, then the scorer's fields (a user's scorer's:
+        which no file can hold, and its state, as the layer cache's)."""
+        scorer_fields = ((UnsavableScorer(self.scorer), self._score_sum) if callable(self.scorer)
+                         else self._scorer_fields())
         return (*self._buffers(), self._ranges, mx.array(self._real, dtype=mx.int32),
                 self.timeline, self.filled, self.budget, self.n_sink, self.recent, self.keep, self.layout,
-                *self._scorer_fields())
+                *scorer_fields)
 
     @state.setter
     def state(self, v) -> None:

@@ -201,6 +201,18 @@ def _first(rows) -> mx.array:
     return rows[0] if isinstance(rows, tuple) else rows
 
 
+class UnsavableScorer:
+    """A user's scorer as a state field: what a file cannot hold. Its repr
+    is the message mlx-lm's ``save_prompt_cache`` raises with."""
+
+    def __init__(self, scorer):
+        self.scorer = scorer
+
+    def __repr__(self) -> str:
+        return (f"a user's scorer ({scorer_label(self.scorer)}): a cache that ranks by one has no state a "
+                "file can hold; save caches of a built-in scorer")
+
+
 class L2NormCacheBase(_BaseCache):
     """What ``L2NormKVCache`` and ``QuantizedL2NormKVCache`` share: the
     configuration, the slot buffers and their step, trim, masks, state and
@@ -221,12 +233,12 @@ class L2NormCacheBase(_BaseCache):
     def _scorer_fields(self) -> tuple:
         """The state's scorer fields (docs/spec.md §8): none for knorm, else
         the scorer's name and its array (keydiff's running sum, qfilter's
-        filters). A user's scorer has none that a file could hold."""
+        filters). A user's scorer has none that a file could hold: its
+        fields are the scorer, which no file can store (so
+        ``save_prompt_cache`` refuses it, saying why), and its state, so
+        that mlx-lm's ``mx.eval(cache.state)`` evaluates what it holds."""
         if callable(self.scorer):
-            raise ValueError(
-                f"mlx_knorm: a cache that ranks by a user's scorer ({scorer_label(self.scorer)}) has no "
-                "state a file can hold; save caches of a built-in scorer"
-            )
+            return (UnsavableScorer(self.scorer), self._score_sum)
         if self.scorer == "knorm":
             return ()
         return (self.scorer, {"keydiff": self._score_sum, "qfilter": self._filters}.get(self.scorer))
@@ -642,6 +654,10 @@ class L2NormCacheBase(_BaseCache):
                 )
         if (config, layout) == ((self.budget, self.n_sink, self.recent, self.keep), self.layout):
             return
+        if callable(self.scorer):
+            raise ValueError(f"mlx_knorm: {type(self).__name__} meta_state: a cache that ranks by a user's "
+                             f"scorer ({scorer_label(self.scorer)}) cannot check its rows under a new "
+                             "configuration; the cache is unchanged")
         scorer_fields = self._scorer_fields()
         rows = self._kept_rows(config) or (None,) * 4
         try:
@@ -724,6 +740,23 @@ def _pick_config(config, budget, n_sink, recent, keep) -> tuple:
     )
 
 
+# Perplexity over the full cache's at 1/8 of a 1024-token context on
+# SmolLM2-135M with no recent window (docs/quality.md, docs/scorers.md).
+_ALONE_COST_AT_ONE_EIGHTH = {"knorm": "47x", "vnorm": "53x", "keydiff": "16x", "qfilter": "4.5x"}
+
+
+def _no_window_warning(scorer) -> str:
+    rule = "the paper's rule alone" if scorer == "knorm" else f"the {scorer_label(scorer)} scores alone"
+    cost = _ALONE_COST_AT_ONE_EIGHTH.get(scorer) if isinstance(scorer, str) else None
+    measured = (f", which cost {cost} the full cache's perplexity at 1/8 of the context on SmolLM2-135M "
+                "where make_knorm_cache's default window of half the budget cost 1.36x (docs/quality.md, "
+                "docs/scorers.md)") if cost else ", which costs far more perplexity than a window"
+    return (f"mlx_knorm: L2NormKVCache built without recent keeps no recent window (recent=0, {rule})"
+            f"{measured}. Build a model's caches with make_knorm_cache(model, budget), or pass "
+            "recent=default_recent(budget, n_sink) (mlx_knorm.defaults) for that window, or recent=0 "
+            "for this rule without this warning.")
+
+
 class L2NormKVCache(L2NormCacheBase):
     """One layer's KV cache with L2-norm eviction, for ``mlx_lm`` models.
 
@@ -777,14 +810,7 @@ class L2NormKVCache(L2NormCacheBase):
         if callable(scorer):
             self.scorer = scorer
         if recent is None and getattr(config, "knorm_recent", None) is None:
-            warnings.warn(
-                "mlx_knorm: L2NormKVCache built without recent keeps no recent window (recent=0, "
-                "the paper's rule alone), which cost 47x the full cache's perplexity at 1/8 of the "
-                "context on SmolLM2-135M where make_knorm_cache's default window of half the budget "
-                "cost 1.36x (docs/quality.md). Build a model's caches with make_knorm_cache(model, "
-                "budget), or pass recent=default_recent(budget, n_sink) (mlx_knorm.defaults) for "
-                "that window, or recent=0 for the paper's rule without this warning.",
-                UserWarning, stacklevel=2)
+            warnings.warn(_no_window_warning(scorer), UserWarning, stacklevel=2)
 
     def _widths(self) -> tuple[int, int]:
         return self.keys.shape[3], self.values.shape[3]

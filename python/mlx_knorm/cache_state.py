@@ -95,22 +95,28 @@ def check_quantization(group_size, bits) -> tuple[int, int]:
     return group_size, bits
 
 
-def check_state(state, quantized: bool = False) -> CheckedState:
+def check_state(state, quantized: bool = False, *, user_scorer=None) -> CheckedState:
     """The state as ``L2NormKVCache.state`` (``quantized``:
     ``QuantizedL2NormKVCache.state``) writes it, checked; raises
     ``ValueError``/``TypeError`` naming the cache class and the field that
-    is wrong."""
+    is wrong. ``user_scorer``: the rows a batch cache ranked by that
+    callable hands to one sequence's cache (no scorer fields; scores that
+    nothing here can recompute, so every other field is checked)."""
     kind = "QuantizedL2NormKVCache" if quantized else "L2NormKVCache"
     try:
-        return _check_state(state, quantized, kind)
+        return _check_state(state, quantized, kind, user_scorer)
     except StateError as e:
         if kind == "L2NormKVCache":
             raise
         raise StateError(e.field, e.detail, e.setting, kind) from None
 
 
-def _check_state(state, quantized: bool, kind: str) -> CheckedState:
+def _check_state(state, quantized: bool, kind: str, user_scorer=None) -> CheckedState:
     fields = QUANTIZED_FIELDS if quantized else FIELDS
+    if isinstance(state, (tuple, list)) and len(state) == len(fields) + len(SCORER_FIELDS) \
+            and callable(getattr(state[len(fields)], "scorer", None)):
+        # A user's scorer (cache.UnsavableScorer), which says why no state holds it.
+        raise StateError("scorer", repr(state[len(fields)]))
     # Scorer fields open with the scorer's name (a quantized cache's two
     # more fields, which a float cache never takes, are ints).
     if not isinstance(state, (tuple, list)) or len(state) not in (len(fields), len(fields) + len(SCORER_FIELDS)) \
@@ -121,7 +127,9 @@ def _check_state(state, quantized: bool, kind: str) -> CheckedState:
             f"({', '.join(fields)}), and then ({', '.join(SCORER_FIELDS)}) for a scorer other than "
             f"knorm, got {count}"
         )
-    scorer = _check_scorer_fields(state[len(fields):])
+    if user_scorer is not None and len(state) != len(fields):
+        raise StateError("scorer", "a user's scorer's rows come with no scorer fields")
+    scorer = (user_scorer, None) if user_scorer is not None else _check_scorer_fields(state[len(fields):])
     state = state[:len(fields)]
     keys, values, norms, positions, offset, budget, n_sink, recent, keep, layout = state[:10]
     config = check_config(budget, n_sink, recent, keep)
@@ -155,7 +163,9 @@ def _check_state(state, quantized: bool, kind: str) -> CheckedState:
         row_shape = keys.shape[:3]
     _check_norms_and_positions_shapes(norms, positions, row_shape)
     _check_positions(positions, offset, n_sink, recent)
-    if scorer[0] != "knorm":
+    if user_scorer is not None:
+        pass  # scores only the callable could recompute
+    elif scorer[0] != "knorm":
         # A quantized cache's scores may come from the rows before a
         # conversion (to_quantized): their bounds only.
         if quantized:

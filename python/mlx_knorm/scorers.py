@@ -17,15 +17,10 @@ cache keeps the lowest (``keep="low"``). The built-in ones run in
 
 A user's scorer is a callable ``scorer(keys, values, state) -> (scores,
 state)``: ``keys``/``values`` ``[B, H, S, D]`` as the model gives them,
-``scores`` ``[B, H, S]`` float32, ``state`` any array or None that the cache
-hands back on the next call (None on the first), e.g.::
-
-    def recency_weighted_norm(keys, values, state):
-        norms = mlx_knorm.key_norms(keys)
-        return norms, None
-
-It runs in MLX ops on the model's stream; the selection ranks its scores as
-any other's.
+``scores`` ``[B, H, S]`` float32, ``state`` what the cache hands back on the
+next call (None on the first; an array is batch-first, as the keys). It
+runs in MLX ops on the model's stream; the selection ranks its scores as
+any other's. docs/scorers.md has an example, which the tests run.
 """
 
 from __future__ import annotations
