@@ -163,7 +163,9 @@ def test_files_carry_the_scorer_and_refuse_tampered_scores(tmp_path, scorer):
             if isinstance(a, mx.array):
                 assert_bitwise_equal(b, a, "state")
         state = list(cache.state)
-        state[2] = state[2] + 2.0  # scores no row has
+        # Scores no row has: past keydiff's bound once rows are evicted
+        # (±(D + 1): a cosine whose norms may drop tiny squares).
+        state[2] = state[2] + (DIM + 2.0)
         with pytest.raises(StateError, match="norms"):
             L2NormKVCache().state = state
         if scorer == "keydiff" and length == 12:

@@ -24,11 +24,11 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from .cache import L2NormKVCache, UnsavableScorer, _register_with_mlx_lm, _storage_dtype, order_tree_argument, step_capacity
-from .cache_state import STATE_SCORERS, check_block, check_state, decimal_int
+from .cache_state import STATE_SCORERS, StateError, check_block, check_scorer_fields, check_state, decimal_int
 from .ops.evict_and_fill import check_layout, evict_and_fill_unchecked
 from .ops.key_norms import key_norms_unchecked
 from .sharing import note_shared_read
-from .scorers import DEFAULT_SCORER, check_scorer, score_rows
+from .scorers import DEFAULT_SCORER, check_scorer, score_rows, scorer_label
 from .validation import INT32_MAX, check_config, check_int
 
 # hi_b of a sequence whose tokens run on (no right-padded prefill pending).
@@ -51,7 +51,32 @@ def _check_same_config(caches, what: str) -> tuple:
                     f"mlx_knorm: {what}: every cache must have the same {name}; "
                     f"caches[0] has {name}={a!r}, caches[{index}] has {name}={b!r}"
                 )
+        mine, theirs = caches[0]._filters, cache._filters
+        if (mine is None) != (theirs is None) or (mine is not None and (
+                mine.shape != theirs.shape or not mx.array_equal(mine, theirs).item())):
+            raise ValueError(f"mlx_knorm: {what}: caches[{index}] ranks by other query filters than caches[0]")
     return first
+
+
+def _checked_scorer_array(scorer: str, array, batch: int, rows) -> mx.array | None:
+    """A batch state's ``scorer_state``: the single cache's rules
+    (``cache_state``), and keydiff's running sum ``[B, H, D_k]`` over the
+    batch and the stored keys' heads and width."""
+    try:
+        _, array = check_scorer_fields((scorer, array))
+    except StateError as e:
+        raise ValueError(f"mlx_knorm: BatchL2NormKVCache state field '{e.field}': {e.detail}") from None
+    if scorer == "keydiff" and array is not None:
+        keys = rows[0]
+        want = (batch, *((keys.shape[1], keys.shape[3]) if keys is not None else array.shape[1:]))
+        if array.ndim != 3 or tuple(array.shape) != want or not mx.all(mx.isfinite(array)).item():
+            raise ValueError("mlx_knorm: BatchL2NormKVCache state field 'scorer_state': keydiff's running sum "
+                             f"must be finite float32 {list(want)}, got {list(array.shape)}")
+    if scorer == "qfilter" and rows[0] is not None and tuple(array.shape) != (rows[0].shape[1], rows[0].shape[3]):
+        raise ValueError("mlx_knorm: BatchL2NormKVCache state field 'scorer_state': qfilter's filters are "
+                         f"{list(array.shape)}, the keys' heads and width "
+                         f"[{rows[0].shape[1]}, {rows[0].shape[3]}]")
+    return array
 
 
 def _joined_sums(caches) -> mx.array | None:
@@ -59,6 +84,9 @@ def _joined_sums(caches) -> mx.array | None:
     order) along the batch axis, +0 for a cache that has none yet; None
     where none has one."""
     sums = [c._score_sum for c in caches]
+    if any(s is not None and not isinstance(s, mx.array) for s in sums):
+        raise ValueError(f"mlx_knorm: a user's scorer ({scorer_label(caches[0].scorer)}) batches only with a "
+                         "state that is None or an array, batch-first")
     template = next((s for s in sums if s is not None), None)
     if template is None:
         return None
@@ -406,11 +434,6 @@ class BatchL2NormKVCache(_BaseCache):
         filled = max(kept)
         timeline = max(o + filled - k for o, k in zip(offsets, kept))
         first = caches[0]
-        for index, cache in enumerate(caches[1:], 1):
-            if (first._filters is None) != (cache._filters is None) or (
-                    first._filters is not None and not mx.array_equal(first._filters, cache._filters).item()):
-                raise ValueError(f"mlx_knorm: L2NormKVCache.merge: caches[{index}] ranks by other query filters "
-                                 "than caches[0]")
         batch = cls([timeline - o for o in offsets], budget=budget, n_sink=n_sink, recent=recent,
                     keep=keep, layout=layout, scorer=scorer, filters=first._filters)
         batch._score_sum = _joined_sums(caches)
@@ -544,6 +567,8 @@ class BatchL2NormKVCache(_BaseCache):
         if any(not 0 <= lo <= hi for lo, hi in pairs):
             raise ValueError("mlx_knorm: BatchL2NormKVCache state field 'ranges' must hold "
                              f"0 <= lo <= hi for every sequence, got {pairs}")
+        if len(v) == 15:
+            scorer_array = _checked_scorer_array(scorer, scorer_array, batch, arrays)
         before = dict(self.__dict__)
         self.budget, self.n_sink, self.recent, self.keep, self.layout = budget, n_sink, recent, keep, layout
         self.scorer = scorer

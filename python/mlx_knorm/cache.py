@@ -278,8 +278,11 @@ class L2NormCacheBase(_BaseCache):
         self.scorer, array = checked.scorer
         self._filters = array if self.scorer == "qfilter" else None
         self._score_sum = array if self.scorer == "keydiff" else None
-        # A loaded state's history is unknown unless nothing was ever evicted.
-        self._trimmable = self.offset if self.filled == self.offset else 0
+        # A loaded state's history is unknown unless nothing was ever evicted;
+        # a quantized keydiff cache's running sum may come from float rows
+        # before a conversion, which its rows cannot rebuild.
+        rebuildable = not (self.quantized and self.scorer == "keydiff")
+        self._trimmable = self.offset if self.filled == self.offset and rebuildable else 0
         self._score_anchor = None if self._trimmable == self.offset else self._score_sum
         self._last_block = None
         self._forget_block()
@@ -714,9 +717,15 @@ def _scorer_state(scorer, filters) -> tuple:
     array otherwise (keydiff's running sum starts as None)."""
     scorer = check_scorer(scorer)
     if scorer == "qfilter":
-        if not isinstance(filters, mx.array):
+        if filters is None:
             raise ValueError("mlx_knorm: the qfilter scorer needs filters, this layer's [H, D] query filters "
                              "(make_knorm_cache takes a `mlx-knorm calibrate` file)")
+        if not isinstance(filters, mx.array):
+            raise TypeError(f"mlx_knorm: filters must be an mlx.core.array, this layer's [H, D] float32 query "
+                            f"filters, got {type(filters).__name__}")
+        if filters.dtype != mx.float32 or filters.ndim != 2 or not mx.all(mx.isfinite(filters)).item():
+            raise ValueError(f"mlx_knorm: filters must be finite float32 [H, D], this layer's query filters, "
+                             f"got {filters.dtype} {list(filters.shape)}")
         return ("qfilter", filters)
     if filters is not None:
         raise ValueError(f"mlx_knorm: filters are for the qfilter scorer, not {scorer_label(scorer)}")
@@ -1068,6 +1077,16 @@ def mask_requests(model: nn.Module, probe: list | None = None) -> list[tuple[int
     return asked
 
 
+def _key_heads_and_widths(model: nn.Module) -> dict[int, tuple[int, int]]:
+    """``{layer: (heads, key width)}`` of the model's plain ``KVCache``
+    layers, from the keys one 2-token forward pass, built and never
+    evaluated, gives a throwaway cache."""
+    probe = _model_cache(model)
+    mask_requests(model, probe)
+    return {index: (cache.keys.shape[1], cache.keys.shape[3]) for index, cache in enumerate(probe)
+            if type(cache) is KVCache and cache.keys is not None}
+
+
 def make_knorm_cache(
     model: nn.Module,
     budget: int = DEFAULT_BUDGET,
@@ -1174,6 +1193,15 @@ def make_knorm_cache(
                 f"hold at most budget={budget} rows, so the mask fits only one of them. "
                 "Use skip_layers=() with this model."
             )
+    if filters is not None:
+        # Each layer's filters against its keys' heads and width, before any
+        # cache exists: a forward pass would update the layers before the
+        # one that does not fit.
+        widths = _key_heads_and_widths(model)
+        for index, compressed in enumerate(compress):
+            if compressed:
+                filters.layer(index, *widths[index]) if index in widths else filters.of_layer(index)
+
     def make(index: int):
         return lambda: L2NormKVCache(budget=budget, n_sink=n_sink, recent=recent, keep=keep, layout=layout,
                                      scorer=scorer, filters=None if filters is None else filters.of_layer(index))

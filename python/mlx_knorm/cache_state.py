@@ -129,7 +129,7 @@ def _check_state(state, quantized: bool, kind: str, user_scorer=None) -> Checked
         )
     if user_scorer is not None and len(state) != len(fields):
         raise StateError("scorer", "a user's scorer's rows come with no scorer fields")
-    scorer = (user_scorer, None) if user_scorer is not None else _check_scorer_fields(state[len(fields):])
+    scorer = (user_scorer, None) if user_scorer is not None else check_scorer_fields(state[len(fields):])
     state = state[:len(fields)]
     keys, values, norms, positions, offset, budget, n_sink, recent, keep, layout = state[:10]
     config = check_config(budget, n_sink, recent, keep)
@@ -169,7 +169,8 @@ def _check_state(state, quantized: bool, kind: str, user_scorer=None) -> Checked
         # A quantized cache's scores may come from the rows before a
         # conversion (to_quantized): their bounds only.
         if quantized:
-            _check_score_bounds(scorer, keys[0].shape, norms)
+            # The keys' width: a scale per group.
+            _check_score_bounds(scorer, (*keys[1].shape[:3], keys[1].shape[3] * quantization[0]), norms)
         else:
             _check_scores(scorer, keys, values, norms, offset)
     elif quantized:
@@ -181,7 +182,7 @@ def _check_state(state, quantized: bool, kind: str, user_scorer=None) -> Checked
     return CheckedState(config, layout, offset, (keys, values, norms, positions), quantization, scorer)
 
 
-def _check_scorer_fields(fields) -> tuple:
+def check_scorer_fields(fields) -> tuple:
     """``(name, array)`` of the state's scorer fields (none: knorm)."""
     if not fields:
         return ("knorm", None)
@@ -203,19 +204,26 @@ def _check_scorer_fields(fields) -> tuple:
 
 
 def _check_score_bounds(scorer: tuple, row_shape, scores: mx.array) -> None:
-    """What holds of a scorer's scores whatever the rows: the canonical NaN
-    or a number, +0 for a zero; keydiff's within [-1, 1], vnorm's >= +0."""
+    """What holds of a scorer's scores whatever the rows (``row_shape``
+    ``[B, H, n, D]``, D the keys' width): the canonical NaN or a number, +0
+    for a zero; keydiff's within ``±(D + 1)``, vnorm's ``>= +0``; and the
+    scorer's array fits the rows."""
     name, array = scorer
     batch, heads, _, dim = row_shape
-    if name == "qfilter" and array.ndim == 2 and array.shape[0] != heads:
-        raise StateError("scorer_state", f"qfilter's filters are {list(array.shape)}, the keys' {heads} heads")
-    if name == "keydiff" and array is not None and (array.ndim != 3 or array.shape[:2] != (batch, heads)
-                                                    or not mx.all(mx.isfinite(array)).item()):
-        raise StateError("scorer_state", f"keydiff's running sum must be finite float32 [{batch}, {heads}, D]")
+    if name == "qfilter" and tuple(array.shape) != (heads, dim):
+        raise StateError("scorer_state", f"qfilter's filters are {list(array.shape)}, the keys' heads and "
+                                         f"width [{heads}, {dim}]")
+    if name == "keydiff" and (array is None or tuple(array.shape) != (batch, heads, dim)
+                              or not mx.all(mx.isfinite(array)).item()):
+        raise StateError("scorer_state", f"keydiff's running sum must be finite float32 [{batch}, {heads}, {dim}] "
+                                         "once rows are stored")
     bits = scores.view(mx.uint32)
     fine = ~mx.isnan(scores) | (bits == 0x7FC00000)
     if name == "keydiff":
-        fine = fine & (mx.isnan(scores) | (mx.abs(scores) <= 1.0 + 2.0**-20))
+        # A cosine, but the norms drop squares below 2^-126 (§2a's flush), so
+        # a key or sum of tiny components can score above 1: at most by a
+        # factor sqrt(1 + D) for each of the two norms.
+        fine = fine & (mx.isnan(scores) | (mx.abs(scores) <= (dim + 1) * (1.0 + 2.0**-20)))
     elif name == "vnorm":
         fine = fine & (bits < 0x80000000)
     if not mx.all(fine & (bits != 0x80000000)).item():

@@ -70,7 +70,11 @@ def score_rows(scorer: Scorer, keys: mx.array, values: mx.array, state, *, offse
 
     batch, heads, _, dim = keys.shape
     if callable(scorer):
-        scores, state = scorer(keys, values, state)
+        result = scorer(keys, values, state)
+        if not isinstance(result, tuple) or len(result) != 2:
+            raise ValueError(f"mlx_knorm: scorer {scorer_label(scorer)} must return (scores, state), "
+                             f"got {type(result).__name__}")
+        scores, state = result
         if not isinstance(scores, mx.array) or scores.dtype != mx.float32 or scores.shape != keys.shape[:3]:
             got = f"{scores.dtype} {list(scores.shape)}" if isinstance(scores, mx.array) else type(scores).__name__
             raise ValueError(f"mlx_knorm: scorer {scorer_label(scorer)} must return float32 scores "
@@ -158,8 +162,14 @@ def as_query_filters(filters) -> QueryFilters | None:
 def default_filters_path(model) -> Path:
     """Where ``mlx-knorm calibrate`` writes, and the commands look for, the
     query filters of ``model`` (as given to ``--model``) by default: the
-    cache folder's ``filters/<model>.safetensors``."""
+    cache folder's ``filters/<model>.safetensors``, a local path named by
+    its resolved path."""
     from .models.fetch import cache_dir
 
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(model).rstrip("/")).strip("_") or "model"
+    text = str(model)
+    if Path(text).exists():
+        # A local directory or file: its whole path, so that "." or two
+        # folders of one name do not share a file.
+        text = str(Path(text).resolve())
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", text.rstrip("/")).strip("_.") or "model"
     return cache_dir() / "filters" / f"{name}.safetensors"

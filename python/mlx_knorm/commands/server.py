@@ -233,7 +233,7 @@ class ServerSession(Session):
             try:
                 with self.request_config(config):
                     cache = model.make_cache()
-            except (TypeError, ValueError):
+            except Exception:  # the request's own error, reported when it is served alone
                 return False
             ours = [isinstance(c, L2NormCacheBase) for c in layer_caches(cache)]
             self._batchable[key] = (all(type(c) is L2NormKVCache for c in cache) if any(ours)
@@ -326,7 +326,7 @@ class ServerSession(Session):
                 with session.request_config(config):
                     try:
                         self.model_provider.model.make_cache()
-                    except (TypeError, ValueError) as e:
+                    except Exception as e:  # a cache this request's settings cannot build: its answer
                         rqueue.put(e)
                         return
                     mx.reset_peak_memory()

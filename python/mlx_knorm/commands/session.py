@@ -31,13 +31,13 @@ import textwrap
 import threading
 import types
 import weakref
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 from ..cache import EXACT_BLOCK, MAX_DRAFT_TOKENS, make_knorm_cache
 from ..defaults import DEFAULT_BUDGET, DEFAULT_KEEP, DEFAULT_LAYOUT, DEFAULT_N_SINK, DEFAULT_RECENT_SHARE, default_recent
 from ..ops.evict_and_fill import LAYOUTS, check_layout
-from ..scorers import BUILTIN_SCORERS, DEFAULT_SCORER, default_filters_path
+from ..scorers import BUILTIN_SCORERS, DEFAULT_SCORER, QueryFilters, default_filters_path
 from ..validation import KEEP_CHOICES, check_config, check_int
 from .loading import install_cache, load_model
 
@@ -83,8 +83,8 @@ class CacheConfig:
     skip_layers: tuple[int, ...] = ()
     layout: str = DEFAULT_LAYOUT
     scorer: str = DEFAULT_SCORER
-    # The qfilter scorer's query filters: a `mlx-knorm calibrate` file.
-    filters: str | None = None
+    # The qfilter scorer's query filters, read from a `mlx-knorm calibrate` file.
+    filters: QueryFilters | None = None
 
     def __post_init__(self) -> None:
         check_config(self.budget, self.n_sink, self.window, self.keep)
@@ -109,7 +109,8 @@ class CacheConfig:
             raise ValueError("the qfilter scorer needs the model's query filters: run `mlx-knorm calibrate "
                              "--model M` (or give --filters FILE)")
         filters = self.filters if self.scorer == "qfilter" else None
-        return make_knorm_cache(model, **{**asdict(self), "recent": self.window, "filters": filters})
+        settings = {field.name: getattr(self, field.name) for field in fields(self)}
+        return make_knorm_cache(model, **{**settings, "recent": self.window, "filters": filters})
 
     def for_draft(self) -> "CacheConfig":
         """The settings of a draft model's cache: no ``skip_layers`` (the
@@ -180,6 +181,31 @@ def given_cache_settings(namespace: argparse.Namespace) -> dict:
     if given["budget"] is None:
         given["budget"] = alias
     return {f: v for f, v in given.items() if v is not None}
+
+
+def load_filters(path: str | None, model: str | None, needed: bool, prog: str) -> QueryFilters | None:
+    """The query filters the command's qfilter caches read, once, before the
+    model loads: ``path`` (``--filters``), else the file ``mlx-knorm
+    calibrate`` writes for ``model`` if there is one. An unreadable
+    ``--filters`` file, or no filters where ``needed`` (``--scorer
+    qfilter``), raises ``ValueError``; an unreadable default file is only
+    reported unless needed (a server request may still name another scorer)."""
+    given = path is not None
+    if not given and model is not None and default_filters_path(model).is_file():
+        path = str(default_filters_path(model))
+    if path is None:
+        if needed:
+            raise ValueError("--scorer qfilter needs the model's query filters: run `mlx-knorm calibrate "
+                             f"--model {model or 'M'}` (or give --filters FILE)")
+        return None
+    try:
+        return QueryFilters.load(path)
+    except (OSError, ValueError, RuntimeError) as e:
+        if given or needed:
+            raise ValueError(f"--filters {path}: {e}") from None
+        print(f"{prog}: warning: ignoring the query filters at {path} ({e}); --scorer qfilter "
+              "needs readable ones", file=sys.stderr)
+        return None
 
 
 def cache_config(settings: dict, base: CacheConfig | None = None) -> CacheConfig:
@@ -266,10 +292,8 @@ class Session:
         try:
             self.given = given_cache_settings(namespace)
             # The qfilter scorer's filters (a server request may ask for it too).
-            filters = getattr(namespace, "filters", None)
-            model = getattr(namespace, "model", None)
-            if filters is None and model is not None and default_filters_path(model).is_file():
-                filters = str(default_filters_path(model))
+            filters = load_filters(getattr(namespace, "filters", None), getattr(namespace, "model", None),
+                                   self.given.get("scorer") == "qfilter", self.prog)
             self.config = cache_config({**self.given, "filters": filters})
             check_draft_tokens(getattr(namespace, "num_draft_tokens", None), "--num-draft-tokens")
         except ValueError as e:
