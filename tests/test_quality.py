@@ -167,3 +167,23 @@ def test_quantized_masks_reproduce_the_quantized_caches():
         floats = teacher_forced_logits(model, ids, name.rsplit("+bits", 1)[0] if budget else None, budget)
         error = float(mx.abs(real - masked).max())
         assert error < 1e-3 < float(mx.abs(masked - floats).max()), name
+
+
+def test_a_documents_leading_ids_are_those_of_its_whole_encoding(shipped):
+    """document_sequences encodes a leading slice of a long document: the ids
+    it keeps are those encoding the whole document gives, also for a
+    tokenizer whose last id changes where the slice cuts a word."""
+
+    class Words:
+        def encode(self, text, add_special_tokens=False):
+            return [hash(word) % 50_000 for word in text.split(" ")]
+
+    texts = [t for t in data.heldout_texts() if len(t) > 40_000][:3]
+    assert texts
+    for tokenizer in (shipped[1], Words()):
+        for text in texts:
+            whole = data._encode(tokenizer, text)
+            for count in (1, 64, 600):
+                assert data._leading_ids(tokenizer, text, count)[:count] == whole[:count]
+    short = "a b c"
+    assert data._leading_ids(Words(), short, 8) == data._encode(Words(), short)

@@ -101,6 +101,25 @@ def _with_bos(tokenizer, length: int) -> tuple[list[int], int]:
     return prefix, length - len(prefix)
 
 
+# Characters a token spans at most in a leading encoding that is taken whole;
+# beyond the last few tokens, a cut does not change the ids before it.
+_CHARS_PER_TOKEN = 16
+_CUT_MARGIN = 32
+
+
+def _leading_ids(tokenizer, text: str, count: int) -> list[int]:
+    """At least ``count`` ids from the top of ``text`` as encoding all of it
+    gives them (or all its ids, if fewer): a leading slice is encoded first,
+    long enough that a tokenizer's merges across the cut reach only ids
+    past the ones kept, so that a long document costs a short encoding."""
+    head = text[: _CHARS_PER_TOKEN * (count + _CUT_MARGIN)]
+    if len(head) < len(text):
+        ids = _encode(tokenizer, head)
+        if len(ids) >= count + _CUT_MARGIN:
+            return ids[:count]
+    return _encode(tokenizer, text)
+
+
 def document_sequences(tokenizer, documents: list[str], length: int, count: int) -> np.ndarray:
     """``[count, length]`` token ids: the first tokens of ``count`` documents long enough.
 
@@ -109,7 +128,7 @@ def document_sequences(tokenizer, documents: list[str], length: int, count: int)
     dominates.
     """
     prefix, body = _with_bos(tokenizer, length)
-    encoded = [ids for ids in (_encode(tokenizer, d) for d in documents) if len(ids) >= body]
+    encoded = [ids for ids in (_leading_ids(tokenizer, d, body) for d in documents) if len(ids) >= body]
     if len(encoded) < count:
         raise ValueError(f"only {len(encoded)} documents have >= {body} tokens, n_seqs={count} requested")
     picks = np.linspace(0, len(encoded) - 1, count).round().astype(int)
