@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -21,6 +24,16 @@ settings.register_profile(
     derandomize=True,
 )
 settings.load_profile("default")
+
+
+def load_broken_kernels():
+    """tests/cpp/broken_kernels.py as a module (a script, not a package)."""
+    path = Path(__file__).resolve().parent / "cpp" / "broken_kernels.py"
+    spec = importlib.util.spec_from_file_location("broken_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def emulator_built() -> bool:

@@ -4,14 +4,13 @@ the string with no include path and hands it to Metal as ASCII."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import load_broken_kernels
 from mlx_knorm import _native
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,14 +75,6 @@ def test_build_installs_every_kernel_source_and_the_header():
     cmake = (ROOT / "CMakeLists.txt").read_text()
     for path in [*METAL_DIR.glob("*.metal"), *METAL_DIR.glob("*.h")]:
         assert "${PROJECT_SOURCE_DIR}/metal/" + path.name in cmake, path.name
-
-
-def load_broken_kernels():
-    spec = importlib.util.spec_from_file_location("broken_kernels", ROOT / "tests" / "cpp" / "broken_kernels.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 BROKEN_KERNELS = load_broken_kernels()

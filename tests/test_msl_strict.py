@@ -5,13 +5,13 @@ with its reason, the emulator being laxer than Metal for several."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import load_broken_kernels
 from mlx_knorm import _native
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,14 +19,6 @@ sys.path.insert(0, str(ROOT / "tests" / "msl"))
 import check as msl_check  # noqa: E402
 
 sys.path.pop(0)
-
-
-def load_broken_kernels():
-    spec = importlib.util.spec_from_file_location("broken_kernels", ROOT / "tests" / "cpp" / "broken_kernels.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 BROKEN = load_broken_kernels()

@@ -14,16 +14,13 @@ factor, the mean logit the queries give that key.
 
 from __future__ import annotations
 
-import contextlib
-import sys
-
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from ..scorers import QueryFilters
 from . import data
+from .eval import attention_routed
 from .policies import attention_layers
 
 
@@ -36,28 +33,15 @@ class _QueryProbe(KVCache):
         self.seen = seen
 
 
-@contextlib.contextmanager
 def _queries_through_probes():
-    """mlx-lm's attention, recording each probe layer's queries first
-    (mlx-lm's model modules import ``scaled_dot_product_attention`` by name,
-    so it is replaced in each)."""
-    original = mlx_lm_base.scaled_dot_product_attention
+    """mlx-lm's attention, recording each probe layer's queries first."""
 
-    def recorded(queries, keys, values, cache, scale, mask, sinks=None):
+    def route(original, queries, keys, values, cache, scale, mask, sinks):
         if isinstance(cache, _QueryProbe):
             cache.seen.append((cache.layer, queries, keys.shape[1]))
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
-    modules = [module for name, module in list(sys.modules.items())
-               if name.startswith("mlx_lm.models.")
-               and getattr(module, "scaled_dot_product_attention", None) is original]
-    for module in modules:
-        module.scaled_dot_product_attention = recorded
-    try:
-        yield
-    finally:
-        for module in modules:
-            module.scaled_dot_product_attention = original
+    return attention_routed(route)
 
 
 def calibration_sequences(tokenizer, n_seqs: int, seq_len: int) -> np.ndarray:

@@ -140,22 +140,17 @@ class _LayerProbe(KVCache):
 
 
 @contextmanager
-def _attention_through_probes():
-    """Route mlx-lm's ``scaled_dot_product_attention`` to the probes while the block runs.
+def attention_routed(route):
+    """mlx-lm's ``scaled_dot_product_attention`` is ``route(original,
+    queries, keys, values, cache, scale, mask, sinks)`` while the block runs.
 
     mlx-lm's model modules import the function from ``mlx_lm.models.base`` by
-    name, so it is replaced in every loaded model module; layers whose cache
-    is not a probe (sliding-window, recurrent) run the original.
+    name, so it is replaced in every loaded model module.
     """
     original = mlx_lm_base.scaled_dot_product_attention
 
     def routed(queries, keys, values, cache, scale, mask, sinks=None):
-        if not isinstance(cache, _LayerProbe):
-            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-        if sinks is not None:
-            raise ValueError("the eval does not support models with attention sinks (sinks=...)")
-        # The model's mask is the causal mask of a fresh cache; the pass builds its own.
-        return cache.attend(cache.layer, queries, keys, values, scale)
+        return route(original, queries, keys, values, cache, scale, mask, sinks)
 
     modules = [module for name, module in list(sys.modules.items())
                if name.startswith("mlx_lm.models.")
@@ -167,6 +162,21 @@ def _attention_through_probes():
     finally:
         for module in modules:
             module.scaled_dot_product_attention = original
+
+
+def _attention_through_probes():
+    """Route mlx-lm's attention to the probes while the block runs; layers
+    whose cache is not a probe (sliding-window, recurrent) run the original."""
+
+    def route(original, queries, keys, values, cache, scale, mask, sinks):
+        if not isinstance(cache, _LayerProbe):
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        if sinks is not None:
+            raise ValueError("the eval does not support models with attention sinks (sinks=...)")
+        # The model's mask is the causal mask of a fresh cache; the pass builds its own.
+        return cache.attend(cache.layer, queries, keys, values, scale)
+
+    return attention_routed(route)
 
 
 def causal(first: int, stop: int) -> mx.array:
