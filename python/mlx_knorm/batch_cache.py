@@ -497,8 +497,11 @@ class BatchL2NormKVCache(_BaseCache):
 
     def _scorer_fields(self, rows=slice(None)) -> tuple:
         """The state's scorer fields (as ``L2NormCacheBase._scorer_fields``)
-        for the sequences ``rows``."""
-        if self.scorer == "knorm" or callable(self.scorer):
+        for the sequences ``rows``; a user's scorer's, which no file holds,
+        for the whole batch."""
+        if callable(self.scorer):
+            return (UnsavableScorer(self.scorer), self._score_sum)
+        if self.scorer == "knorm":
             return ()
         if self.scorer == "keydiff":
             return ("keydiff", None if self._score_sum is None else self._score_sum[rows])
@@ -513,11 +516,9 @@ class BatchL2NormKVCache(_BaseCache):
         stored, int32 ``[B, 2]`` valid ranges and ``[B]`` real row counts,
         then the host fields, then the scorer's fields (a user's scorer's:
         which no file can hold, and its state, as the layer cache's)."""
-        scorer_fields = ((UnsavableScorer(self.scorer), self._score_sum) if callable(self.scorer)
-                         else self._scorer_fields())
         return (*self._buffers(), self._ranges, mx.array(self._real, dtype=mx.int32),
                 self.timeline, self.filled, self.budget, self.n_sink, self.recent, self.keep, self.layout,
-                *scorer_fields)
+                *self._scorer_fields())
 
     @state.setter
     def state(self, v) -> None:

@@ -170,7 +170,9 @@ def _check_state(state, quantized: bool, kind: str, user_scorer=None) -> Checked
         # conversion (to_quantized): their bounds only.
         if quantized:
             # The keys' width: a scale per group.
-            _check_score_bounds(scorer, (*keys[1].shape[:3], keys[1].shape[3] * quantization[0]), norms)
+            row_shape = (*keys[1].shape[:3], keys[1].shape[3] * quantization[0])
+            _check_scorer_array(scorer, row_shape)
+            _check_score_bounds(scorer, row_shape, norms)
         else:
             _check_scores(scorer, keys, values, norms, offset)
     elif quantized:
@@ -203,11 +205,9 @@ def check_scorer_fields(fields) -> tuple:
     return (name, array)
 
 
-def _check_score_bounds(scorer: tuple, row_shape, scores: mx.array) -> None:
-    """What holds of a scorer's scores whatever the rows (``row_shape``
-    ``[B, H, n, D]``, D the keys' width): the canonical NaN or a number, +0
-    for a zero; keydiff's within ``±(D + 1)``, vnorm's ``>= +0``; and the
-    scorer's array fits the rows."""
+def _check_scorer_array(scorer: tuple, row_shape) -> None:
+    """The scorer's array fits rows ``[B, H, n, D]``: qfilter's filters
+    ``[H, D]``, keydiff's running sum finite ``[B, H, D]``."""
     name, array = scorer
     batch, heads, _, dim = row_shape
     if name == "qfilter" and tuple(array.shape) != (heads, dim):
@@ -217,6 +217,14 @@ def _check_score_bounds(scorer: tuple, row_shape, scores: mx.array) -> None:
                               or not mx.all(mx.isfinite(array)).item()):
         raise StateError("scorer_state", f"keydiff's running sum must be finite float32 [{batch}, {heads}, {dim}] "
                                          "once rows are stored")
+
+
+def _check_score_bounds(scorer: tuple, row_shape, scores: mx.array) -> None:
+    """What holds of a scorer's scores whatever the rows (``row_shape``
+    ``[B, H, n, D]``, D the keys' width): the canonical NaN or a number, +0
+    for a zero; keydiff's within ``±(D + 1)``, vnorm's ``>= +0``."""
+    name, _ = scorer
+    dim = row_shape[3]
     bits = scores.view(mx.uint32)
     fine = ~mx.isnan(scores) | (bits == 0x7FC00000)
     if name == "keydiff":
@@ -239,16 +247,11 @@ def _check_scores(scorer: tuple, keys: mx.array, values: mx.array, scores: mx.ar
     from .scorers import score_rows
 
     name, array = scorer
-    batch, heads, kept, dim = keys.shape
-    if name == "qfilter" and tuple(array.shape) != (heads, dim):
-        raise StateError("scorer_state", f"qfilter's filters are {list(array.shape)}, the keys' heads and "
-                                         f"width [{heads}, {dim}]")
-    if name == "keydiff":
-        if array is None or tuple(array.shape) != (batch, heads, dim) or not mx.all(mx.isfinite(array)).item():
-            raise StateError("scorer_state", f"keydiff's running sum must be finite float32 [{batch}, {heads}, {dim}]")
-        if kept < offset:
-            _check_score_bounds(scorer, keys.shape, scores)
-            return
+    kept = keys.shape[2]
+    _check_scorer_array(scorer, keys.shape)
+    if name == "keydiff" and kept < offset:
+        _check_score_bounds(scorer, keys.shape, scores)
+        return
     expected, total = score_rows(name, keys, values, None, filters=array)
     if not mx.array_equal(expected.view(mx.uint32), scores.view(mx.uint32)).item():
         raise StateError("norms", f"differ from the {name} scores of the stored rows (docs/spec.md §2a)")
