@@ -1,0 +1,495 @@
+"""Every figure README.md and docs/*.md quote from a results file agrees with that file.
+
+A quote is a passage of a page with its figures left as ``{}``; each figure is computed
+from the results file it comes from (docs/results/, bench/results/) and formatted as the
+page rounds it. The filled-in passage must appear in the page (whitespace and ``**``
+aside), and the file must be named on the page or on the page it cites for its figures.
+A new run that moves a figure fails here until the page quotes the new one; a page edit
+that changes a figure fails until the file agrees.
+
+``…`` in a passage stands for text the check does not read (an interval, between figures).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from mlx_knorm.quality.policies import row_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+EVAL = "docs/results/quality-eval-smollm2.json"
+EVAL_BITS = "docs/results/quality-eval-smollm2-kv-bits-1k.json"
+EVAL_BITS_BYTES = "docs/results/quality-eval-smollm2-kv-bits-1k-equal-bytes.json"
+EVAL_SCORERS = {"SmolLM2": "docs/results/quality-eval-smollm2-scorers.json",
+                "Gemma": "docs/results/quality-eval-gemma3-scorers.json"}
+PASSKEY = "docs/results/quality-needle-passkey.json"
+PASSKEY_ALL = "docs/results/quality-needle-passkey-all-policies.json"
+PASSKEY_BITS = "docs/results/quality-needle-passkey-1k-kv-bits.json"
+PASSKEY_BITS_BYTES = "docs/results/quality-needle-passkey-1k-kv-bits-equal-bytes.json"
+PROSE = "docs/results/quality-needle-prose-1k.json"
+NEEDLE_SCORERS = {"SmolLM2": "docs/results/quality-needle-smollm2-scorers.json",
+                  "Gemma": "docs/results/quality-needle-gemma3-scorers.json"}
+QUICK = "bench/results/quick-cpu.json"
+CACHE_STEP = "bench/results/cache-step-cpu.json"
+E2E_RANDOM = "bench/results/decode-e2e-cpu.json"
+E2E_XEON = "bench/results/decode-e2e-smollm2-4096-2048-cpu.json"
+E2E_XEON_4096 = "bench/results/decode-e2e-smollm2-4608-4096-cpu.json"
+E2E_SCORERS = "bench/results/decode-e2e-smollm2-scorers-cpu.json"
+BATCH = "bench/results/batch-decode-cpu-smollm2.json"
+EIGHTHS = (128, 256, 512)  # 1/8, 1/4 and 1/2 of the 1024-token windows
+# SmolLM2-135M as measured: head dim 64, float32 rows; README's Llama example: bfloat16.
+HEAD_DIM, F32, F16 = 64, 4, 2
+
+
+@cache
+def results(name: str) -> dict:
+    return json.loads((ROOT / name).read_text())
+
+
+# Figures, each read or computed from one file the way its page does.
+def ppl_to_full(name, policy, rows):
+    return results(name)["perplexity_ratio_to_full"][f"{policy}@{rows}"]
+
+
+def ppl(name, policy, rows):
+    return results(name)["perplexity"][f"{policy}@{rows}"]
+
+
+def ppl_to_window(name, policy, rows):
+    """The paired ratio's point estimate: the policy's perplexity over the window's on the same windows."""
+    return ppl(name, policy, rows) / ppl(name, "window", rows)
+
+
+def recall(name, policy, rows):
+    return results(name)["recall"][f"{policy}@{rows}"]
+
+
+def spearman(name, layer=None, end=min):
+    by_layer = results(name)["layer_spearman"]
+    return by_layer[str(layer)] if layer is not None else end(by_layer.values())
+
+
+def needle(name, haystack, policy, fraction=None, field="accuracy"):
+    """A policy's total over every context and depth (``field``: accuracy, correct, trials)."""
+    for t in results(name)["totals"]:
+        if (t["haystack"], t["policy"], t["budget_fraction"], t["context"]) == (haystack, policy, fraction, "all"):
+            return t[field]
+    raise KeyError(f"{name}: no total for {haystack} {policy} at {fraction}")
+
+
+def decode(name, budget, cache_name, field):
+    run = results(name)
+    caches = run["caches"] if "caches" in run else run["budgets"][str(budget)]["caches"]
+    return caches[cache_name][field]
+
+
+def target(name, budget, key):
+    """A recorded target's bound: ``>= 0.97`` gives 0.97."""
+    return float(results(name)["budgets"][str(budget)]["targets"][key]["target"].split()[-1])
+
+
+def quick(name, label, *path):
+    case = next(c for c in results(name)["cases"] if c["label"] == label)
+    for key in path:
+        case = case[key]
+    return case
+
+
+def cache_step_ratio(name, end):
+    """The slot layout's step over RotatingKVCache's, ``end`` (min, max) over the budgets and batches."""
+    return end(c["caches"]["slots"]["ratio_to_rotating"] for c in results(name)["configs"])
+
+
+def batch_speedup(name):
+    return results(name)["targets"]["B4_speedup_over_one_at_a_time"]["measured"]
+
+
+def to_knorm(name, budget, cache_name):
+    """A scorer's tokens/s over the key norm's (ours, slots) in the same run."""
+    return decode(name, budget, cache_name, "tokens_per_s") / decode(name, budget, "slots", "tokens_per_s")
+
+
+def kv_bytes(name, rows, bits=None, eviction=True):
+    """``rows`` of the run's context at their bytes (``bits``, or float32), over a full float32 cache's."""
+    run = results(name)
+    context = run["seq_len"] if "seq_len" in run else run["contexts"][0]
+    return rows * row_bytes(HEAD_DIM, F32, bits, eviction) / (context * row_bytes(HEAD_DIM, F32, eviction=False))
+
+
+def row_share(itemsize, bits, rows=1.0):
+    """``rows`` quantized rows' bytes over one float row's of ``itemsize`` bytes an element."""
+    return rows * row_bytes(HEAD_DIM, itemsize, bits) / row_bytes(HEAD_DIM, itemsize)
+
+
+def rows_for_bytes(itemsize):
+    """How many 8-bit rows the bytes of one float row hold."""
+    return 1 / row_share(itemsize, 8)
+
+
+# Formats, as the pages round.
+def f(spec: str) -> Callable[[float], str]:
+    return lambda x: format(x, spec)
+
+
+def share(x: float) -> str:
+    """A needle's share of keys found: ``0`` for none, else two decimals."""
+    return "0" if x == 0 else f"{x:.2f}"
+
+
+def sig(n: int) -> Callable[[float], str]:
+    """``n`` significant figures, trailing zeros kept (``19.0``, ``156``)."""
+    return lambda x: format(x, f"#.{n}g").rstrip(".")
+
+
+def trim(n: int) -> Callable[[float], str]:
+    """``n`` significant figures, trailing zeros dropped (``84.7``, ``130``), as the benchmark tables print."""
+    return lambda x: format(x, f".{n}g")
+
+
+def minus(spec: str) -> Callable[[float], str]:
+    """A typeset sign: ``−0.72``, ``+0.148``."""
+    return lambda x: ("−" if x < 0 else "+") + format(abs(x), spec)
+
+
+def mib(x: float) -> str:
+    return f"{x / 2**20:.1f}"
+
+
+@dataclass(frozen=True)
+class Figure:
+    value: Callable[[], float]
+    fmt: Callable[[float], str]
+    file: str | None  # None: computed from the package's code (row_bytes)
+
+    def text(self) -> str:
+        return self.fmt(self.value())
+
+
+def fig(fmt, func, name=None, *args, **kwargs) -> Figure:
+    return Figure(lambda: func(name, *args, **kwargs) if name is not None else func(*args, **kwargs), fmt, name)
+
+
+@dataclass(frozen=True)
+class Quote:
+    page: str
+    text: str
+    figures: tuple[Figure, ...]
+    cited: tuple[str, ...] = ()  # pages that name the files, where the page itself does not
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}: {self.text[:50]}"
+
+
+def q(page, text, *figures, cited=()) -> Quote:
+    assert text.count("{}") == len(figures), text
+    return Quote(page, text, figures, tuple(cited))
+
+
+def default_row(page, policy, passkey_file, extra="", *extra_figures):
+    """A 'Which setting' row: perplexity over the full cache's at 1/8, 1/4, 1/2, then passkeys at 1/8, 1/4."""
+    fmt = sig(2) if policy == "keep-low" else f(".2f")
+    return q(page, "| {} · {} · {} | {} · {} |" + extra,
+             *(fig(fmt, ppl_to_full, EVAL, policy, r) for r in EIGHTHS),
+             *(fig(str, needle, passkey_file, "passkey", policy, fr, "correct") for fr in (0.125, 0.25)),
+             *extra_figures, cited=("docs/quality.md",))
+
+
+def quality_row(policy, passkey_file, prose=True):
+    """docs/quality.md's summary row: README's figures and, but for skip, the prose keys found of 10."""
+    if not prose:
+        return default_row("docs/quality.md", policy, passkey_file, " |")
+    return default_row("docs/quality.md", policy, passkey_file, " {} · {} |",
+                       *(fig(str, needle, PROSE, "prose", policy, fr, "correct") for fr in (0.125, 0.25)))
+
+
+def scorer_row(policy, needle_fraction=0.25):
+    """README's scorer table: perplexity over the window's on both models, passkeys found at 1/4."""
+    return q("README.md", "| {} · {} · {} | {} · {} · {} | {} · {} |",
+             *(fig(f(".2f"), ppl_to_window, EVAL_SCORERS[m], policy, r) for m in ("SmolLM2", "Gemma") for r in EIGHTHS),
+             *(fig(share, needle, NEEDLE_SCORERS[m], "passkey", policy, needle_fraction) for m in ("SmolLM2", "Gemma")),
+             cited=("docs/scorers.md",))
+
+
+def perplexity_row(model, label, policy, against_window=True):
+    """docs/scorers.md's perplexity table: perplexities, their ratios to the window's, recall at 1/8."""
+    name = EVAL_SCORERS[model]
+    fmt = f(".2f") if "+" in policy or policy == "window" or model == "Gemma" else sig(3)
+    ratios = "… · ".join(["{}"] * 3) + "… " if against_window else "1 " if policy == "window" else ""
+    return q("docs/scorers.md", f"| {label} | {{}} · {{}} · {{}} | {ratios}| {{}} |",
+             *(fig(fmt, ppl, name, policy, r) for r in EIGHTHS),
+             *((fig(f(".3f"), ppl_to_window, name, policy, r) for r in EIGHTHS) if against_window else ()),
+             fig(f(".3f"), recall, name, policy, 128))
+
+
+def needle_row(model, label, policy):
+    """docs/scorers.md's needle tables: prose, then passkey, at 1/8 · 1/4 · 1/2."""
+    name = NEEDLE_SCORERS[model]
+    return q("docs/scorers.md", f"| {label} | {{}} · {{}} · {{}} | {{}} · {{}} · {{}} |",
+             *(fig(share, needle, name, h, policy, fr) for h in ("prose", "passkey") for fr in (0.125, 0.25, 0.5)))
+
+
+def e2e_row(page, name, budget, cache_name, cpu=True, prefix="", ms=trim(4)):
+    """docs/benchmarks.md's end-to-end tables: ms/token [p25, p75], tokens/s, (CPU time,) peak MiB, ratios."""
+    cells = ["{} [{}, {}]", "{}x"] + (["{}x"] if cpu else []) + ["{}", "{}x"]
+    fields = [("median_ms", ms), ("p25_ms", ms), ("p75_ms", ms),
+              ("tokens_per_s_ratio_to_rotating", f(".3f"))]
+    fields += [("cpu_ms_ratio_to_rotating", f(".3f"))] if cpu else []
+    fields += [("peak_memory_bytes", mib), ("peak_memory_ratio_to_rotating", f(".3f"))]
+    return q(page, f"| {prefix}{cache_name} | " + " | ".join(cells) + " |",
+             *(fig(fmt, decode, name, budget, cache_name, field) for field, fmt in fields))
+
+
+QUOTES = (
+    # README: which setting (from docs/quality.md's files).
+    default_row("README.md", "keep-low+recent=1/2", PASSKEY),
+    default_row("README.md", "window", PASSKEY),
+    default_row("README.md", "keep-low", PASSKEY),
+    default_row("README.md", "keep-low+recent=1/2+skip=0,1", PASSKEY_ALL),
+    q("README.md", "`--budget 3.4N --kv-bits 8 --quantized-kv-start 0` | as the default | {} at 1/8 ¹ | {} of {} ¹ |",
+      fig(f(".2f"), ppl_to_full, EVAL_BITS_BYTES, "keep-low+recent=1/2+bits=8", 437),
+      fig(str, needle, PASSKEY_BITS_BYTES, "passkey", "keep-low+recent=1/2+bits=8", 0.8545, "correct"),
+      fig(str, needle, PASSKEY_BITS_BYTES, "passkey", "keep-low+recent=1/2+bits=8", 0.8545, "trials"),
+      cited=("docs/quality.md",)),
+    q("README.md", "the default's ³ | {} at 1/8 ¹ | {} of {} ¹ |",
+      fig(f(".2f"), ppl_to_full, EVAL_BITS, "keep-low+recent=1/2+bits=4", 128),
+      fig(str, needle, PASSKEY_BITS, "passkey", "keep-low+recent=1/2+bits=4", 0.25, "correct"),
+      fig(str, needle, PASSKEY_BITS, "passkey", "keep-low+recent=1/2+bits=4", 0.25, "trials"),
+      cited=("docs/quality.md",)),
+    q("README.md", "(the default: {} at 1/8 there); passkeys at 1024 tokens, budget 1/4 or its bytes "
+      "(the default: {} of {})",
+      fig(f(".2f"), ppl_to_full, EVAL_BITS, "keep-low+recent=1/2", 128),
+      fig(str, needle, PASSKEY_BITS, "passkey", "keep-low+recent=1/2", 0.25, "correct"),
+      fig(str, needle, PASSKEY_BITS, "passkey", "keep-low+recent=1/2", 0.25, "trials"),
+      cited=("docs/quality.md",)),
+    # README: what a row costs at each width (policies.row_bytes, the eval's own count).
+    q("README.md", "| 8-bit rows at the default's bytes ³ | `--budget {}N --kv-bits 8",
+      fig(f(".1f"), rows_for_bytes, None, F32)),
+    q("README.md", "| {}x the default's ³ |", fig(f(".2f"), row_share, None, F32, 4)),
+    q("README.md", "(head dim 64: {} bytes a token and head, 8-bit {}, 4-bit {}). With 16-bit rows, as in the "
+      "Llama example above ({}, {} and {} bytes), the default's bytes buy {}x the rows at 8 bits (`--budget {}N`; "
+      "`{}N` takes {}x the default's bytes) and 4-bit rows take {}x.",
+      *(fig(str, row_bytes, None, HEAD_DIM, size, bits) for size in (F32, F16) for bits in (None, 8, 4)),
+      fig(f(".1f"), rows_for_bytes, None, F16), fig(f(".1f"), rows_for_bytes, None, F16),
+      fig(f(".1f"), rows_for_bytes, None, F32),
+      fig(f(".2f"), lambda: row_share(F16, 8, round(rows_for_bytes(F32), 1))),
+      fig(f(".2f"), row_share, None, F16, 4)),
+    # README: which scorer (from docs/scorers.md's files).
+    scorer_row("qfilter+recent=1/2"),
+    scorer_row("keydiff+recent=1/2"),
+    scorer_row("keep-low+recent=1/2"),
+    q("README.md", "at 1/4 there the key norm's {} and its {} are level",
+      fig(f(".2f"), needle, NEEDLE_SCORERS["SmolLM2"], "passkey", "keep-low+recent=1/2", 0.25),
+      fig(f(".2f"), needle, NEEDLE_SCORERS["SmolLM2"], "passkey", "keydiff+recent=1/2", 0.25),
+      cited=("docs/scorers.md",)),
+    q("README.md", "(Spearman of norm and attention received {} to {})",
+      fig(minus(".2f"), spearman, EVAL_SCORERS["SmolLM2"], end=max),
+      fig(minus(".2f"), spearman, EVAL_SCORERS["SmolLM2"], end=min),
+      cited=("docs/scorers.md",)),
+    # README: benchmarks.
+    q("README.md", "a decode step at budget 512 in {} ms ({}x the reference's speed; in place {} ms, {}x), "
+      "a 4096-token prefill in {} ms ({}x).",
+      fig(f(".1f"), quick, QUICK, "decode S=1 budget=512", "timings", "kernel", "median_ms"),
+      fig(f(".1f"), quick, QUICK, "decode S=1 budget=512", "speedup_vs_reference"),
+      fig(f(".3f"), quick, QUICK, "decode S=1 budget=512", "in_place", "median_ms"),
+      fig(f(".0f"), quick, QUICK, "decode S=1 budget=512", "in_place", "speedup_vs_reference"),
+      fig(f(".2f"), quick, QUICK, "prefill S=4096 budget=512", "timings", "kernel", "median_ms"),
+      fig(f(".0f"), quick, QUICK, "prefill S=4096 budget=512", "speedup_vs_reference")),
+    q("README.md", "One cache decode step: {}x-{}x `RotatingKVCache`'s",
+      fig(f(".2f"), cache_step_ratio, CACHE_STEP, min), fig(f(".2f"), cache_step_ratio, CACHE_STEP, max)),
+    q("README.md", "at budget 512: {}x `RotatingKVCache`'s tokens/s and {}x its peak memory, `KVCache` {}x and {}x",
+      fig(f(".3f"), decode, E2E_XEON, 512, "slots", "tokens_per_s_ratio_to_rotating"),
+      fig(f(".3f"), decode, E2E_XEON, 512, "slots", "peak_memory_ratio_to_rotating"),
+      fig(f(".2f"), decode, E2E_XEON, 512, "KVCache", "tokens_per_s_ratio_to_rotating"),
+      fig(f(".2f"), decode, E2E_XEON, 512, "KVCache", "peak_memory_ratio_to_rotating")),
+    q("README.md", "the same decode in the scorers' run on an AMD EPYC: {}x and {}x",
+      fig(f(".3f"), decode, E2E_SCORERS, 512, "slots", "tokens_per_s_ratio_to_rotating"),
+      fig(f(".3f"), decode, E2E_SCORERS, 512, "slots", "peak_memory_ratio_to_rotating")),
+    q("README.md", "4 sequences {}x the throughput of one at a time",
+      fig(f(".1f"), batch_speedup, BATCH)),
+    # docs/quality.md: the summary and how to choose.
+    q("docs/quality.md", "| mlx-lm's `KVCache` | 1 | 1 | {} · {} | {} · {} |",
+      *(fig(str, needle, PASSKEY, "passkey", "full", None, "correct") for _ in range(2)),
+      *(fig(str, needle, PROSE, "prose", "full", None, "correct") for _ in range(2))),
+    quality_row("window", PASSKEY),
+    quality_row("keep-low+recent=1/2", PASSKEY),
+    quality_row("keep-low", PASSKEY),
+    quality_row("keep-low+recent=1/2+skip=0,1", PASSKEY_ALL, prose=False),
+    *(q("docs/quality.md", f"`--kv-bits {bits} --quantized-kv-start 0` | {{}} at 1/8 | {{}} at 1/8 ¹ | {{}} of 5 ² |",
+        fig(f(".3f"), kv_bytes, EVAL_BITS, 128, bits),
+        fig(f(".2f"), ppl_to_full, EVAL_BITS, f"keep-low+recent=1/2+bits={bits}", 128),
+        fig(str, needle, PASSKEY_BITS, "passkey", f"keep-low+recent=1/2+bits={bits}", 0.25, "correct"))
+      for bits in (8, 4)),
+    q("docs/quality.md", "| {} | {} ¹ | {} of 5 at {} ² |",
+      fig(f(".3f"), kv_bytes, EVAL_BITS_BYTES, 437, 8),
+      fig(f(".2f"), ppl_to_full, EVAL_BITS_BYTES, "keep-low+recent=1/2+bits=8", 437),
+      fig(str, needle, PASSKEY_BITS_BYTES, "passkey", "keep-low+recent=1/2+bits=8", 0.8545, "correct"),
+      fig(f(".3f"), kv_bytes, PASSKEY_BITS_BYTES, round(0.8545 * 1024), 8)),
+    *(q("docs/quality.md", f"`mlx_lm.generate --kv-bits {bits}` | {{}} | {{}} ¹ | {{}} of 5 ² |",
+        fig(f(".3f"), kv_bytes, EVAL_BITS, 1024, bits, False),
+        fig(f(".2f"), ppl_to_full, EVAL_BITS, f"full+bits={bits}", 128),
+        fig(str, needle, PASSKEY_BITS, "passkey", f"full+bits={bits}", 0.25, "correct")) for bits in (8, 4)),
+    q("docs/quality.md", "keeps more attention (recall {} at 1/8 on SmolLM2); `--scorer keydiff` finds the most "
+      "passkeys on Gemma at every budget and on SmolLM2 at 1/8 "
+      "(at 1/4 there the key norm finds {} of them, keydiff {}).",
+      fig(f(".3f"), recall, EVAL_SCORERS["SmolLM2"], "qfilter+recent=1/2", 128),
+      fig(f(".2f"), needle, NEEDLE_SCORERS["SmolLM2"], "passkey", "keep-low+recent=1/2", 0.25),
+      fig(f(".2f"), needle, NEEDLE_SCORERS["SmolLM2"], "passkey", "keydiff+recent=1/2", 0.25),
+      cited=("docs/scorers.md",)),
+    q("docs/quality.md", "(recall {} at 1/8 against the window's {}; qfilter with the same window keeps {}), "
+      "and it finds passkeys from outside its window ({} of {} at 1/4,",
+      fig(f(".3f"), recall, EVAL, "keep-low+recent=1/2", 128),
+      fig(f(".3f"), recall, EVAL, "window", 128),
+      fig(f(".3f"), recall, EVAL_SCORERS["SmolLM2"], "qfilter+recent=1/2", 128),
+      fig(str, needle, PASSKEY, "passkey", "keep-low+recent=1/2", 0.25, "correct"),
+      fig(str, needle, PASSKEY, "passkey", "keep-low+recent=1/2", 0.25, "trials"),
+      cited=("docs/scorers.md",)),
+    q("docs/quality.md", "(negative in all 30 layers of SmolLM2, from {} to {})",
+      fig(f(".2f"), spearman, EVAL, end=max), fig(f(".2f"), spearman, EVAL, end=min)),
+    # docs/scorers.md: perplexity and recall, needles, Spearman, speed.
+    perplexity_row("SmolLM2", "recent window", "window", against_window=False),
+    perplexity_row("SmolLM2", "qfilter+recent=1/2", "qfilter+recent=1/2"),
+    perplexity_row("SmolLM2", "keydiff+recent=1/2", "keydiff+recent=1/2"),
+    perplexity_row("SmolLM2", "vnorm+recent=1/2", "vnorm+recent=1/2"),
+    perplexity_row("SmolLM2", "knorm+recent=1/2 (the default)", "keep-low+recent=1/2"),
+    perplexity_row("SmolLM2", "qfilter+recent=1/4", "qfilter+recent=1/4"),
+    perplexity_row("SmolLM2", "keydiff+recent=1/4", "keydiff+recent=1/4"),
+    perplexity_row("SmolLM2", "qfilter alone", "qfilter", against_window=False),
+    perplexity_row("SmolLM2", "keydiff alone", "keydiff", against_window=False),
+    perplexity_row("SmolLM2", "knorm alone (the paper's rule)", "keep-low", against_window=False),
+    perplexity_row("SmolLM2", "vnorm alone", "vnorm", against_window=False),
+    perplexity_row("SmolLM2", "random", "random", against_window=False),
+    perplexity_row("Gemma", "recent window", "window", against_window=False),
+    perplexity_row("Gemma", "qfilter+recent=1/2", "qfilter+recent=1/2"),
+    perplexity_row("Gemma", "qfilter+recent=1/4", "qfilter+recent=1/4"),
+    perplexity_row("Gemma", "vnorm+recent=1/2", "vnorm+recent=1/2"),
+    perplexity_row("Gemma", "knorm+recent=1/2 (the default)", "keep-low+recent=1/2"),
+    perplexity_row("Gemma", "keydiff+recent=1/2", "keydiff+recent=1/2"),
+    perplexity_row("Gemma", "keydiff+recent=1/4", "keydiff+recent=1/4"),
+    perplexity_row("Gemma", "qfilter alone", "qfilter"),
+    perplexity_row("Gemma", "vnorm alone", "vnorm", against_window=False),
+    perplexity_row("Gemma", "keydiff alone", "keydiff", against_window=False),
+    perplexity_row("Gemma", "knorm alone (the paper's rule)", "keep-low", against_window=False),
+    perplexity_row("Gemma", "random", "random", against_window=False),
+    *(needle_row(model, label, policy) for model in ("SmolLM2", "Gemma") for label, policy in (
+        ("recent window", "window"), ("keydiff+recent=1/2", "keydiff+recent=1/2"),
+        ("qfilter+recent=1/2", "qfilter+recent=1/2"), ("qfilter+recent=1/4", "qfilter+recent=1/4"),
+        ("qfilter alone", "qfilter"), ("knorm+recent=1/2 (the default)", "keep-low+recent=1/2"))),
+    q("docs/scorers.md", "attention received) is {}, {} and {} in layers 5, 11 and 17 (SmolLM2: {} to {},",
+      *(fig(minus(".3f"), spearman, EVAL_SCORERS["Gemma"], layer) for layer in (5, 11, 17)),
+      fig(minus(".2f"), spearman, EVAL_SCORERS["SmolLM2"], end=max),
+      fig(minus(".2f"), spearman, EVAL_SCORERS["SmolLM2"], end=min)),
+    q("docs/scorers.md", "keydiff {} tokens/s, vnorm {} and qfilter {}, against `RotatingKVCache`'s {} and the key "
+      "norm's {} (ours, slots layout; {}x the window's on this machine, {}x in the Intel Xeon run of",
+      *(fig(f(".1f"), decode, E2E_SCORERS, 512, c, "tokens_per_s")
+        for c in ("keydiff", "vnorm", "qfilter", "RotatingKVCache", "slots")),
+      fig(f(".3f"), decode, E2E_SCORERS, 512, "slots", "tokens_per_s_ratio_to_rotating"),
+      fig(f(".3f"), decode, E2E_XEON, 512, "slots", "tokens_per_s_ratio_to_rotating"),
+      cited=("docs/benchmarks.md",)),
+    q("docs/scorers.md", "{}x, {}x and {}x the window's, {}x, {}x and {}x the key norm's: each at least {}x of both",
+      *(fig(f(".3f"), decode, E2E_SCORERS, 512, c, "tokens_per_s_ratio_to_rotating")
+        for c in ("keydiff", "vnorm", "qfilter")),
+      *(fig(f(".3f"), to_knorm, E2E_SCORERS, 512, c) for c in ("keydiff", "vnorm", "qfilter")),
+      fig(f(".2f"), target, E2E_SCORERS, 512, "keydiff_tokens_per_s_ratio")),
+    # docs/benchmarks.md: the end-to-end tables.
+    *(e2e_row("docs/benchmarks.md", E2E_RANDOM, 512, c, cpu=False, ms=f(".1f"))
+      for c in ("KVCache", "RotatingKVCache", "reference", "slots", "temporal")),
+    *(e2e_row("docs/benchmarks.md", E2E_XEON, b, c, prefix=f"{b} | ")
+      for b in (512, 2048) for c in ("KVCache", "RotatingKVCache", "reference", "slots", "temporal")),
+    *(e2e_row("docs/benchmarks.md", E2E_XEON_4096, 4096, c)
+      for c in ("KVCache", "RotatingKVCache", "reference", "slots", "temporal")),
+    *(q("docs/benchmarks.md", f"| {label} | {{}} [{{}}, {{}}] | {{}}x |",
+        *(fig(trim(4), decode, E2E_SCORERS, 512, c, field) for field in ("median_ms", "p25_ms", "p75_ms")),
+        fig(f(".3f"), decode, E2E_SCORERS, 512, c, "tokens_per_s_ratio_to_rotating"))
+      for label, c in (("RotatingKVCache", "RotatingKVCache"), ("ours, key norm (slots)", "slots"),
+                       ("keydiff", "keydiff"), ("vnorm", "vnorm"), ("qfilter", "qfilter"))),
+    q("docs/benchmarks.md", "What holds: every scorer decodes at least {}x as fast as `RotatingKVCache`",
+      fig(f(".2f"), target, E2E_SCORERS, 512, "keydiff_tokens_per_s_ratio")),
+    q("docs/benchmarks.md", "The key norm's {}x here is this AMD EPYC run's; the Intel Xeon run above measured {}x "
+      "for the same model, prompt and budget (`decode-e2e-smollm2-4096-2048-cpu.json`), within the {}x target of both.",
+      fig(f(".3f"), decode, E2E_SCORERS, 512, "slots", "tokens_per_s_ratio_to_rotating"),
+      fig(f(".3f"), decode, E2E_XEON, 512, "slots", "tokens_per_s_ratio_to_rotating"),
+      fig(f(".2f"), target, E2E_XEON, 512, "slots_tokens_per_s_ratio")),
+)
+
+
+def normalized(text: str) -> str:
+    return re.sub(r"\s+", " ", text.replace("**", ""))
+
+
+@cache
+def page(name: str) -> str:
+    return normalized((ROOT / name).read_text())
+
+
+def pattern(quote: Quote, figures: list[str]) -> re.Pattern:
+    """The passage with ``figures`` filled in, each a group; ``…`` matches text within a table cell."""
+    parts = [re.escape(part).replace(re.escape("…"), r"[^|·]*?") for part in normalized(quote.text).split("{}")]
+    # A figure is a whole number on the page: 0.5 is not read out of 10.5 or 0.55.
+    figure = r"(?<![\d.])({})(?!\d)"
+    return re.compile(parts[0] + "".join(figure.format(re.escape(value)) + part
+                                         for value, part in zip(figures, parts[1:])))
+
+
+def mismatch(quote: Quote, text: str) -> str | None:
+    """Why ``text`` (a normalized page) does not quote the files' figures as ``quote`` says, or None."""
+    figures = [figure.text() for figure in quote.figures]
+    if pattern(quote, figures).search(text):
+        return None
+    files = sorted({figure.file for figure in quote.figures if figure.file})
+    return f"{quote.page} does not say {quote.text.format(*figures)!r}, as {', '.join(files) or 'row_bytes'} give"
+
+
+@pytest.mark.parametrize("quote", QUOTES, ids=lambda quote: quote.id)
+def test_quoted_figures_agree_with_their_results_files(quote):
+    assert mismatch(quote, page(quote.page)) is None
+
+
+@pytest.mark.parametrize("quote", QUOTES, ids=lambda quote: quote.id)
+def test_results_file_is_named_where_its_figures_are_quoted(quote):
+    pages = (quote.page, *quote.cited)
+    for name in {figure.file for figure in quote.figures if figure.file}:
+        assert (ROOT / name).is_file(), name
+        assert any(Path(name).name in page(p) for p in pages), f"{name} is named on none of {pages}"
+
+
+def moved(figure: str) -> str:
+    """Another figure of the same form: each digit one up."""
+    return re.sub(r"\d", lambda m: str((int(m.group()) + 1) % 10), figure)
+
+
+@pytest.mark.parametrize("quote", QUOTES, ids=lambda quote: quote.id)
+def test_a_page_with_any_figure_moved_is_rejected(quote):
+    text = page(quote.page)
+    found = pattern(quote, [figure.text() for figure in quote.figures]).search(text)
+    assert found is not None
+    for i in range(len(quote.figures)):
+        start, end = found.span(i + 1)
+        altered = text[:start] + moved(found.group(i + 1)) + text[end:]
+        assert mismatch(quote, altered) is not None, f"figure {i} ({found.group(i + 1)}) of {quote.id}"
+
+
+def test_a_results_file_that_moved_leaves_its_quotes_behind(monkeypatch):
+    """A new run that changes a file's figure fails every page that still quotes the old one."""
+    run = json.loads((ROOT / E2E_XEON).read_text())
+    run["budgets"]["512"]["caches"]["slots"]["tokens_per_s_ratio_to_rotating"] = 0.942
+    on_disk = results
+    monkeypatch.setattr(sys.modules[__name__], "results", lambda name: run if name == E2E_XEON else on_disk(name))
+    failing = [quote for quote in QUOTES if mismatch(quote, page(quote.page)) is not None]
+    assert {quote.page for quote in failing} == {"README.md", "docs/scorers.md", "docs/benchmarks.md"}
+    assert all(any(figure.file == E2E_XEON for figure in quote.figures) for quote in failing)
+
+
+def test_a_figure_is_read_whole():
+    quote = q("README.md", "in {} ms", fig(str, lambda: 0.5))
+    assert mismatch(quote, "a step in 0.5 ms") is None
+    assert mismatch(quote, "a step in 10.5 ms") is not None
+    assert mismatch(quote, "a step in 0.55 ms") is not None
