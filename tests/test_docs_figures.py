@@ -37,6 +37,15 @@ PASSKEY_BITS_BYTES = "docs/results/quality-needle-passkey-1k-kv-bits-equal-bytes
 PROSE = "docs/results/quality-needle-prose-1k.json"
 NEEDLE_SCORERS = {"SmolLM2": "docs/results/quality-needle-smollm2-scorers.json",
                   "Gemma": "docs/results/quality-needle-gemma3-scorers.json"}
+# At equal bytes: float rows at 1/8 and 1/4 of 4 windows, and 8-bit rows at 3.4x as many.
+FLOAT_4 = {"SmolLM2": "docs/results/quality-eval-smollm2-scorers-4-windows.json",
+           "Gemma": "docs/results/quality-eval-gemma3-scorers-4-windows.json"}
+BITS_4 = {"SmolLM2": "docs/results/quality-eval-smollm2-scorers-8bit-equal-bytes.json",
+          "Gemma": "docs/results/quality-eval-gemma3-scorers-8bit-equal-bytes.json"}
+NEEDLE_BITS = {"SmolLM2": "docs/results/quality-needle-smollm2-scorers-8bit-equal-bytes.json",
+               "Gemma": "docs/results/quality-needle-gemma3-scorers-8bit-equal-bytes.json"}
+EQUAL_ROWS = {128: 436, 256: 874}  # float rows: 8-bit rows of the same bytes (budgets 0.4258, 0.8535)
+EQUAL_FRACTIONS = {128: 0.4258, 256: 0.8535}
 QUICK = "bench/results/quick-cpu.json"
 CACHE_STEP = "bench/results/cache-step-cpu.json"
 E2E_RANDOM = "bench/results/decode-e2e-cpu.json"
@@ -66,6 +75,12 @@ def ppl(name, policy, rows):
 def ppl_to_window(name, policy, rows):
     """The paired ratio's point estimate: the policy's perplexity over the window's on the same windows."""
     return ppl(name, policy, rows) / ppl(name, "window", rows)
+
+
+def bits_to_float_window(names, policy, rows):
+    """An 8-bit policy's perplexity over the float window's at the same bytes, on the same windows."""
+    float_run, bits_run = names
+    return ppl(bits_run, policy, EQUAL_ROWS[rows]) / ppl(float_run, "window", rows)
 
 
 def recall(name, policy, rows):
@@ -407,6 +422,45 @@ QUOTES = (
         for c in ("keydiff", "vnorm", "qfilter")),
       *(fig(f(".3f"), to_knorm, E2E_SCORERS, 512, c) for c in ("keydiff", "vnorm", "qfilter")),
       fig(f(".2f"), target, E2E_SCORERS, 512, "keydiff_tokens_per_s_ratio")),
+    *(q("docs/scorers.md", f"| {share} | {label} | {{}} |{ratio}| {{}} |{ratio}|",
+        *(fig(f(".3f"), ppl_to_full, FLOAT_4[model], policy, rows) for model in ("SmolLM2", "Gemma")))
+      for share, rows, label, policy, ratio in (
+          ("1/8", 128, "recent window, float", "window", " 1 "),
+          ("1/8", 128, "qfilter+recent=1/2, float", "qfilter+recent=1/2", " "),
+          ("1/4", 256, "recent window, float", "window", " 1 "))),
+    *(q("docs/scorers.md", f"| 1/8 | {scorer}+recent=1/2, 8-bit | {{}} | {{}}… | {{}} | {{}}… |",
+        *(figure for model in ("SmolLM2", "Gemma") for figure in (
+            fig(f(".3f"), ppl_to_full, BITS_4[model], f"{policy}+recent=1/2+bits=8", EQUAL_ROWS[128]),
+            fig(f(".3f"), bits_to_float_window, (FLOAT_4[model], BITS_4[model]), f"{policy}+recent=1/2+bits=8", 128))))
+      for scorer, policy in (("qfilter", "qfilter"), ("keydiff", "keydiff"), ("knorm", "keep-low"))),
+    q("docs/scorers.md", "| 1/4 | any of the three, 8-bit | {}-{} | {}-{} | {}-{} | {} |",
+      *(fig(f(".3f"), lambda model=model, end=end, ratio=ratio: end(
+          ratio(BITS_4[model], f"{policy}+recent=1/2+bits=8", EQUAL_ROWS[256]) if ratio is ppl_to_full else
+          ratio((FLOAT_4[model], BITS_4[model]), f"{policy}+recent=1/2+bits=8", 256)
+          for policy in ("qfilter", "keydiff", "keep-low")))
+        for model, ratios in (("SmolLM2", (ppl_to_full, bits_to_float_window)), ("Gemma", (ppl_to_full,)))
+        for ratio in ratios for end in (min, max)),
+      fig(f(".3f"), bits_to_float_window, (FLOAT_4["Gemma"], BITS_4["Gemma"]), "qfilter+recent=1/2+bits=8", 256)),
+    *(q("docs/scorers.md", f"| {label} | {{}} · {{}} | {{}} · {{}} |",
+        *(fig(share, needle, NEEDLE_BITS["SmolLM2"], haystack, policy, EQUAL_FRACTIONS[rows])
+          for haystack in ("prose", "passkey") for rows in (128, 256)))
+      for label, policy in (("keydiff+recent=1/2, 8-bit", "keydiff+recent=1/2+bits=8"),
+                            ("qfilter+recent=1/2, 8-bit", "qfilter+recent=1/2+bits=8"),
+                            ("knorm+recent=1/2, 8-bit", "keep-low+recent=1/2+bits=8"))),
+    q("docs/scorers.md", "qfilter+recent=1/2 at 8 bits {}, keydiff+recent=1/2 at 8 bits {}, against the float "
+      "window's {} and the full cache's {}.",
+      fig(f(".2f"), needle, NEEDLE_BITS["Gemma"], "prose", "qfilter+recent=1/2+bits=8", EQUAL_FRACTIONS[256]),
+      fig(f(".2f"), needle, NEEDLE_BITS["Gemma"], "prose", "keydiff+recent=1/2+bits=8", EQUAL_FRACTIONS[256]),
+      fig(f(".2f"), needle, NEEDLE_SCORERS["Gemma"], "prose", "window", 0.25),
+      fig(f(".2f"), needle, NEEDLE_BITS["Gemma"], "prose", "full")),
+    q("README.md", "at the bytes of a float cache at 1/8, 8-bit qfilter with its window is {}x the float window's "
+      "perplexity on SmolLM2 and {}x on Gemma, and at the bytes of float at 1/4, 8-bit keydiff with its window found "
+      "every key hidden in prose on SmolLM2 (the window: {} of {}).",
+      *(fig(f(".2f"), bits_to_float_window, (FLOAT_4[m], BITS_4[m]), "qfilter+recent=1/2+bits=8", 128)
+        for m in ("SmolLM2", "Gemma")),
+      fig(str, needle, NEEDLE_SCORERS["SmolLM2"], "prose", "window", 0.25, "correct"),
+      fig(str, needle, NEEDLE_SCORERS["SmolLM2"], "prose", "window", 0.25, "trials"),
+      cited=("docs/scorers.md",)),
     # docs/benchmarks.md: the end-to-end tables.
     *(e2e_row("docs/benchmarks.md", E2E_RANDOM, 512, c, cpu=False, ms=f(".1f"))
       for c in ("KVCache", "RotatingKVCache", "reference", "slots", "temporal")),
