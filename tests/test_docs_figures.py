@@ -35,6 +35,10 @@ PASSKEY_ALL = "docs/results/quality-needle-passkey-all-policies.json"
 PASSKEY_BITS = "docs/results/quality-needle-passkey-1k-kv-bits.json"
 PASSKEY_BITS_BYTES = "docs/results/quality-needle-passkey-1k-kv-bits-equal-bytes.json"
 PROSE = "docs/results/quality-needle-prose-1k.json"
+PROSE_4K = "docs/results/quality-needle-prose-4k.json"
+# The same at 512 tokens: 1/8 is 64 rows, its float32 bytes 218 rows of 8 bits.
+EVAL_BITS_512 = "docs/results/quality-eval-smollm2-kv-bits.json"
+EVAL_BITS_BYTES_512 = "docs/results/quality-eval-smollm2-kv-bits-equal-bytes.json"
 NEEDLE_SCORERS = {"SmolLM2": "docs/results/quality-needle-smollm2-scorers.json",
                   "Gemma": "docs/results/quality-needle-gemma3-scorers.json"}
 # At equal bytes: float rows at 1/8 and 1/4 of 4 windows, and 8-bit rows at 3.4x as many.
@@ -375,6 +379,33 @@ QUOTES = (
       fig(str, needle, PASSKEY, "passkey", "keep-low+recent=1/2", 0.25, "correct"),
       fig(str, needle, PASSKEY, "passkey", "keep-low+recent=1/2", 0.25, "trials"),
       cited=("docs/scorers.md",)),
+    q("docs/quality.md", "better on perplexity ({}x against {}x at 1/8, {}x against {}x at 1/4, equal at 1/2) and, "
+      "for a key in real prose, reaches as far or further ({} of {} against {} at 1/4 of 1024 tokens; {} each at 4096)",
+      *(fig(f(".2f"), ppl_to_full, EVAL, policy, rows)
+        for rows in (128, 256) for policy in ("window", "keep-low+recent=1/2")),
+      fig(str, needle, PROSE, "prose", "window", 0.25, "correct"),
+      fig(str, needle, PROSE, "prose", "window", 0.25, "trials"),
+      fig(str, needle, PROSE, "prose", "keep-low+recent=1/2", 0.25, "correct"),
+      fig(str, needle, PROSE_4K, "prose", "keep-low+recent=1/2", 0.25, "correct")),
+    q("docs/quality.md", "8-bit rows hold {}x the rows and cost {}x the full cache's perplexity instead of {}x "
+      "(1024-token windows; {}x against {}x at 512).",
+      fig(f(".1f"), rows_for_bytes, None, F32),
+      fig(f(".2f"), ppl_to_full, EVAL_BITS_BYTES, "keep-low+recent=1/2+bits=8", 437),
+      fig(f(".2f"), ppl_to_full, EVAL_BITS, "keep-low+recent=1/2", 128),
+      fig(f(".2f"), ppl_to_full, EVAL_BITS_BYTES_512, "keep-low+recent=1/2+bits=8", 218),
+      fig(f(".2f"), ppl_to_full, EVAL_BITS_512, "keep-low+recent=1/2", 64)),
+    q("docs/quality.md", "`QuantizedKVCache` alone is the full cache's perplexity at {} of its bytes.",
+      fig(f(".3f"), kv_bytes, EVAL_BITS, 1024, 8, False)),
+    q("docs/quality.md", "{}x at 1/8 and no passkey at 1/4 where 8 bits found {} of {}; 4 bits alone cost {}x.",
+      fig(f(".2f"), ppl_to_full, EVAL_BITS, "keep-low+recent=1/2+bits=4", 128),
+      fig(str, needle, PASSKEY_BITS, "passkey", "keep-low+recent=1/2+bits=8", 0.25, "correct"),
+      fig(str, needle, PASSKEY_BITS, "passkey", "keep-low+recent=1/2+bits=8", 0.25, "trials"),
+      fig(f(".2f"), ppl_to_full, EVAL_BITS, "full+bits=4", 128)),
+    q("docs/quality.md", "layers 0 and 1 whole raise perplexity ({}x against {}x at 1/8, in every window) and find "
+      "no passkey at 1/8. - `recent=0` is the paper's rule ({}x at 1/8)",
+      fig(f(".2f"), ppl_to_full, EVAL, "keep-low+recent=1/2+skip=0,1", 128),
+      fig(f(".2f"), ppl_to_full, EVAL, "keep-low+recent=1/2", 128),
+      fig(f(".0f"), ppl_to_full, EVAL, "keep-low", 128)),
     q("docs/quality.md", "(negative in all 30 layers of SmolLM2, from {} to {})",
       fig(f(".2f"), spearman, EVAL, end=max), fig(f(".2f"), spearman, EVAL, end=min)),
     # docs/scorers.md: perplexity and recall, needles, Spearman, speed.
