@@ -264,6 +264,51 @@ def needle_row(model, label, policy):
              *(fig(share, needle, name, h, policy, fr) for h in ("prose", "passkey") for fr in (0.125, 0.25, 0.5)))
 
 
+def quick_row(label, case):
+    """docs/benchmarks.md's op table: ms (page faults) of the kernel, fallback, reference and memcpy, two ratios."""
+    timed = [("timings", "kernel"), ("timings", "fallback"), ("timings", "reference"), ("memcpy",)]
+    return q("docs/benchmarks.md", f"| {label} | " + " | ".join(["{} ({} pf)"] * 4) + " | {}x | {}x |",
+             *(figure for path in timed for figure in (
+                 fig(trim(3), quick, QUICK, case, *path, "median_ms"),
+                 fig(f(".0f"), quick, QUICK, case, *path, "faults_per_call"))),
+             fig(trim(2), quick, QUICK, case, "ratio_to_memcpy"),
+             fig(trim(2), quick, QUICK, case, "speedup_vs_reference"))
+
+
+def quick_in_place_row(label, case):
+    """The in-place decode: its ms (page faults), the reference's and memcpy's ms, two ratios."""
+    return q("docs/benchmarks.md", f"| {label} | {{}} ({{}} pf) | | {{}} | {{}} | {{}}x | {{}}x |",
+             fig(trim(3), quick, QUICK, case, "in_place", "median_ms"),
+             fig(f(".0f"), quick, QUICK, case, "in_place", "faults_per_call"),
+             fig(trim(3), quick, QUICK, case, "timings", "reference", "median_ms"),
+             fig(trim(3), quick, QUICK, case, "memcpy", "median_ms"),
+             fig(trim(2), quick, QUICK, case, "in_place", "ratio_to_memcpy"),
+             fig(trim(2), quick, QUICK, case, "in_place", "speedup_vs_reference"))
+
+
+def cache_step(name, label, *path):
+    config = next(c for c in results(name)["configs"] if c["label"] == label)
+    for key in path:
+        config = config[key]
+    return config
+
+
+def cache_step_row(budget, batch):
+    """docs/benchmarks.md's cache-step table: ms a step of each cache, memcpy's, and the ratios."""
+    label = f"budget={budget} B={batch}"
+    step = [fig(trim(3), cache_step, CACHE_STEP, label, "caches", c, "median_ms")
+            for c in ("RotatingKVCache", "slots")]
+    return q("docs/benchmarks.md", f"| {budget} | {batch} | " + "{} | {} | {}x | {} | {} ({} MiB) | {}x | {} | {} |",
+             *step,
+             fig(f(".2f"), cache_step, CACHE_STEP, label, "caches", "slots", "ratio_to_rotating"),
+             fig(trim(3), cache_step, CACHE_STEP, label, "caches", "temporal", "median_ms"),
+             fig(trim(3), cache_step, CACHE_STEP, label, "memcpy", "median_ms"),
+             fig(lambda x: f"{x / 2**20:.0f}", cache_step, CACHE_STEP, label, "kv_bytes"),
+             fig(f(".2f"), cache_step, CACHE_STEP, label, "caches", "temporal", "ratio_to_memcpy"),
+             fig(trim(3), cache_step, CACHE_STEP, label, "caches", "reference", "median_ms"),
+             fig(trim(3), cache_step, CACHE_STEP, label, "caches", "KVCache", "median_ms"))
+
+
 def e2e_row(page, name, budget, cache_name, cpu=True, prefix="", ms=trim(4)):
     """docs/benchmarks.md's end-to-end tables: ms/token [p25, p75], tokens/s, (CPU time,) peak MiB, ratios."""
     cells = ["{} [{}, {}]", "{}x"] + (["{}x"] if cpu else []) + ["{}", "{}x"]
@@ -492,7 +537,15 @@ QUOTES = (
       fig(str, needle, NEEDLE_SCORERS["SmolLM2"], "prose", "window", 0.25, "correct"),
       fig(str, needle, NEEDLE_SCORERS["SmolLM2"], "prose", "window", 0.25, "trials"),
       cited=("docs/scorers.md",)),
-    # docs/benchmarks.md: the end-to-end tables.
+    # docs/benchmarks.md: the op, the cache's step, the end-to-end tables.
+    *(quick_row(label, case) for label, case in (
+        ("decode, budget 512", "decode S=1 budget=512"), ("decode, budget 2048", "decode S=1 budget=2048"),
+        ("prefill S = 4096, budget 512", "prefill S=4096 budget=512"),
+        ("prefill S = 8192, budget 2048", "prefill S=8192 budget=2048"))),
+    *(quick_in_place_row(label, case) for label, case in (
+        ("decode, budget 512, in place", "decode S=1 budget=512"),
+        ("decode, budget 2048, in place", "decode S=1 budget=2048"))),
+    *(cache_step_row(budget, batch) for budget in (512, 2048, 8192) for batch in (1, 4)),
     *(e2e_row("docs/benchmarks.md", E2E_RANDOM, 512, c, cpu=False, ms=f(".1f"))
       for c in ("KVCache", "RotatingKVCache", "reference", "slots", "temporal")),
     *(e2e_row("docs/benchmarks.md", E2E_XEON, b, c, prefix=f"{b} | ")
