@@ -57,6 +57,10 @@ E2E_XEON = "bench/results/decode-e2e-smollm2-4096-2048-cpu.json"
 E2E_XEON_4096 = "bench/results/decode-e2e-smollm2-4608-4096-cpu.json"
 E2E_SCORERS = "bench/results/decode-e2e-smollm2-scorers-cpu.json"
 BATCH = "bench/results/batch-decode-cpu-smollm2.json"
+BATCH_RANDOM = "bench/results/batch-decode-cpu.json"
+E2E_BITS = {"4 bits, prompt 2048": "bench/results/decode-e2e-smollm2-kv4-cpu.json",
+            "8 bits, prompt 2048": "bench/results/decode-e2e-smollm2-kv8-cpu.json",
+            "4 bits, prompt 448 (within the budget)": "bench/results/decode-e2e-smollm2-kv4-within-budget-cpu.json"}
 EIGHTHS = (128, 256, 512)  # 1/8, 1/4 and 1/2 of the 1024-token windows
 # SmolLM2-135M as measured: head dim 64, float32 rows; README's Llama example: bfloat16.
 HEAD_DIM, F32, F16 = 64, 4, 2
@@ -135,6 +139,21 @@ def cache_step_ratio(name, end):
 
 def batch_speedup(name):
     return results(name)["targets"]["B4_speedup_over_one_at_a_time"]["measured"]
+
+
+def batch(name, cache_name, field, end, sizes=("1", "4", "8")):
+    """A batch cache's ``field`` against BatchRotatingKVCache's, ``end`` (min, max) over the batch sizes."""
+    return end(results(name)["batches"][size][cache_name][field] for size in sizes)
+
+
+def batches(names, field, each, across, sizes=("1", "4", "8")):
+    """``BatchKVCache``'s ``field``, ``each`` (min, max) run's over the sizes, ``across`` the runs."""
+    return across(batch(name, "BatchKVCache", field, each, sizes) for name in names)
+
+
+def cache_steps(name, end, ratio):
+    """``ratio(caches)`` of each budget and batch, ``end`` (min, max) over them."""
+    return end(ratio(c["caches"]) for c in results(name)["configs"])
 
 
 def to_knorm(name, budget, cache_name):
@@ -537,7 +556,32 @@ QUOTES = (
       fig(str, needle, NEEDLE_SCORERS["SmolLM2"], "prose", "window", 0.25, "correct"),
       fig(str, needle, NEEDLE_SCORERS["SmolLM2"], "prose", "window", 0.25, "trials"),
       cited=("docs/scorers.md",)),
-    # docs/benchmarks.md: the op, the cache's step, the end-to-end tables.
+    # docs/benchmarks.md: the op, the cache's step, the end-to-end tables, batches.
+    q("docs/benchmarks.md", "at most 1.5x `RotatingKVCache`'s ({}x-{}x), with no page fault ({} to {} a step: the step "
+      "allocates nothing); the temporal layout's at most half a copy of K + V ({}x-{}x). The reference's cache, which "
+      "rebuilds its kept set every step, is {}x-{}x slower than the slot layout.",
+      *(fig(f(".2f"), cache_steps, CACHE_STEP, end, lambda c: c["slots"]["ratio_to_rotating"]) for end in (min, max)),
+      *(fig(trim(3), cache_steps, CACHE_STEP, end, lambda c: c["slots"]["faults_per_call"]) for end in (min, max)),
+      *(fig(f(".2f"), cache_steps, CACHE_STEP, end, lambda c: c["temporal"]["ratio_to_memcpy"]) for end in (min, max)),
+      *(fig(f(".0f"), cache_steps, CACHE_STEP, end, lambda c: c["reference"]["median_ms"] / c["slots"]["median_ms"])
+        for end in (min, max))),
+    *(q("docs/benchmarks.md", f"| {label} | `{Path(name).name}` | {{}}x | {{}}x | {{}}x |",
+        fig(f(".3f"), decode, name, 512, "slots", "tokens_per_s_ratio_to_quantized"),
+        fig(f(".3f"), decode, name, 512, "temporal", "tokens_per_s_ratio_to_quantized"),
+        fig(f(".3f"), decode, name, 512, "slots", "peak_memory_ratio_to_quantized"))
+      for label, name in E2E_BITS.items()),
+    *(q("docs/benchmarks.md", f"| {label} | `{Path(name).name}` | {{}}x | {{}}x | {{}}x | {{}}x-{{}}x | {{}}x |",
+        *(fig(f(".3f"), batch, name, "BatchL2NormKVCache", "tokens_per_s_ratio_to_rotating", min, (size,))
+          for size in ("1", "4", "8")),
+        *(fig(f(".3f"), batch, name, "BatchL2NormKVCache", "peak_memory_ratio_to_rotating", end) for end in (min, max)),
+        fig(f(".1f"), batch_speedup, name))
+      for label, name in (("random llama (Llama-3.2-1B attention)", BATCH_RANDOM), ("SmolLM2-135M", BATCH))),
+    q("docs/benchmarks.md", "`BatchKVCache`, which keeps every row, falls to {}x-{}x at 8 sequences and peaks {}x-{}x "
+      "higher.",
+      *(fig(f(".2f"), batches, (BATCH, BATCH_RANDOM), "tokens_per_s_ratio_to_rotating", min, end, ("8",))
+        for end in (min, max)),
+      *(fig(f(".1f"), batches, (BATCH, BATCH_RANDOM), "peak_memory_ratio_to_rotating", max, end)
+        for end in (min, max))),
     *(quick_row(label, case) for label, case in (
         ("decode, budget 512", "decode S=1 budget=512"), ("decode, budget 2048", "decode S=1 budget=2048"),
         ("prefill S = 4096, budget 512", "prefill S=4096 budget=512"),
