@@ -146,6 +146,8 @@ struct KnormEviction {
 // The slot of the worst rank among [0, filled), the higher slot on ties:
 // one scan per thread, then reductions of (rank, slot + 1) over each SIMD
 // group and over the group leaders. worst holds 3 * kEvictSimdGroups.
+// msl-uniform: every thread reduces the same leaders' rows, read after the
+// barrier.
 inline uint knorm_worst_slot(
     KnormEvictHead stored,
     threadgroup uint* worst,
@@ -192,6 +194,7 @@ inline uint knorm_worst_slot(
 
 struct KnormKept {
   bool kept;
+  // msl-uniform: a knorm_block_scan total, or 0 in every thread.
   uint equal;  // the chunk's slots with the cut's rank, when counted
 };
 

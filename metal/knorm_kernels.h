@@ -29,6 +29,8 @@ inline uint knorm_score_key(uint bits, bool keep_high) {
 
 struct KnormScan {
   uint exclusive;  // sum of v over the threads before this one
+  // msl-uniform: the sum over the threadgroup, which every thread reads
+  // after knorm_block_scan's barrier.
   uint total;      // sum of v over the threadgroup
 };
 
@@ -119,6 +121,7 @@ inline void knorm_histogram_add(
 // is kept and the later passes would only split it: the select stops there,
 // with the bin's largest key as the cut and take_equal == equal (every key
 // equal to the cut kept, as after a last pass whose bin is kept whole).
+// msl-uniform: the cut, from `picked`, is the same in every thread.
 template <typename Key, uint kGroupSize, typename Keys>
 inline KnormCut<Key> knorm_radix_select(
     Keys keys,
@@ -127,7 +130,7 @@ inline KnormCut<Key> knorm_radix_select(
     uint rank,
     threadgroup atomic_uint* histogram,
     threadgroup uint* simd_totals,
-    threadgroup uint* picked,
+    threadgroup uint* picked,  // msl-uniform: one thread writes it, every thread reads it after a barrier
     uint tid,
     uint lane,
     uint simd_group) {
