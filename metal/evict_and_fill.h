@@ -131,7 +131,7 @@ inline ulong knorm_eviction_rank(KnormEvictHead stored, uint s) {
 struct KnormEvictRanks {
   KnormEvictHead stored;
 
-  ulong operator()(uint s) const {
+  ulong operator()(uint s) const thread {
     return knorm_eviction_rank(stored, s);
   }
 };
@@ -194,7 +194,6 @@ inline uint knorm_worst_slot(
 
 struct KnormKept {
   bool kept;
-  // msl-uniform: a knorm_block_scan total, or 0 in every thread.
   uint equal;  // the chunk's slots with the cut's rank, when counted
 };
 
@@ -270,16 +269,16 @@ struct KnormEvictBuffers {
   uint row_unit[kEvictMaxPayloads];
   uint in_place;
 
-  bool payload_in_place(uint i) const {
+  bool payload_in_place(uint i) const thread {
     return ((in_place >> i) & 1u) != 0;
   }
-  bool norms_in_place() const {
+  bool norms_in_place() const thread {
     return ((in_place >> payloads) & 1u) != 0;
   }
-  bool positions_in_place() const {
+  bool positions_in_place() const thread {
     return ((in_place >> (payloads + 1)) & 1u) != 0;
   }
-  bool all_in_place() const {
+  bool all_in_place() const thread {
     return in_place == (1u << (payloads + 2)) - 1u;
   }
 };

@@ -121,7 +121,6 @@ inline void knorm_histogram_add(
 // is kept and the later passes would only split it: the select stops there,
 // with the bin's largest key as the cut and take_equal == equal (every key
 // equal to the cut kept, as after a last pass whose bin is kept whole).
-// msl-uniform: the cut, from `picked`, is the same in every thread.
 template <typename Key, uint kGroupSize, typename Keys>
 inline KnormCut<Key> knorm_radix_select(
     Keys keys,
@@ -130,7 +129,8 @@ inline KnormCut<Key> knorm_radix_select(
     uint rank,
     threadgroup atomic_uint* histogram,
     threadgroup uint* simd_totals,
-    threadgroup uint* picked,  // msl-uniform: one thread writes it, every thread reads it after a barrier
+    // msl-uniform: one thread writes picked, every thread reads it after a barrier.
+    threadgroup uint* picked,
     uint tid,
     uint lane,
     uint simd_group) {

@@ -106,6 +106,7 @@ class Analysis:
         for f in cursors:
             if f.kind in FUNCTION_KINDS and f.is_definition():
                 self.functions.setdefault(node(f), f)
+        self.marked_fields = {c.spelling for c in cursors if c.kind == ci.CursorKind.FIELD_DECL and self.is_marked(c)}
         self.by_name: dict[str, list[str]] = {}
         for n, f in self.functions.items():
             self.by_name.setdefault(f.spelling, []).append(n)
@@ -130,23 +131,33 @@ class Analysis:
         """Our functions that `call` may call: resolved, else by name (a
         call through a template parameter: every function of that name, or
         every operator() for a functor)."""
-        found = []
-        for c in [call, *self.kids(call)]:
-            if c.kind == ci.CursorKind.OVERLOADED_DECL_REF:
-                lib = ci.conf.lib
-                found += [lib.clang_getOverloadedDecl(c, i) for i in range(lib.clang_getNumOverloadedDecls(c))]
-            elif c.kind in (ci.CursorKind.CALL_EXPR, ci.CursorKind.DECL_REF_EXPR, ci.CursorKind.MEMBER_REF_EXPR):
-                r = c.referenced
-                if r is not None and r.kind in FUNCTION_KINDS:
-                    found.append(r)
+        lib = ci.conf.lib
+        kids = self.kids(call)
+        callee = kids[0] if kids else None
+        candidates = [call]
+        if callee is not None:
+            candidates.append(callee)
+            if callee.kind in (ci.CursorKind.DECL_REF_EXPR, ci.CursorKind.UNEXPOSED_EXPR):
+                candidates += self.kids(callee)
+        found, names = [], set()
+        for c in candidates:
+            r = c.referenced if c.kind != ci.CursorKind.OVERLOADED_DECL_REF else c
+            if r is None:
+                continue
+            if r.kind == ci.CursorKind.OVERLOADED_DECL_REF:
+                found += [lib.clang_getOverloadedDecl(r, i) for i in range(lib.clang_getNumOverloadedDecls(r))]
+                names.add(r.spelling)
+            elif c.kind in (ci.CursorKind.CALL_EXPR, ci.CursorKind.DECL_REF_EXPR, ci.CursorKind.MEMBER_REF_EXPR) \
+                    and r.kind in FUNCTION_KINDS:
+                found.append(r)
             if found:
                 break
-        names = [node(f) for f in found if self.ours(f)]
-        if names or found:
-            return [n for n in names if n in self.functions]
-        if call.spelling in self.by_name:
-            return self.by_name[call.spelling]
-        callee = next(iter(self.kids(call)), None)
+        resolved = [node(f) for f in found if self.ours(f)]
+        if found:
+            return [n for n in resolved if n in self.functions]
+        for name in [call.spelling, *names]:
+            if name in self.by_name:
+                return self.by_name[name]
         while callee is not None and callee.kind == ci.CursorKind.UNEXPOSED_EXPR:
             callee = next(iter(self.kids(callee)), None)
         if callee is not None and callee.referenced is not None and callee.referenced.kind in (
@@ -196,6 +207,17 @@ class Analysis:
             self.operators[k] = op
         return self.operators[k]
 
+    def member_name(self, e: ci.Cursor) -> str:
+        """A member expression's name (libclang spells none through a
+        dependent type): its last token."""
+        if e.spelling:
+            return e.spelling
+        k = key(e) + (e.extent.end.offset,)
+        if k not in self.operators:
+            tokens = list(e.get_tokens())
+            self.operators[k] = tokens[-1].spelling if tokens else ""
+        return self.operators[k]
+
     @staticmethod
     def in_threadgroup(t: ci.Type) -> bool:
         if t.kind in (ci.TypeKind.POINTER, ci.TypeKind.LVALUEREFERENCE):
@@ -239,6 +261,8 @@ class Analysis:
             r = e.referenced
             if r is not None and r.kind == ci.CursorKind.FIELD_DECL and self.is_marked(r):
                 return False
+            if r is None and self.member_name(e) in self.marked_fields:
+                return False  # through a dependent type: a marked field of that name
             if not children:
                 return self.env.get("this", False) or self.reads_threadgroup(e)
         if k in (ci.CursorKind.ARRAY_SUBSCRIPT_EXPR, ci.CursorKind.MEMBER_REF_EXPR, ci.CursorKind.UNARY_OPERATOR) \
@@ -253,6 +277,9 @@ class Analysis:
             targets = self.targets(e)
             if targets and all(self.is_marked(self.functions[t]) for t in targets):
                 return False
+            if targets and all(t in self.returns_varying for t in targets):
+                # Analysed with its parameters as varying as at any call.
+                return any(self.returns_varying[t] for t in targets)
             if any(t in self.varying_result for t in targets):
                 return True
         return any(self.varying(c) for c in children)
@@ -309,10 +336,13 @@ class Analysis:
                 targets = self.targets(e)
                 reached = [t for t in targets if t in self.reaches_barrier]
                 if reached and flow and self.report:
-                    self.add(e.location, f"call to '{e.spelling}', which reaches a threadgroup_barrier, under "
+                    self.add(e.location, f"call to '{self.functions[reached[0]].spelling}', which reaches a "
+                                         f"threadgroup_barrier, under "
                                          f"varying control flow ({flow})")
                 arguments = list(e.get_arguments())
-                member = next((c for c in children if c.kind == ci.CursorKind.MEMBER_REF_EXPR), None)
+                if not arguments and len(children) > 1:
+                    arguments = children[1:]  # a dependent call: its children after the callee
+                member = children[0] if children and children[0].kind == ci.CursorKind.MEMBER_REF_EXPR else None
                 this_varying = member is not None and any(self.varying(c) for c in self.kids(member))
                 for t in targets:
                     for i, a in enumerate(arguments):
@@ -378,6 +408,8 @@ class Analysis:
         elif k == ci.CursorKind.RETURN_STMT:
             for c in children:
                 self.expr(c, flow)
+            if flow or any(self.varying(c) for c in children):
+                self.returned_varying = True
             if flow:
                 self.exit = self.exit or f"a return at {where(s)} taken by some threads only, under {flow}"
                 for loop in self.loops:
@@ -442,7 +474,7 @@ class Analysis:
     # -- functions
 
     def analyse(self, n: str, report: bool) -> None:
-        state = (frozenset(self.varying_params[n]), self.varying_this[n])
+        state = (frozenset(self.varying_params[n]), self.varying_this[n], self.version)
         if not report and self.analysed.get(n) == state:
             return
         self.analysed[n] = state
@@ -460,6 +492,7 @@ class Analysis:
         body = next((c for c in f.get_children() if c.kind == ci.CursorKind.COMPOUND_STMT), None)
         if body is None:
             return
+        self.returned_varying = False
         for _ in range(8):
             self.changed = False
             self.report = False
@@ -468,6 +501,9 @@ class Analysis:
             self.stmt(body, None)
             if not self.changed:
                 break
+        if self.returned_varying and not self.returns_varying.get(n):
+            self.returns_varying[n] = True
+            self.params_changed = True
         if report:
             self.report = True
             self.exit = None
@@ -478,12 +514,17 @@ class Analysis:
     def run(self) -> None:
         relevant = [n for n in self.functions if n in self.reaches_barrier]
         self.analysed: dict[str, tuple] = {}
-        for _ in range(8):
+        # Whether a function's value varies, from its own analysis where it
+        # has one (else varying_result): uniform until shown otherwise.
+        self.returns_varying: dict[str, bool] = {n: False for n in relevant}
+        self.version = 0
+        for _ in range(12):
             self.params_changed = False
             for n in relevant:
                 self.analyse(n, report=False)
             if not self.params_changed:
                 break
+            self.version += 1
         for n in relevant:
             self.analyse(n, report=True)
 
