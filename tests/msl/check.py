@@ -4,23 +4,28 @@ Nothing on Linux compiles Metal, and the emulator (csrc/metal_emulator)
 compiles the kernels as plain C++, which accepts what Metal rejects. This
 check parses every ``metal/*.metal`` file, and the JIT source the extension
 builds from each at run time (``mlx_knorm._native.ext.metal_kernel_source``),
-with libclang and a model of Metal's language (``include/metal_stdlib``), in
-two modes:
+with libclang and a model of Metal's language (``include/metal_stdlib``, the
+only header it can reach: ``-nostdinc``, so the verdict is the same on every
+machine), in two modes:
 
-- ``msl3``: MSL 3.x, C++14 (``-std=c++14 -pedantic-errors``), device,
-  constant and threadgroup as distinct clang address spaces and thread the
-  default one;
+- ``msl3``: MSL 3.x, C++14 (``-std=c++14 -pedantic-errors -fno-exceptions
+  -fno-rtti``), device, constant and threadgroup as distinct clang address
+  spaces (constant also const) and thread the default one;
 - ``metal4.1``: Metal 4.1's generic address space (Xcode 26.5, macOS 27 SDK),
   through clang's C++ for OpenCL 2021, the closest model clang has:
   unqualified pointers, references and ``this`` are generic.
 
 Every kernel template is instantiated by its ``.metal`` file, so clang checks
 each instantiation's body. On top of clang's diagnostics it checks what
-Metal forbids and C++ allows: recursion, a variable of static storage outside
-the constant address space, a kernel pointer or reference parameter without
-an address space, threadgroup variables outside a kernel's own scope, a
-declaration named with an MSL keyword or a Metal library name, an attribute
-that MSL does not define, a kernel template never instantiated.
+Metal forbids and C++ allows: C++ that MSL lacks (double, long long, virtual
+functions, exceptions, new and delete, thread_local, goto, ...), recursion,
+a variable of static storage outside the constant address space, a kernel
+pointer or reference parameter without an address space, threadgroup
+variables outside a kernel's own scope, a declaration named with an MSL
+keyword or a Metal library name, an attribute that MSL does not define, a
+kernel's attributes against MSL's tables (interface.py), Metal 4.1's
+-Wmetal-addr-spaces, a kernel template never instantiated, and a
+threadgroup barrier in control flow not proven uniform (uniformity.py).
 
 Two spellings of MSL that clang's C++ rejects are read as clang can read
 them (``as_parsed``), and a third kept out of the model's way: attributes
@@ -30,13 +35,15 @@ an explicit instantiation it cannot parse and would check no kernel body;
 a threadgroup array in a kernel's scope (KNORM_THREADGROUP_ARRAY) becomes a
 threadgroup pointer from the model's ``knorm_msl_threadgroup_array``, whose
 every use must lie in a kernel, since clang would reject the declaration
-and with it the whole kernel template; and ``[[threadgroup(i)]]`` is read
-as ``[[threadgroup_index(i)]]``, since the model makes ``threadgroup`` a
-macro. The attributes' names are checked from the text as written.
+and with it the whole kernel template; and every other ``[[name(args)]]``
+becomes an annotation, ``msl:name(args)``, that libclang reports on the
+declaration it belongs to. The attributes' names are checked from the text
+as written.
 
 usage: python tests/msl/check.py [--metal-dir DIR] [--no-jit]
-Needs the ``libclang`` wheel (the ``test`` extra); ``--no-jit`` skips the JIT
-sources, which need the built extension.
+Needs the ``libclang`` wheel (the ``test`` extra). The JIT sources need the
+built extension: without it (or with ``--no-jit``) the .metal files alone
+are checked, and a line says so.
 """
 
 from __future__ import annotations
@@ -125,6 +132,9 @@ NOT_MSL_KEYWORDS = {
     "_Thread_local": "MSL has no thread_local storage",
     "__thread": "MSL has no thread_local storage",
     "__int128": "MSL has no 128-bit integer (its scalar types: section 2.1)",
+    "wchar_t": "MSL has no wide characters (its scalar types: section 2.1)",
+    "char16_t": "MSL has no wide characters (its scalar types: section 2.1)",
+    "char32_t": "MSL has no wide characters (its scalar types: section 2.1)",
 }
 DECLARATION_KINDS = frozenset({
     ci.CursorKind.VAR_DECL, ci.CursorKind.PARM_DECL, ci.CursorKind.FIELD_DECL,
