@@ -180,6 +180,7 @@ def jit_sources(metal_dir: Path = METAL_DIR) -> dict[str, str]:
 
 
 THREADGROUP_ARRAY_DEFINITION = "#define KNORM_THREADGROUP_ARRAY(type, name, count) threadgroup type name[count]"
+LONG_LONG_LITERAL = re.compile(r"[0-9][0-9a-fA-FxX']*(?:ll|LL)[uU]?|[0-9][0-9a-fA-FxX']*[uU](?:ll|LL)")
 ATTRIBUTE_LIST = re.compile(r"\[\[(.*?)\]\]", re.S)
 ATTRIBUTE_ITEM = re.compile(r"\s*(\w+)\s*(?:\((.*)\))?\s*", re.S)
 
@@ -404,7 +405,7 @@ class Unit:
                 reason = "MSL has no long long (its scalar types: section 2.1)"
             elif word == "double" and previous == "long":
                 reason = "MSL has no long double (its scalar types: section 2.1)"
-            elif token.kind == ci.TokenKind.LITERAL and re.fullmatch(r"[0-9][0-9a-fA-FxX']*(ll|LL)[uU]?|[0-9][0-9a-fA-FxX']*[uU](ll|LL)", word):
+            elif token.kind == ci.TokenKind.LITERAL and LONG_LONG_LITERAL.fullmatch(word):
                 reason = "MSL has no long long literal (its scalar types: section 2.1)"
             if reason is not None and (token.kind != ci.TokenKind.IDENTIFIER or word.startswith("__")):
                 self.add(token.location, f"'{word}': {reason}")

@@ -117,6 +117,19 @@ class Analysis:
         self.varying_result = self.closure(self.reads_varying)
         self.varying_params: dict[str, set[int]] = {n: set() for n in self.functions}
         self.varying_this: dict[str, bool] = {n: False for n in self.functions}
+        # Whether a function's value varies, for those run() analyses.
+        self.returns_varying: dict[str, bool] = {}
+        self.analysed: dict[str, tuple] = {}
+        self.version = 0  # bumped when a parameter or a value summary changes
+        self.params_changed = False
+        # The state of the function being analysed.
+        self.env: dict = {}
+        self.loop_exits: dict[Key, str] = {}
+        self.loops: list[Key] = []
+        self.exit: str | None = None
+        self.returned_varying = False
+        self.changed = False
+        self.report = False
 
     def kids(self, c: ci.Cursor) -> list[ci.Cursor]:
         """c's children (libclang's walk is the analysis's cost)."""
@@ -481,8 +494,8 @@ class Analysis:
         f = self.functions[n]
         kernel = interface.is_kernel(f)
         params = [c for c in f.get_children() if c.kind == ci.CursorKind.PARM_DECL]
-        self.loop_exits: dict[Key, str] = {}
-        self.env: dict = {}
+        self.loop_exits = {}
+        self.env = {}
         for i, p in enumerate(params):
             if kernel:
                 self.env[key(p)] = interface.thread_attribute(p) in interface.VARYING_ATTRIBUTES
@@ -497,7 +510,7 @@ class Analysis:
             self.changed = False
             self.report = False
             self.exit = None
-            self.loops: list[Key] = []
+            self.loops = []
             self.stmt(body, None)
             if not self.changed:
                 break
@@ -513,11 +526,9 @@ class Analysis:
 
     def run(self) -> None:
         relevant = [n for n in self.functions if n in self.reaches_barrier]
-        self.analysed: dict[str, tuple] = {}
-        # Whether a function's value varies, from its own analysis where it
-        # has one (else varying_result): uniform until shown otherwise.
-        self.returns_varying: dict[str, bool] = {n: False for n in relevant}
-        self.version = 0
+        # From each one's own analysis (the others: varying_result), uniform
+        # until shown otherwise.
+        self.returns_varying = {n: False for n in relevant}
         for _ in range(12):
             self.params_changed = False
             for n in relevant:
