@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from .fetch import PACKAGED_MODELS, fetch
 from .gguf_file import UnsupportedGGUF, is_gguf
@@ -36,7 +39,47 @@ class GGUFModel:
     report: Any  # gguf_tensors.ConversionReport
 
 
-def read_gguf(path: str | Path, *, dtype=None, requantize: tuple[int, int] | None = None) -> GGUFModel:
+def float32_bytes(f) -> int:
+    """The bytes of GGUF file ``f``'s weights with every tensor in float32."""
+    return 4 * sum(int(np.prod(tensor.shape, dtype=np.int64)) for tensor in f.tensors.values())
+
+
+def available_memory() -> int | None:
+    """Bytes the system can give a process without swapping (Linux's MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def auto_dtype(f, requantize=None) -> str | None:
+    """What ``dtype="auto"`` means for GGUF file ``f``: ``"float32"`` on the CPU device when MLX's BLAS is a
+    fast one and the float32 weights take at most half the available memory; else None (as stored).
+
+    On the reference BLAS, float32 matmuls are slower than MLX's own quantized ones, so the weights stay as
+    stored and the hint says what to install; a GPU keeps them as stored too.
+    """
+    import mlx.core as mx
+
+    from .. import blas
+
+    if requantize is not None or mx.default_device() != mx.cpu:
+        return None
+    if not blas.blas_in_use()["fast"]:
+        blas.hint_once()
+        return None
+    memory = available_memory()
+    return "float32" if memory is not None and float32_bytes(f) <= memory // 2 else None
+
+
+def read_gguf(path: str | Path, *, dtype="auto", requantize: tuple[int, int] | None = None) -> GGUFModel:
     """Read a GGUF file into an mlx-lm config, weights and tokenizer files, or raise ``UnsupportedGGUF``.
 
     ``dtype`` and ``requantize``: as for ``load``.
@@ -46,8 +89,8 @@ def read_gguf(path: str | Path, *, dtype=None, requantize: tuple[int, int] | Non
     from .gguf_tensors import ConversionReport, WeightFormat, dequantize, to_mlx
     from .gguf_tokenizer import build_tokenizer
 
-    fmt = WeightFormat.of(dtype, requantize)
     f = open_gguf(path)
+    fmt = WeightFormat.of(auto_dtype(f, requantize) if _is_auto(dtype) else dtype, requantize)
     arch = architecture_of(f)
     config = arch.config(f)
     tokenizer = build_tokenizer(f)
@@ -164,6 +207,10 @@ def load_tokenizer(path_or_repo: str | Path, tokenizer_config: dict | None = Non
                                 report=None), tokenizer_config)
 
 
+def _is_auto(dtype) -> bool:
+    return isinstance(dtype, str) and dtype == "auto"
+
+
 def _print_report(gguf_model: GGUFModel, *, everything: bool) -> None:
     lines = gguf_model.report.lines(changed_only=not everything)
     if lines:
@@ -174,7 +221,7 @@ def _print_report(gguf_model: GGUFModel, *, everything: bool) -> None:
 
 def load(path_or_repo: str | Path, tokenizer_config: dict | None = None, model_config: dict | None = None,
          adapter_path: str | None = None, lazy: bool = False, return_config: bool = False,
-         revision: str | None = None, trust_remote_code: bool = False, *, dtype=None,
+         revision: str | None = None, trust_remote_code: bool = False, *, dtype="auto",
          requantize: tuple[int, int] | None = None):
     """``(model, tokenizer)`` (and the config with ``return_config``), as ``mlx_lm.load`` returns them.
 
@@ -183,7 +230,10 @@ def load(path_or_repo: str | Path, tokenizer_config: dict | None = None, model_c
     (an mlx-lm model directory or a Hugging Face repo), which goes to it
     unchanged. For GGUF files only: ``dtype`` (``"float32"``, ``"float16"``,
     ``"bfloat16"`` or the ``mx`` dtype: every weight in that float type,
-    quantized ones dequantized) or ``requantize`` (``(bits, group_size)``: the types without
+    quantized ones dequantized; ``"stored"`` or None: the default below;
+    ``"auto"``, the default: float32 on a CPU whose BLAS is fast when the
+    float32 weights take at most half the available memory, else as
+    stored, see ``auto_dtype``) or ``requantize`` (``(bits, group_size)``: the types without
     an exact MLX form quantized again with ``mx.quantize``); by default
     Q4_0/Q4_1/Q8_0 stay quantized exactly, float types as stored, and other
     types are dequantized to float32, which is reported on stderr. ``lazy``
@@ -193,7 +243,8 @@ def load(path_or_repo: str | Path, tokenizer_config: dict | None = None, model_c
     if not is_gguf(source):
         if str(source).endswith(".gguf") and not Path(source).exists():
             raise FileNotFoundError(f"no such GGUF file: {source}")
-        if dtype is not None or requantize is not None:
+        if not (dtype is None or _is_auto(dtype) or (isinstance(dtype, str) and dtype == "stored")) \
+                or requantize is not None:
             raise ValueError("dtype and requantize apply to GGUF files only")
         from mlx_lm import load as mlx_lm_load
 
