@@ -142,7 +142,8 @@ def eval_command(args) -> int:
     timing = clock.stop()
     for note in results.notes:
         print(note)
-    print(results.verdict())
+    if (verdict := results.verdict()) is not None:
+        print(verdict)
     print(clock.line())
     if args.plot:
         plot(results, args.plot, title=Path(name).name)
@@ -257,8 +258,8 @@ def register(commands) -> None:
                     help="policies separated by spaces or semicolons, each SCORE[+recent=F][+skip=I,J][+bits=B] "
                          "with SCORE keep-low, keep-high, keydiff, vnorm, qfilter, window or random, F a share of the budget, I,J layers "
                          "kept whole, B the bits of quantized rows (group size 64; full+bits=B: mlx-lm's "
-                         "QuantizedKVCache alone, whatever the budget); must include keep-low and random "
-                         "(default: those two, keep-high, "
+                         "QuantizedKVCache alone, whatever the budget); any set (the verdict line "
+                         "compares keep-low and random where both run; default: those two, keep-high, "
                          "window, and keep-low with recent=1/4 and 1/2, each also with skip=0,1)")
     ev.add_argument("--skip-layers", type=_layers, default=[],
                     help="layers every policy leaves uncompressed, comma-separated (as make_knorm_cache's "
