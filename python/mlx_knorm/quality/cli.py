@@ -334,6 +334,11 @@ def register(commands) -> None:
     add_weight_arguments(cal)
     cal.set_defaults(func=calibrate_command)
 
+    from .ruler_cli import register as register_ruler
+
+    register_ruler(commands, fractions=_fractions, positive=_positive, policies=_policies,
+                   add_jobs=_add_jobs_argument)
+
     demo = commands.add_parser("demo", help="generate under make_knorm_cache (the shipped model by default)")
     demo.add_argument("--model", help=f"{MODEL_HELP} (default: the shipped byte-level model)")
     demo.add_argument("--prompt", default=DEMO_PROMPT)
