@@ -226,7 +226,7 @@ def plot(run_: RulerRun, path: str, title: str) -> None:
                               [r["average_ci"][1] - r["average"] for r in mine]])
     ax.set_xlabel("compression (% of the context's KV rows evicted)")
     ax.set_ylabel("RULER average (string match, 0-100)")
-    ax.set_title(f"{title}: RULER at {run_.config['context']} tokens, {run_.config["samples_per_task"]} samples a task")
+    ax.set_title(f"{title}: RULER at {run_.config['context']} tokens, {run_.config['samples_per_task']} samples a task")
     ax.set_ylim(-2, 102)
     ax.legend(fontsize=8)
     fig.tight_layout()
