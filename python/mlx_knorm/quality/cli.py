@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -176,12 +177,26 @@ def needle_grid(args) -> dict:
 def needle_command(args) -> int:
     from .needle import markdown_tables, plot, run_grid
 
+    grid_options = needle_grid(args)
+    haystack_text = None
+    if args.haystack is not None:
+        try:
+            haystack_text = Path(args.haystack).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            print(f"mlx-knorm needle: --haystack {args.haystack}: {error}", file=sys.stderr)
+            return 2
+        if args.haystacks is None:
+            grid_options["haystacks"] = ["prose"]
     model, tokenizer, _ = load(args.model, args)
     clock = Clock()
-    grid = run_grid(model, tokenizer, contexts=args.contexts, depths=args.depths, fractions=args.budgets,
-                    n_sink=args.n_sink, prefill_step_size=args.prefill_step_size, seed=args.seed, progress=True,
-                    jobs=args.jobs, model_spec=model_spec(args.model, args), filters=_filters(args),
-                    **needle_grid(args))
+    try:
+        grid = run_grid(model, tokenizer, contexts=args.contexts, depths=args.depths, fractions=args.budgets,
+                        n_sink=args.n_sink, prefill_step_size=args.prefill_step_size, seed=args.seed,
+                        progress=True, jobs=args.jobs, model_spec=model_spec(args.model, args),
+                        filters=_filters(args), haystack_text=haystack_text, **grid_options)
+    except ValueError as error:
+        print(f"mlx-knorm needle: {error}", file=sys.stderr)
+        return 2
     timing = clock.stop()
     print(markdown_tables(grid))
     print(f"{len(grid.trials)} trials, {grid.prefill_tokens:,} prompt tokens read by the caches "
@@ -294,6 +309,9 @@ def register(commands) -> None:
     nd.add_argument("--haystacks", type=lambda t: t.split(","),
                     help="passkey (the classic filler) and/or prose (pydoc_data.topics), comma-separated "
                          f"(default: {','.join(NEEDLE_HAYSTACKS)}; --full-grid: {','.join(HAYSTACKS)})")
+    nd.add_argument("--haystack", metavar="FILE",
+                    help="a UTF-8 text file as the prose haystack's text, repeated where short (with it, "
+                         "--haystacks defaults to prose)")
     nd.add_argument("--contexts", type=_numbers(int), default=list(NEEDLE_CONTEXTS),
                     help="prompt lengths in tokens, comma-separated")
     nd.add_argument("--depths", type=_numbers(float), default=list(NEEDLE_DEPTHS),
