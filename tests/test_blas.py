@@ -105,6 +105,7 @@ def test_never_reexecutes_pytests_own_process(monkeypatch):
 
 
 def _fast(monkeypatch, fast: bool, memory: int | None = 1 << 40):
+    monkeypatch.delenv(blas.OPT_ENV, raising=False)
     monkeypatch.setattr(blas, "blas_in_use", lambda: {"name": "OpenBLAS" if fast else "reference BLAS",
                                                       "path": "x", "fast": fast, "preloaded": fast})
     monkeypatch.setattr(loader, "available_memory", lambda: memory)
@@ -123,6 +124,8 @@ def test_load_takes_float32_weights_on_a_cpu_with_a_fast_blas(tmp_path, monkeypa
     stored, _ = load(tiny.path, dtype="stored")
     assert hasattr(_up_proj(stored), "scales")
     assert hasattr(_up_proj(load(tiny.path, dtype=None)[0]), "scales")
+    monkeypatch.setenv(blas.OPT_ENV, "0")  # the whole fast path off
+    assert hasattr(_up_proj(load(tiny.path)[0]), "scales")
 
 
 def test_load_keeps_weights_as_stored_on_a_slow_blas_or_short_memory(tmp_path, monkeypatch, capsys):

@@ -6,8 +6,9 @@ OpenBLAS. The dynamic linker binds a symbol to a preloaded library before a
 wheel's own, so with a system OpenBLAS in ``LD_PRELOAD`` every
 ``cblas_sgemm`` MLX calls is OpenBLAS's. ``reexec_with_fast_blas`` starts the
 command again, once, with it preloaded; ``MLX_KNORM_FAST_BLAS`` steers it:
-unset or ``1`` finds a library, ``0`` turns the re-execution and the hint off,
-a path preloads that library.
+unset or ``1`` finds a library, a path preloads that library, ``0`` turns the
+whole fast path off (no re-execution, no hint, and ``load``'s ``dtype="auto"``
+keeps GGUF weights as stored).
 """
 
 from __future__ import annotations

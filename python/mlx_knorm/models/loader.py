@@ -61,7 +61,8 @@ def available_memory() -> int | None:
 
 def auto_dtype(f, requantize=None) -> str | None:
     """What ``dtype="auto"`` means for GGUF file ``f``: ``"float32"`` on the CPU device when MLX's BLAS is a
-    fast one and the float32 weights take at most half the available memory; else None (as stored).
+    fast one and the float32 weights take at most half the available memory; else None (as stored), and
+    always with ``MLX_KNORM_FAST_BLAS=0`` (the whole fast CPU path off).
 
     On the reference BLAS, float32 matmuls are slower than MLX's own quantized ones, so the weights stay as
     stored and the hint says what to install; a GPU keeps them as stored too.
@@ -70,7 +71,7 @@ def auto_dtype(f, requantize=None) -> str | None:
 
     from .. import blas
 
-    if requantize is not None or mx.default_device() != mx.cpu:
+    if requantize is not None or mx.default_device() != mx.cpu or blas.opted_out():
         return None
     if not blas.blas_in_use()["fast"]:
         blas.hint_once()
