@@ -592,9 +592,9 @@ def evaluate(model, sequences: np.ndarray, n_sink: int = 4, skip_layers=(), frac
     plan_cuts(model, [Policy("keep-low")], [length], length, n_sink, skip_layers)
     attention, cuts, notes, planned = plan_cuts(model, policies, budgets, length, n_sink, skip_layers, strict)
     for score in ("keep-low", "random"):
-        name = Policy(score, skip=tuple(sorted(set(skip_layers)))).name
-        if name not in names:
+        if Policy(score).name not in names:  # the verdict's policies, where asked for
             continue
+        name = Policy(score, skip=tuple(sorted(set(skip_layers)))).name
         missing = [b for b in budgets if not any(c.key == (name, b) for c in cuts)]
         if missing:
             raise ValueError(f"budgets {missing} leave {name} no room: skip_layers {sorted(set(skip_layers))} "
