@@ -35,13 +35,14 @@ def main() -> int:
     reexec_with_fast_blas()
 
     import mlx.core as mx
+    from mlx.utils import tree_flatten
 
     from mlx_knorm.models import load
 
     start = time.perf_counter()
     model, _ = load(args.model, dtype=args.dtype)
     load_s = time.perf_counter() - start
-    weight_dtypes = sorted({str(v.dtype) for _, v in __import__("mlx.utils").utils.tree_flatten(model.parameters())})
+    weight_dtypes = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})
     tokens = mx.array([[(7 * i + 11) % 1000 + 100 for i in range(args.tokens)]])
     times = []
     for _ in range(args.rounds + 1):

@@ -9,7 +9,6 @@ import json
 import re
 from collections import Counter
 
-import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -19,8 +18,8 @@ from mlx_knorm.__main__ import main
 from mlx_knorm.quality import MODEL_DIR
 from mlx_knorm.quality.needle import make_haystack
 from mlx_knorm.quality.ruler import RulerRun, greedy_answer, run
-from mlx_knorm.quality.ruler_tasks import (ALL_TASKS, CWE_ANSWER, FWE_ANSWER, NEEDLE, NIAH, NIAH_ANSWER, NOISE,
-                                           TASKS, VT_ANSWER, make_sample, string_match_all, word_lists)
+from mlx_knorm.quality.ruler_tasks import (ALL_TASKS, CWE_ANSWER, FWE_ANSWER, NIAH, NIAH_ANSWER, NOISE, TASKS,
+                                           VT_ANSWER, make_sample, string_match_all, word_lists)
 from mlx_knorm.quality.policies import policy_cache
 
 CONTEXT = 2048
