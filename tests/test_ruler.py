@@ -220,3 +220,17 @@ def test_needle_takes_a_users_text_as_its_prose_haystack(shipped, tmp_path, caps
     assert {t["policy"] for t in report["trials"]} == {"full", "vnorm"}
     assert main(["needle", "--model", str(MODEL_DIR), "--haystack", str(tmp_path / "missing.txt")]) == 2
     assert "missing.txt" in capsys.readouterr().err
+
+
+def test_replayed_chunks_leave_the_outputs_as_they_are(shipped):
+    model, tokenizer = shipped
+    kwargs = {"tasks": ["niah_single_2", "vt"], "context": 800, "fractions": (0.5, 0.25),
+              "policies": ["keep-low+recent=1/2", "window", "random", "keydiff"], "samples": 1,
+              "max_tokens": 6, "prefill_step_size": 64}
+    replayed = run(model, tokenizer, **kwargs)
+    plain = run(model, tokenizer, replay=False, **kwargs)
+    assert [s["outputs"] for s in replayed.samples] == [s["outputs"] for s in plain.samples]
+    assert replayed.config["replayed_tokens"] > replayed.config["prompt_tokens_read"] // 4
+    assert plain.config["replayed_tokens"] == 0 == plain.config["recorded_tokens"]
+    # The full cache's forward over each sample's whole chunks, computed once for every cache.
+    assert replayed.config["recorded_tokens"] <= sum(s["prompt_tokens"] for s in replayed.samples)

@@ -12,9 +12,15 @@ averaged over tasks, with 95% bootstrap intervals over the samples, and
 each policy's difference from the recent window at the same budget, paired
 by sample.
 
-Work shared: each sample is built (and tokenized) once for every policy; a
-sample's prompt is its own from its first needle on, so the needle
-command's snapshots and replay are not used here.
+Work shared: each sample is built (and tokenized) once for every policy,
+and until a cache evicts, the model reads through it what it reads through
+the full cache, so those chunks of the prompt are replayed from the full
+cache's forward pass (``replay.Replay``, checked exact chunk by chunk, as
+the needle grid does; the full cache itself takes every whole chunk from
+it); ``generate_step`` then runs on the rest of the prompt, whose chunks
+start where the whole prompt's would. The outputs are those of
+``replay=False``. A sample's prompt is its own from its first needle on, so
+the needle grid's snapshots do not apply.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from mlx_lm.generate import generate_step
 from ..scorers import as_query_filters
 from . import PREFILL_STEP_SIZE
 from .policies import FULL, Policy, attention_layers, policy_cache
+from .replay import Replay
 from .ruler_tasks import TASKS, make_sample, string_match_all
 from .stats import bootstrap_interval, resample_indices
 from .workers import ModelSpec, check_jobs, map_tasks
@@ -118,7 +125,8 @@ def _cut_name(policy: str, fraction: float | None) -> str:
 def run(model, tokenizer, tasks=TASKS, context: int = RULER_CONTEXT, fractions=RULER_BUDGET_FRACTIONS,
         policies=None, samples: int = RULER_SAMPLES, *, seed: int = 0, n_sink: int = 4,
         prefill_step_size: int = PREFILL_STEP_SIZE, haystack_text: str | None = None, max_tokens: int | None = None,
-        filters=None, progress: bool = False, jobs: int = 1, model_spec: ModelSpec | None = None) -> RulerRun:
+        filters=None, progress: bool = False, jobs: int = 1, model_spec: ModelSpec | None = None,
+        replay: bool = True) -> RulerRun:
     """``samples`` prompts of each of ``tasks`` at ``context`` tokens, answered through the full cache and
     every policy at every budget (``round(fraction * context)`` rows per attention layer, on average).
 
@@ -126,7 +134,8 @@ def run(model, tokenizer, tasks=TASKS, context: int = RULER_CONTEXT, fractions=R
     room at a budget is left out there. ``haystack_text``: the essay haystack (default: Python's
     reference documentation). ``max_tokens``: the answer budget of every task (default: RULER's per
     task). ``jobs > 1`` shares the samples among processes loading ``model_spec``; the outputs are those
-    of ``jobs=1``.
+    of ``jobs=1``. ``replay``: take the chunks a cache has not yet evicted from from the full cache's
+    forward pass (the module's docstring); the outputs are those of ``replay=False``.
     """
     from tqdm import tqdm
 
@@ -146,15 +155,18 @@ def run(model, tokenizer, tasks=TASKS, context: int = RULER_CONTEXT, fractions=R
         if not 0.0 < fraction < 1.0:
             raise ValueError(f"budget fractions must lie in (0, 1), got {fraction!r}")
     layers = attention_layers(model, n_sink)
-    cuts, skipped = [(None, None, None)], []
+    if not isinstance(replay, bool):
+        raise ValueError(f"replay must be a bool, got {replay!r}")
+    cuts, skipped = [(None, None, None, None)], []
     for fraction in fractions:
         budget = int(round(fraction * context))
         for policy in policies:
-            if policy.layer_budget(budget, context, layers, n_sink) is None:
+            rows = policy.layer_budget(budget, context, layers, n_sink)
+            if rows is None:
                 skipped.append(_cut_name(policy.name, fraction))
                 continue
             policy_cache(model, policy, budget, context, n_sink, filters=filters)  # refuses what cannot run
-            cuts.append((policy, fraction, budget))
+            cuts.append((policy, fraction, budget, rows))
     built = [make_sample(task, i, tokenizer, context, seed=seed, haystack_text=haystack_text, max_tokens=max_tokens)
              for task in tasks for i in range(samples)]
     config = {"tasks": tasks, "context": context, "samples_per_task": samples, "budget_fractions": list(fractions),
@@ -165,29 +177,46 @@ def run(model, tokenizer, tasks=TASKS, context: int = RULER_CONTEXT, fractions=R
     result = RulerRun(config)
     bar = tqdm(total=len(built) * len(cuts), desc="ruler", unit="answer", disable=not progress)
     answer_all = functools.partial(_answer_sample, cuts=cuts, context=context, n_sink=n_sink, step=prefill_step_size,
-                                   seed=seed, filters=filters)
+                                   seed=seed, filters=filters, replay=replay)
     try:
         outputs = map_tasks(answer_all, built, jobs=jobs, bar=bar, model=model, tokenizer=tokenizer,
                             model_spec=model_spec, costs=[len(s.tokens) for s in built])
     finally:
         bar.close()
-    for sample, output in zip(built, outputs):
+    result.config["caches"] = [_cut_name(FULL if p is None else p.name, f) for p, f, _, _ in cuts]
+    result.config["prompt_tokens_read"] = sum(len(s.tokens) for s in built) * len(cuts)
+    result.config["replayed_tokens"] = sum(counts["replayed"] for _, counts in outputs)
+    result.config["recorded_tokens"] = sum(counts["recorded"] for _, counts in outputs)
+    for sample, (output, _) in zip(built, outputs):
         result.samples.append({"task": sample.task, "index": sample.index, "prompt_tokens": len(sample.tokens),
                                "answers": list(sample.answers), "max_tokens": sample.max_tokens, "outputs": output})
     return result
 
 
-def _answer_sample(model, tokenizer, sample, bar, *, cuts, context, n_sink, step, seed, filters) -> dict:
-    """``{cut name: {"output", "score"}}`` of one sample through every cut's cache."""
+def _answer_sample(model, tokenizer, sample, bar, *, cuts, context, n_sink, step, seed, filters,
+                   replay=True) -> tuple[dict, dict]:
+    """``({cut name: {"output", "score"}}, token counts)`` of one sample through every cut's cache: the
+    prompt tokens replayed, and those the full cache's forward passes computed to replay them."""
     out = {}
-    for policy, fraction, budget in cuts:
+    records = Replay(model, step) if replay else None
+    whole = (len(sample.tokens) - 1) // step  # chunks before the last token: generate_step's prefill
+    for policy, fraction, budget, rows in cuts:
         caches = policy_cache(model, policy, budget or context, context, n_sink,
                               seed=zlib.crc32(f"{seed}/{sample.task}/{sample.index}".encode()), filters=filters)
-        text = greedy_answer(model, tokenizer, sample.tokens, caches, step, sample.max_tokens, sample.answers)
+        start = 0
+        if records is not None and (policy is None or policy.bits is None):
+            # Past chunk rows // step + 1 a cache of ``rows`` has evicted: no replay there.
+            chunks = whole if policy is None else min(whole, rows // step + 1)
+            while start // step < chunks and records.chunk(caches, sample.tokens, start // step):
+                start += step
+        text = greedy_answer(model, tokenizer, sample.tokens[start:], caches, step, sample.max_tokens,
+                             sample.answers)
         out[_cut_name(FULL if policy is None else policy.name, fraction)] = {
             "output": text, "score": string_match_all(text, sample.answers)}
         bar.update(1)
-    return out
+    if records is None or records.records is None:
+        return out, {"replayed": 0, "recorded": 0}
+    return out, {"replayed": records.replayed_tokens, "recorded": records.records.computed_tokens}
 
 
 def markdown_table(run_: RulerRun) -> str:

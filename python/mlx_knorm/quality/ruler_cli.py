@@ -36,8 +36,10 @@ def ruler_command(args) -> int:
         return 2
     timing = clock.stop()
     print(markdown_table(result))
-    print(f"{len(result.samples)} samples x {1 + len(result.config['policies']) * len(args.budgets)} caches "
-          f"at {args.context} tokens in {clock.line()}")
+    c = result.config
+    print(f"{len(result.samples)} samples through {len(c['caches'])} caches each: "
+          f"{c['prompt_tokens_read']:,} prompt tokens read ({c['replayed_tokens']:,} of them replayed from the full "
+          f"cache's forward pass, which took {c['recorded_tokens']:,}) in {clock.line()}")
     if args.plot:
         plot(result, args.plot, title=Path(args.model).name)
         print(f"plot: {args.plot}")
