@@ -97,6 +97,31 @@ def test_no_library_to_preload_prints_the_hint_once(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_the_plan_preloads_an_installed_openblas_or_hints_once(monkeypatch, capsys):
+    slow = {"name": "reference BLAS", "path": "x", "fast": False, "preloaded": False}
+    monkeypatch.setattr(blas, "blas_in_use", lambda: slow)
+    monkeypatch.delenv(blas.OPT_ENV, raising=False)
+    monkeypatch.delenv(blas.REEXEC_ENV, raising=False)
+    monkeypatch.setattr(blas, "_hinted", False)
+    monkeypatch.setattr(blas, "find_fast_blas", lambda: "/usr/lib/libopenblas.so.0")
+    assert blas.preload_plan() == "/usr/lib/libopenblas.so.0"
+    monkeypatch.setattr(blas, "find_fast_blas", lambda: None)
+    assert blas.preload_plan() is None and blas.preload_plan() is None
+    assert capsys.readouterr().err == blas.INSTALL_HINT + "\n"  # once
+    for setting in ({blas.OPT_ENV: "0"}, {blas.REEXEC_ENV: "/usr/lib/libopenblas.so.0"}):
+        with monkeypatch.context() as m:
+            for key, value in setting.items():
+                m.setenv(key, value)
+            m.setattr(blas, "find_fast_blas", lambda: "/usr/lib/libopenblas.so.0")
+            assert blas.preload_plan() is None
+    monkeypatch.setattr(blas, "blas_in_use", lambda: {**slow, "fast": True})
+    monkeypatch.setattr(blas, "find_fast_blas", lambda: "/usr/lib/libopenblas.so.0")
+    assert blas.preload_plan() is None
+    monkeypatch.setattr(blas, "blas_in_use", lambda: slow)
+    monkeypatch.setattr(blas, "_on_cpu", lambda: False)  # a GPU keeps its path
+    assert blas.preload_plan() is None
+
+
 def test_never_reexecutes_pytests_own_process(monkeypatch):
     monkeypatch.setenv(blas.OPT_ENV, _bundled_blas())
     monkeypatch.delenv(blas.REEXEC_ENV, raising=False)

@@ -168,20 +168,31 @@ def preload_target() -> str | None:
     return find_fast_blas()
 
 
+def preload_plan() -> str | None:
+    """The library to re-execute with, or None: not on Linux, not on the CPU device, opted out, already
+    re-executed, MLX's BLAS already fast, or nothing to preload (then ``INSTALL_HINT`` is printed once)."""
+    if (not sys.platform.startswith("linux") or opted_out() or os.environ.get(REEXEC_ENV)
+            or not _on_cpu() or blas_in_use()["fast"]):
+        return None
+    library = preload_target()
+    if library is None:
+        hint_once()
+    return library
+
+
 def reexec_with_fast_blas() -> None:
     """Run this process's command line again with a fast BLAS preloaded, where that helps; else return.
 
     Only on Linux, on the CPU device, when MLX's BLAS is slow, never when
     ``MLX_KNORM_FAST_BLAS=0``, never twice (the new process has
-    ``MLX_KNORM_BLAS_REEXEC`` set) and never inside pytest's process. With no
-    library to preload it prints ``INSTALL_HINT`` once and returns.
+    ``MLX_KNORM_BLAS_REEXEC`` set) and never inside pytest's process
+    (``preload_plan``). With no library to preload it prints ``INSTALL_HINT``
+    once and returns.
     """
-    if (not sys.platform.startswith("linux") or opted_out() or os.environ.get(REEXEC_ENV)
-            or "_pytest" in sys.modules or not _on_cpu() or blas_in_use()["fast"]):
+    if "_pytest" in sys.modules:
         return
-    library = preload_target()
+    library = preload_plan()
     if library is None:
-        hint_once()
         return
     env = dict(os.environ)
     env["LD_PRELOAD"] = ":".join(p for p in (library, env.get("LD_PRELOAD", "")) if p)
