@@ -13,8 +13,8 @@ import sys
 
 from .backend import backend_info, native_available
 from .bench import cli as bench_cli
-from .blas import blas_in_use, blas_line, reexec_with_fast_blas
 from .bench.cases import case_inputs, make_case
+from .blas import blas_in_use, blas_line, reexec_with_fast_blas
 from .commands import LM_COMMANDS, command_help
 from .commands import run as run_lm_command
 from .doctor import register as register_doctor

@@ -90,8 +90,10 @@ def read_gguf(path: str | Path, *, dtype="auto", requantize: tuple[int, int] | N
     from .gguf_tensors import ConversionReport, WeightFormat, dequantize, to_mlx
     from .gguf_tokenizer import build_tokenizer
 
+    fmt = WeightFormat.of(None if _is_auto(dtype) else dtype, requantize)  # checked before the file is read
     f = open_gguf(path)
-    fmt = WeightFormat.of(auto_dtype(f, requantize) if _is_auto(dtype) else dtype, requantize)
+    if _is_auto(dtype):
+        fmt = WeightFormat.of(auto_dtype(f, fmt.requantize), fmt.requantize)
     arch = architecture_of(f)
     config = arch.config(f)
     tokenizer = build_tokenizer(f)
