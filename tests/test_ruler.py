@@ -193,6 +193,8 @@ def test_the_command_runs_the_named_policies_through_their_caches_and_writes_jso
     assert png.stat().st_size > 0
     assert main(["ruler", "--model", str(MODEL_DIR), "--tasks", "cwe", "--context", "300"]) == 2
     assert "cwe: a context of 300 tokens has no room" in capsys.readouterr().err
+    assert main(["ruler", "--model", str(MODEL_DIR), "--haystack", str(tmp_path / "missing.txt")]) == 2
+    assert "--haystack" in capsys.readouterr().err
 
 
 def test_run_refuses_bad_arguments_by_name(shipped):
