@@ -180,3 +180,25 @@ def test_doctor_says_which_blas_mlx_uses():
     assert environment["blas"] == blas.blas_in_use()
     text = doctor.markdown({"environment": environment, "checks": [], "ok": True})
     assert f"- BLAS of MLX's CPU matmuls: {blas.blas_line()}\n" in text
+
+
+def test_load_makes_an_mlx_lm_models_weights_float32_on_a_cpu_with_a_fast_blas(tmp_path, monkeypatch, capsys):
+    from mlx_knorm.models import convert
+
+    tiny = write_model(tmp_path / "tiny.gguf", "llama", Q.Q8_0)
+    out = convert(tiny.path, tmp_path / "mlx")  # 8-bit affine layers, as stored
+    tokens = mx.array([[3, 17, 42, 5, 9]])
+    _fast(monkeypatch, False)
+    stored, _ = load(out)
+    assert hasattr(_up_proj(stored), "scales")
+    _fast(monkeypatch, True)
+    model, _ = load(out)
+    assert not hasattr(_up_proj(model), "scales") and _up_proj(model).weight.dtype == mx.float32
+    assert "weights made float32 for the CPU's BLAS" in capsys.readouterr().err
+    # The dequantized weights compute what the quantized layers compute, up to the rounding of the
+    # stored model's float16 scales and activations.
+    assert mx.allclose(model(tokens), stored(tokens), atol=1e-2, rtol=1e-2).item()
+    assert hasattr(_up_proj(load(out, dtype="stored")[0]), "scales")
+    assert hasattr(_up_proj(load(out, lazy=True)[0]), "scales")
+    _fast(monkeypatch, True, memory=loader.model_float32_bytes(stored))  # more than half of it
+    assert hasattr(_up_proj(load(out)[0]), "scales")

