@@ -198,6 +198,11 @@ def reexec_with_fast_blas() -> None:
     env["LD_PRELOAD"] = ":".join(p for p in (library, env.get("LD_PRELOAD", "")) if p)
     env[REEXEC_ENV] = library
     argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
+    if not sys.executable:
+        return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, argv, env)
+    try:
+        os.execve(sys.executable, argv, env)
+    except OSError as error:  # the command goes on with the BLAS it has
+        print(f"mlx-knorm: could not start again with {library} preloaded: {error}", file=sys.stderr)
