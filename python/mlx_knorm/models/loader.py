@@ -293,7 +293,7 @@ def load(path_or_repo: str | Path, tokenizer_config: dict | None = None, model_c
         if _is_auto(dtype) and not lazy and float32_fits_fast_cpu(model_float32_bytes(loaded[0])) \
                 and to_float32(loaded[0]):
             print(f"{Path(str(source)).name}: weights made float32 for the CPU's BLAS (dtype='auto'; "
-                  "--dtype stored keeps them as stored)", file=sys.stderr)
+                  "MLX_KNORM_FAST_BLAS=0, or dtype='stored' / --dtype stored, keeps them as stored)", file=sys.stderr)
         return loaded
     gguf_model = read_gguf(source, dtype=dtype, requantize=requantize)
     _print_report(gguf_model, everything=False)
