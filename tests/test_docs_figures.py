@@ -49,6 +49,23 @@ BITS_4 = {"SmolLM2": "docs/results/quality-eval-smollm2-scorers-8bit-equal-bytes
 NEEDLE_BITS = {"SmolLM2": "docs/results/quality-needle-smollm2-scorers-8bit-equal-bytes.json",
                "Gemma": "docs/results/quality-needle-gemma3-scorers-8bit-equal-bytes.json"}
 EQUAL_FRACTIONS = {128: 0.4258, 256: 0.8535}
+CPU_PATH = "bench/results/cpu-path-smollm2.jsonl"
+QWEN_CHECK = "docs/results/quality-eval-qwen2.5-coder-0.5b-check.json"
+
+
+RULER_SMOKE = "docs/results/quality-ruler-smollm2-1k-smoke.json"
+
+
+def ruler_score(name, policy, fraction, task):
+    """A task's mean score of a policy at a budget fraction (None: the full cache) in an mlx-knorm ruler run."""
+    row = next(r for r in results(name)["summary"] if r["policy"] == policy and r["budget_fraction"] == fraction)
+    return row["tasks"][task]["score"]
+
+
+def cpu_path(name, dtype_argument, key):
+    """A figure of the run with ``--dtype dtype_argument`` in bench/cpu_path.py's JSON lines."""
+    runs = [json.loads(line) for line in (ROOT / name).read_text().splitlines() if line.strip()]
+    return next(r for r in runs if r["dtype_argument"] == dtype_argument)[key]
 QUICK = "bench/results/quick-cpu.json"
 CACHE_STEP = "bench/results/cache-step-cpu.json"
 E2E_RANDOM = "bench/results/decode-e2e-cpu.json"
@@ -438,6 +455,27 @@ QUOTES = (
       fig(f(".3f"), decode, E2E_SCORERS, 512, "slots", "tokens_per_s_ratio_to_rotating"),
       fig(f(".3f"), decode, E2E_XEON, 512, "slots", "tokens_per_s_ratio_to_rotating"),
       fig(f(".2f"), target, E2E_XEON, 512, "slots_tokens_per_s_ratio")),
+    q("docs/benchmarks.md", "| Q4_1 (+ Q8_0 embedding), as stored | reference (bundled with mlx) | {} (one round) |",
+      fig(f(".0f"), cpu_path, CPU_PATH, "stored", "forward_s_median")),
+    q("docs/benchmarks.md", "| float32 (`dtype=\"auto\"`) | OpenBLAS 0.3.21, preloaded by the re-execution | {} "
+      "(median of 2; {} the warm-up) |",
+      fig(f(".1f"), cpu_path, CPU_PATH, "auto", "forward_s_median"),
+      fig(f(".1f"), cpu_path, CPU_PATH, "auto", "forward_s_first")),
+    q("docs/benchmarks.md", "About {}x with Debian's `libopenblas0-pthread` installed",
+      fig(f(".0f"), lambda name: cpu_path(name, "stored", "forward_s_median") / cpu_path(name, "auto",
+                                                                                          "forward_s_median"), CPU_PATH)),
+    q("docs/quality.md", "SmolLM2-135M with the full cache finds both single needles in noise and in prose ({} and {}), "
+      "{}% of the multi-value task's values and {}% of the variable chains' names; at 50% compression the window "
+      "loses the needle in noise ({}) and keep-low with its recent window keeps it ({}).",
+      *(fig(f(".0f"), ruler_score, RULER_SMOKE, "full", None, task)
+        for task in ("niah_single_1", "niah_single_2", "niah_multivalue", "vt")),
+      *(fig(f(".0f"), ruler_score, RULER_SMOKE, policy, 0.5, "niah_single_1")
+        for policy in ("window", "keep-low+recent=1/2"))),
+    q("docs/results/qwen2.5-coder-0.5b-check.md", "512 tokens): {} [{}, {}] with the full cache (the recent window "
+      "at half the context: {}),",
+      fig(f(".2f"), lambda name: results(name)["full_perplexity"], QWEN_CHECK),
+      *(fig(f(".2f"), lambda name, i=i: results(name)["full_perplexity_ci"][i], QWEN_CHECK) for i in (0, 1)),
+      fig(f(".2f"), ppl, QWEN_CHECK, "window", 256)),
 )
 
 
