@@ -87,11 +87,18 @@ def target(name, budget, key):
     return float(results(name)["budgets"][str(budget)]["targets"][key]["target"].split()[-1])
 
 
-def quick(name, label, *path):
-    case = next(c for c in results(name)["cases"] if c["label"] == label)
-    for key in path:
-        case = case[key]
-    return case
+def labelled(collection):
+    """A reader of ``results(name)[collection]``'s entry labelled ``label``, then ``path`` into it."""
+    def read(name, label, *path):
+        entry = next(e for e in results(name)[collection] if e["label"] == label)
+        for key in path:
+            entry = entry[key]
+        return entry
+    return read
+
+
+quick = labelled("cases")
+cache_step = labelled("configs")
 
 
 def cache_step_ratio(name, end):

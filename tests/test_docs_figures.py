@@ -20,7 +20,7 @@ from mlx_knorm.quality.policies import row_bytes
 import docs_figures
 from docs_figures import (
     EIGHTHS, EQUAL_ROWS, F16, F32, HEAD_DIM, ROOT, batch, batch_speedup, batches, bits_to_float_window,
-    cache_step_ratio, cache_steps, decode, f, fig, kv_bytes, mib, minus, mismatch, needle, page, pattern,
+    cache_step, cache_step_ratio, cache_steps, decode, f, fig, kv_bytes, mib, minus, mismatch, needle, page, pattern,
     ppl, ppl_to_full, ppl_to_window, q, quick, recall, results, row_share, rows_for_bytes, share, sig,
     slots_speed, spearman, target, to_knorm, trim,
 )
@@ -142,13 +142,6 @@ def quick_in_place_row(label, case):
              fig(trim(3), quick, QUICK, case, "memcpy", "median_ms"),
              fig(trim(2), quick, QUICK, case, "in_place", "ratio_to_memcpy"),
              fig(trim(2), quick, QUICK, case, "in_place", "speedup_vs_reference"))
-
-
-def cache_step(name, label, *path):
-    config = next(c for c in results(name)["configs"] if c["label"] == label)
-    for key in path:
-        config = config[key]
-    return config
 
 
 def cache_step_row(budget, batch):
