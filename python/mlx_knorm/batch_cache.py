@@ -24,6 +24,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from .cache import L2NormKVCache, UnsavableScorer, _register_with_mlx_lm, _storage_dtype, order_tree_argument, step_capacity
+from .cache_commit import all_or_nothing, deep_copy_sharing_scorer
 from .cache_state import STATE_SCORERS, StateError, check_block, check_scorer_fields, check_state, decimal_int
 from .ops.evict_and_fill import check_layout, evict_and_fill_unchecked
 from .ops.key_norms import key_norms_unchecked
@@ -79,19 +80,42 @@ def _checked_scorer_array(scorer: str, array, batch: int, rows) -> mx.array | No
     return array
 
 
+def _sequences(cache) -> int:
+    return cache.batch_size if isinstance(cache, BatchL2NormKVCache) else 1
+
+
+def _checked_batch_states(caches) -> list:
+    """The scorer states of ``caches`` (single or batch caches): each None
+    or an array whose first axis holds the cache's sequences, all of one
+    shape beyond it, as the batch operations take them; else ``ValueError``
+    (a user's scorer's state is whatever it returned)."""
+    states = [c._score_sum for c in caches]
+    shapes = {tuple(s.shape[1:]) for s in states if isinstance(s, mx.array) and s.ndim}
+    for cache, state in zip(caches, states):
+        if state is None:
+            continue
+        fits = isinstance(state, mx.array) and state.ndim and state.shape[0] == _sequences(cache)
+        if not fits or len(shapes) > 1:
+            got = f"{list(state.shape)}" if isinstance(state, mx.array) else type(state).__name__
+            raise ValueError(
+                f"mlx_knorm: a user's scorer ({scorer_label(caches[0].scorer)}) batches only with a state "
+                f"that is None or an array, batch-first (one row per sequence, the same shape beyond it), "
+                f"got {got} for {_sequences(cache)} sequences")
+    return states
+
+
 def _joined_sums(caches) -> mx.array | None:
-    """keydiff's running sums of ``caches`` (single or batch caches, in
-    order) along the batch axis, +0 for a cache that has none yet; None
-    where none has one."""
-    sums = [c._score_sum for c in caches]
-    if any(s is not None and not isinstance(s, mx.array) for s in sums):
-        raise ValueError(f"mlx_knorm: a user's scorer ({scorer_label(caches[0].scorer)}) batches only with a "
-                         "state that is None or an array, batch-first")
+    """keydiff's running sums (or a user's scorer's states) of ``caches``
+    (single or batch caches, in order) along the batch axis, +0 for a cache
+    that has none yet; None where none has one. One cache's state is taken
+    as it is: nothing is joined."""
+    if len(caches) == 1:
+        return caches[0]._score_sum
+    sums = _checked_batch_states(caches)
     template = next((s for s in sums if s is not None), None)
     if template is None:
         return None
-    return mx.concatenate([mx.zeros((c.batch_size if isinstance(c, BatchL2NormKVCache) else 1,
-                                     *template.shape[1:]), mx.float32) if s is None else s
+    return mx.concatenate([mx.zeros((_sequences(c), *template.shape[1:]), template.dtype) if s is None else s
                            for c, s in zip(caches, sums)], axis=0)
 
 
@@ -134,6 +158,11 @@ class BatchL2NormKVCache(_BaseCache):
         self._real = [0] * len(self._lo)
         self._ranges_changed()
 
+    def __deepcopy__(self, memo) -> "BatchL2NormKVCache":
+        """Every field deep-copied but the scorer, which the copy shares
+        (so it batches with the original)."""
+        return deep_copy_sharing_scorer(self, memo)
+
     # -- host bookkeeping ---------------------------------------------------
 
     def _ranges_changed(self) -> None:
@@ -170,6 +199,7 @@ class BatchL2NormKVCache(_BaseCache):
 
     # -- the step -----------------------------------------------------------
 
+    @all_or_nothing
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Absorb ``[B, H, S, D]`` keys/values: one §4 step with each
         sequence's valid range; returns the kept rows and the new rows
@@ -270,6 +300,7 @@ class BatchL2NormKVCache(_BaseCache):
 
     # -- prefill ------------------------------------------------------------
 
+    @all_or_nothing
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
         """``left_padding`` (an empty cache only): each sequence's first real
         position. ``lengths`` with ``right_padding``: the next blocks hold
@@ -295,6 +326,7 @@ class BatchL2NormKVCache(_BaseCache):
             self._hi = [self.timeline + n for n in lengths]
         self._ranges_changed()
 
+    @all_or_nothing
     def finalize(self) -> None:
         """After a right-padded prefill: move each sequence's padding rows to
         the front of its slots and its tokens' positions to end at the
@@ -321,15 +353,22 @@ class BatchL2NormKVCache(_BaseCache):
 
     # -- joins and leaves ---------------------------------------------------
 
+    @all_or_nothing
     def filter(self, batch_indices) -> None:
         """Keep the given sequences (in place), dropping the leading slots
         that are padding in every one kept."""
         indices = [check_int(i, "batch_indices entry") for i in (
             batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices)]
+        if any(not 0 <= i < self.batch_size for i in indices):
+            raise ValueError(f"mlx_knorm: BatchL2NormKVCache.filter: batch_indices {indices} must lie in "
+                             f"[0, {self.batch_size})")
+        kept_all = indices == list(range(self.batch_size))
+        if not kept_all:
+            _checked_batch_states([self])
         self._lo = [self._lo[i] for i in indices]
         self._hi = [self._hi[i] for i in indices]
         self._real = [self._real[i] for i in indices]
-        if self._score_sum is not None:
+        if self._score_sum is not None and not kept_all:
             self._score_sum = self._score_sum[mx.array(indices, dtype=mx.int32)]
         if self.keys is not None:
             index = mx.array(indices, dtype=mx.int32)
@@ -344,6 +383,7 @@ class BatchL2NormKVCache(_BaseCache):
             self._set_buffers(rows)
         self._ranges_changed()
 
+    @all_or_nothing
     def extend(self, other: "BatchL2NormKVCache") -> None:
         """Append ``other``'s sequences (in place): both sides' slots are
         aligned at the back, the shorter side behind padding slots, on one
@@ -355,6 +395,7 @@ class BatchL2NormKVCache(_BaseCache):
         if self._padded() or other._padded():
             raise ValueError("mlx_knorm: BatchL2NormKVCache.extend: finalize() the right-padded prefill first")
         sides = [self, other]
+        score_sum = _joined_sums(sides)
         filled = max(c.filled for c in sides)
         timeline = max(c.timeline + filled - c.filled for c in sides)
         template = next((c for c in sides if c.keys is not None), None)
@@ -384,7 +425,7 @@ class BatchL2NormKVCache(_BaseCache):
                 rows[3] = mx.where(is_real, shifted, _slot_positions(batch, heads, filled))
                 parts.append(rows)
             self._set_buffers([mx.concatenate([p[i] for p in parts], axis=0) for i in range(4)])
-        self._score_sum = _joined_sums(sides)
+        self._score_sum = score_sum
         self._lo = [lo + timeline - c.timeline for c in sides for lo in c._lo]
         self._hi = [OPEN] * len(self._lo)
         self._real = self._real + other._real
@@ -455,6 +496,7 @@ class BatchL2NormKVCache(_BaseCache):
         batch._ranges_changed()
         return batch
 
+    @all_or_nothing
     def extract(self, idx: int) -> L2NormKVCache:
         """Sequence ``idx`` as an ``L2NormKVCache``: its real rows after the
         pending eviction, its own positions and offset."""
@@ -488,9 +530,10 @@ class BatchL2NormKVCache(_BaseCache):
         if callable(self.scorer):
             # Its scores are the callable's, which nothing else recomputes;
             # its state is batch-first, as merge, extend and filter take it.
-            cache._load(check_state(fields, user_scorer=self.scorer))
             state = self._score_sum
-            cache._score_sum = state[idx : idx + 1] if isinstance(state, mx.array) and state.ndim else state
+            if isinstance(state, mx.array) and state.ndim:
+                state = state[idx : idx + 1]
+            cache._load(check_state(fields, user_scorer=self.scorer, user_state=state))
         else:
             cache.state = (*fields, *self._scorer_fields(slice(idx, idx + 1)))
         return cache
@@ -521,6 +564,7 @@ class BatchL2NormKVCache(_BaseCache):
                 *self._scorer_fields())
 
     @state.setter
+    @all_or_nothing
     def state(self, v) -> None:
         v = tuple(v)
         if len(v) not in (13, 15):
@@ -547,8 +591,12 @@ class BatchL2NormKVCache(_BaseCache):
                 raise ValueError("mlx_knorm: BatchL2NormKVCache state: keys, values, norms and positions "
                                  "are all arrays or all None (then filled is 0)")
         else:
+            for name, a in zip(("keys", "values", "norms", "positions"), arrays):
+                if not isinstance(a, mx.array):
+                    raise TypeError(f"mlx_knorm: BatchL2NormKVCache state field '{name}' must be an "
+                                    f"mlx.core.array, got {type(a).__name__}")
             for name, a, ndim in zip(("keys", "values", "norms", "positions"), arrays, (4, 4, 3, 3)):
-                if not isinstance(a, mx.array) or a.ndim != ndim or a.shape[0] != batch \
+                if a.ndim != ndim or a.shape[0] != batch \
                         or a.shape[1:3] != norms.shape[1:3]:
                     raise ValueError(
                         f"mlx_knorm: BatchL2NormKVCache state field '{name}' must be [{batch}, H, C, ...] "
@@ -570,7 +618,14 @@ class BatchL2NormKVCache(_BaseCache):
                              f"0 <= lo <= hi for every sequence, got {pairs}")
         if len(v) == 15:
             scorer_array = _checked_scorer_array(scorer, scorer_array, batch, arrays)
-        before = dict(self.__dict__)
+        if scorer == "keydiff" and scorer_array is not None:
+            # A sequence's sum starts at +0 and only its tokens move it.
+            empty = [b for b, (lo, hi) in enumerate(pairs) if min(timeline, hi) <= lo]
+            moved = empty and mx.any(scorer_array[mx.array(empty, dtype=mx.int32)].view(mx.uint32) != 0).item()
+            if moved:
+                raise ValueError("mlx_knorm: BatchL2NormKVCache state field 'scorer_state': keydiff's running sum "
+                                 f"of a sequence with no token is +0, but sequences {empty} have none and a sum "
+                                 "that is not")
         self.budget, self.n_sink, self.recent, self.keep, self.layout = budget, n_sink, recent, keep, layout
         self.scorer = scorer
         self._filters = scorer_array if scorer == "qfilter" else None
@@ -583,6 +638,7 @@ class BatchL2NormKVCache(_BaseCache):
         # Each sequence's rows must be a state a single cache loads (what
         # extract() gives and the step assumes), in the slots where the
         # steps leave them; else nothing changes.
+        i = 0
         try:
             flaws = self._slot_flaws()
             for i in range(batch):
@@ -590,8 +646,6 @@ class BatchL2NormKVCache(_BaseCache):
                     raise ValueError(flaws[i])
                 self.extract(i)
         except (ValueError, TypeError) as err:
-            self.__dict__.clear()
-            self.__dict__.update(before)
             error = ValueError if isinstance(err, ValueError) else TypeError
             raise error(f"mlx_knorm: BatchL2NormKVCache state, sequence {i}: {err}") from None
 
@@ -643,6 +697,7 @@ class BatchL2NormKVCache(_BaseCache):
                                       self.keep, self.layout))
 
     @meta_state.setter
+    @all_or_nothing
     def meta_state(self, v) -> None:
         # The state carries every field (mlx-lm 0.32's from_state sets only
         # the state); a meta state must agree with it.
