@@ -14,6 +14,7 @@ import copy
 import functools
 
 import mlx.core as mx
+import mlx_lm
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step, speculative_generate_step
@@ -181,6 +182,10 @@ def test_the_caches_refuse_a_verify_block_that_would_attend_as_a_block(byte_mode
     # Refused before any layer took the block: every layer holds the prompt
     # but for the drafts that mlx-lm's own clean-up (its `finally`) trims.
     assert {c.offset for c in target} == {prompt.size - 1 - (MAX_DRAFT_TOKENS + 1)}
+    # mlx-lm's generate with a draft model takes the same path.
+    with pytest.raises(ValueError, match="num_draft_tokens must be at most"):
+        mlx_lm.generate(model, tokenizer, prompt.tolist(), max_tokens=40, draft_model=draft,
+                        prompt_cache=caches(model) + caches(draft), num_draft_tokens=MAX_DRAFT_TOKENS + 5)
     # At the limit the verify blocks are exact: the tokens of ordinary decoding.
     plain = [int(t) for t, _ in generate_step(prompt, model, prompt_cache=caches(model), max_tokens=40)]
     spec = speculative_generate_step(prompt, model, draft, prompt_cache=caches(model) + caches(draft),
