@@ -202,3 +202,25 @@ def test_a_long_block_past_the_budget_outside_speculative_decoding_attends_as_a_
     tokens = [int(t) for t, _ in generate_step(prompt, model, prompt_cache=cache, max_tokens=3,
                                                prefill_step_size=EXACT_BLOCK + 4)]
     assert len(tokens) == 3 and cache[0].offset >= prompt.size + 2
+
+
+def test_a_batch_that_kept_no_sequence_reads_its_own_state_back():
+    batch = L2NormKVCache.merge([fed(L2NormKVCache(**CONFIG), rows(0, 3))])
+    batch.filter([])
+    target = BatchL2NormKVCache([], **CONFIG, keep="low")
+    target.state = batch.state
+    assert target.batch_size == 0 and target.filled == batch.filled
+
+
+def test_a_second_right_padded_prefill_before_finalize_is_refused():
+    """Its ranges would make the padding rows the first one stored real
+    (a state that the batch's own load check then refuses)."""
+    batch = L2NormKVCache.merge([fed(L2NormKVCache(**CONFIG), rows(0, 3)), L2NormKVCache(**CONFIG)])
+    batch.prepare(lengths=[2, 0], right_padding=[0, 2])
+    batch.update_and_fetch(rows(1, 2, batch=2), rows(1, 2, batch=2))
+    before = bits(batch)
+    with pytest.raises(ValueError, match="right-padded prefill is pending; finalize"):
+        batch.prepare(lengths=[1, 3], right_padding=[2, 0])
+    assert bits(batch) == before
+    batch.finalize()
+    BatchL2NormKVCache([0, 0], **CONFIG, keep="low").state = batch.state

@@ -316,6 +316,10 @@ class BatchL2NormKVCache(_BaseCache):
                 )
             self._lo = [lo + p for lo, p in zip(self._lo, left_padding)]
         if right_padding is not None and max(right_padding, default=0) > 0:
+            if self._padded():
+                # Its ranges would make the padding rows stored since real.
+                raise ValueError("mlx_knorm: BatchL2NormKVCache.prepare: a right-padded prefill is pending; "
+                                 "finalize() it first")
             if lengths is None or len(lengths) != self.batch_size:
                 raise ValueError(
                     f"mlx_knorm: right_padding needs lengths, one per sequence ({self.batch_size})"
@@ -658,7 +662,7 @@ class BatchL2NormKVCache(_BaseCache):
         position), its real rows the others, so that the mask hides exactly
         the padding. Per sequence, what it breaks (naming the field) or None."""
         batch, filled = self.batch_size, self.filled
-        if self.keys is None or not filled:
+        if self.keys is None or not filled or not batch:
             return [None] * batch
         if self.scorer == "knorm":
             stored = key_norms_unchecked(self.keys[:, :, :filled]).view(mx.uint32)
