@@ -102,8 +102,14 @@ def counting(keys, values, state):
     return mx.sum(keys * keys, axis=-1).astype(mx.float32), count
 
 
+def scoring(scorer) -> dict:
+    """The cache arguments of ``scorer`` (qfilter's with filters)."""
+    filters = mx.array(np.eye(HEADS, 64, dtype=np.float32)) if scorer == "qfilter" else None
+    return dict(scorer=scorer, filters=filters)
+
+
 def single(scorer, rng, length, layout="slots"):
-    cache = L2NormKVCache(**CONFIG, layout=layout, scorer=scorer)
+    cache = L2NormKVCache(**CONFIG, layout=layout, **scoring(scorer))
     if length:
         cache.update_and_fetch(*rows(rng, 1, length))
     return cache
@@ -152,7 +158,7 @@ def operations(scorer, seed):
         "extend": (lambda: batch() + batch(), lambda c: c[0].extend(c[1])),
         "filter": (batch, lambda c: c[0].filter([1])),
         "extract": (batch, lambda c: c[0].extract(0)),
-        "batch state": (lambda: batch() + [BatchL2NormKVCache([0, 0], **CONFIG, keep="low", scorer=scorer)],
+        "batch state": (lambda: batch() + [BatchL2NormKVCache([0, 0], **CONFIG, keep="low", **scoring(scorer))],
                         lambda c: setattr(c[1], "state", c[0].state)),
         "prepare": (batch, lambda c: c[0].prepare(lengths=[1, 2], right_padding=[1, 0])),
         "finalize": (prepared, lambda c: c[0].finalize()),
@@ -164,10 +170,10 @@ def operations(scorer, seed):
     return ops
 
 
-SCORERS = ["knorm", "keydiff", "vnorm", counting]
+SCORERS = ["knorm", "keydiff", "vnorm", "qfilter", counting]
 
 
-@pytest.mark.parametrize("scorer", SCORERS, ids=["knorm", "keydiff", "vnorm", "user"])
+@pytest.mark.parametrize("scorer", SCORERS, ids=["knorm", "keydiff", "vnorm", "qfilter", "user"])
 def test_a_failure_at_any_call_of_any_operation_changes_no_cache(monkeypatch, scorer):
     injector = Injector(monkeypatch)
     for name, (make, run) in operations(scorer, seed=0).items():
@@ -214,7 +220,7 @@ def tampered_states(draw):
     """A batch's or a layer cache's state with one field replaced by a bad value."""
     batched = draw(st.booleans())
     rng = np.random.default_rng(draw(st.integers(0, 3)))
-    scorer = draw(st.sampled_from(["knorm", "keydiff"]))
+    scorer = draw(st.sampled_from(["knorm", "keydiff", "qfilter"]))
     source = single(scorer, rng, draw(st.integers(0, 9)))
     if batched:
         source = L2NormKVCache.merge([source, single(scorer, rng, draw(st.integers(0, 9)))])
