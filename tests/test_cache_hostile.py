@@ -224,3 +224,30 @@ def test_a_second_right_padded_prefill_before_finalize_is_refused():
     assert bits(batch) == before
     batch.finalize()
     BatchL2NormKVCache([0, 0], **CONFIG, keep="low").state = batch.state
+
+
+def test_a_batch_whose_left_padding_outlasts_the_budget_reads_its_state_back_mid_prefill():
+    """A left padding longer than the first block, evicted before the
+    sequence's first token: the step writes its later padding rows at the
+    timeline's positions, past their slots, and the batch's state (which
+    mlx-lm evaluates after every prefill chunk) still loads."""
+    batch = BatchL2NormKVCache([5, 0], budget=2, n_sink=0, recent=1, keep="low")
+    for count in (3, 3, 2):
+        batch.update_and_fetch(rows(count, count, batch=2), rows(count + 1, count, batch=2))
+        reloaded = BatchL2NormKVCache([0, 0], budget=2, n_sink=0, recent=1, keep="low")
+        reloaded.state = batch.state
+        assert bits(reloaded)[:4] == bits(batch)[:4]
+    # Padding out of slot order is still refused.
+    state = list(batch.state)
+    state[3] = mx.concatenate([state[3][:1, :, ::-1], state[3][1:]])
+    with pytest.raises(ValueError, match="sequence 0: field 'positions'"):
+        BatchL2NormKVCache([0, 0], budget=2, n_sink=0, recent=1, keep="low").state = state
+
+
+def test_a_right_padded_prefill_inside_a_left_padding_is_refused():
+    batch = BatchL2NormKVCache([7, 0], budget=2, n_sink=0, recent=1, keep="low")
+    batch.update_and_fetch(rows(0, 3, batch=2), rows(1, 3, batch=2))
+    before = bits(batch)
+    with pytest.raises(ValueError, match=r"sequences \[0\] are still in their left padding"):
+        batch.prepare(lengths=[2, 1], right_padding=[0, 1])
+    assert bits(batch) == before

@@ -320,6 +320,12 @@ class BatchL2NormKVCache(_BaseCache):
                 # Its ranges would make the padding rows stored since real.
                 raise ValueError("mlx_knorm: BatchL2NormKVCache.prepare: a right-padded prefill is pending; "
                                  "finalize() it first")
+            early = [b for b, lo in enumerate(self._lo) if lo > self.timeline]
+            if early:
+                # Their next rows are left padding, not the real tokens lengths counts.
+                raise ValueError(f"mlx_knorm: BatchL2NormKVCache.prepare: sequences {early} are still in their "
+                                 f"left padding (first position past the timeline {self.timeline}); a "
+                                 "right-padded prefill needs every sequence's left padding fed first")
             if lengths is None or len(lengths) != self.batch_size:
                 raise ValueError(
                     f"mlx_knorm: right_padding needs lengths, one per sequence ({self.batch_size})"
@@ -379,7 +385,7 @@ class BatchL2NormKVCache(_BaseCache):
             rows = [b[index] for b in self._buffers()]
             drop = 0 if self._padded() or not indices else min(self.filled - r for r in self._real)
             if drop:
-                # The padding rows left keep their position equal to their slot.
+                # The padding rows left keep their positions from their slots up.
                 rows = [b[:, :, drop : self.filled] for b in rows]
                 lo = mx.array(self._lo, dtype=mx.int32)[:, None, None]
                 rows[3] = mx.where(rows[3] < lo, rows[3] - drop, rows[3])
@@ -658,9 +664,9 @@ class BatchL2NormKVCache(_BaseCache):
         batches), as a loaded state must hold it: each row's norm is §2 of
         its key (padding rows' too: the pending eviction ranks them), and,
         outside a right-padded prefill, each sequence's padding rows fill
-        its front slots at positions equal to their slots (below its first
-        position), its real rows the others, so that the mask hides exactly
-        the padding. Per sequence, what it breaks (naming the field) or None."""
+        its front slots at increasing positions from their slots up, below
+        its first position (so the lowest positions are the lowest slots),
+        its real rows the others, so that the mask hides exactly the padding. Per sequence, what it breaks (naming the field) or None."""
         batch, filled = self.batch_size, self.filled
         if self.keys is None or not filled or not batch:
             return [None] * batch
@@ -678,7 +684,11 @@ class BatchL2NormKVCache(_BaseCache):
             slot = mx.arange(filled, dtype=mx.int32)
             front = mx.array([filled - real for real in self._real], dtype=mx.int32)[:, None, None]
             lo = mx.array(self._lo, dtype=mx.int32)[:, None, None]
-            held = mx.where(slot < front, (positions == slot) & (positions < lo),
+            # A step writes padding at the timeline's positions: past its slot
+            # once a left padding longer than the blocks so far was evicted.
+            increasing = mx.concatenate([mx.ones((*positions.shape[:2], 1), mx.bool_),
+                                         positions[..., 1:] > positions[..., :-1]], axis=2)
+            held = mx.where(slot < front, increasing & (positions >= slot) & (positions < lo),
                             (positions >= lo) & (positions < self.timeline))
             wrong_positions = (~held).reshape(batch, -1).any(axis=1)
         flaws = []
@@ -689,8 +699,8 @@ class BatchL2NormKVCache(_BaseCache):
             elif positions:
                 flaws.append(
                     f"field 'positions': its {filled - real} padding rows must fill the first slots at "
-                    f"positions equal to their slots (below its first position {lo}), its {real} real rows "
-                    f"the others, at positions in [{lo}, {self.timeline})")
+                    f"increasing positions from their slots up (below its first position {lo}), its {real} "
+                    f"real rows the others, at positions in [{lo}, {self.timeline})")
             else:
                 flaws.append(None)
         return flaws
