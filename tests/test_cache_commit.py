@@ -18,8 +18,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import mlx_knorm.batch_cache as batch_cache
-import mlx_knorm.cache as cache_module
 from mlx_knorm.batch_cache import BatchL2NormKVCache
 from mlx_knorm.cache import L2NormCacheBase, L2NormKVCache, MaskPlan, QuantizedL2NormKVCache, link_prompt_cache
 
@@ -32,10 +30,11 @@ SEAMS = ("check_block", "check_state", "check_scorer_fields", "check_config", "c
          "decimal_int", "parse_meta_state", "score_rows", "evict_and_fill_unchecked", "key_norms_unchecked",
          "step_capacity", "order_tree_argument", "resolve", "note_shared_read", "refuse_long_verify_block",
          "_checked_scorer_array", "_checked_batch_states", "_joined_sums", "_check_same_config",
-         "_padding_front", "_slot_positions", "_storage_dtype", "check_quantization")
+         "_padding_front", "_slot_positions", "_storage_dtype", "check_quantization", "check_batch_fields",
+         "slot_flaws")
 # And the methods it calls on the caches.
 METHODS = ("_load", "_set_buffers", "_kept_rows", "_step", "_segments", "_planned_block", "_new_rows", "_quantize",
-           "_rebuilt_score_sum", "_forget_block", "_ranges_changed", "_slot_flaws", "_occupied", "extract",
+           "_rebuilt_score_sum", "_forget_block", "_ranges_changed", "_occupied", "extract",
            "_capacity", "_as_stored", "_no_rows")
 CLASSES = (L2NormCacheBase, L2NormKVCache, QuantizedL2NormKVCache, BatchL2NormKVCache)
 
