@@ -126,13 +126,15 @@ def check_batch_fields(v) -> BatchFields:
 
 
 def slot_flaws(cache) -> list:
-    """What every step leaves in the occupied slots (docs/spec.md §8,
-    batches), as a loaded state must hold it: each row's norm is §2 of
-    its key (padding rows' too: the pending eviction ranks them), and,
-    outside a right-padded prefill, each sequence's padding rows fill
-    its front slots at increasing positions from their slots up, below
-    its first position (so the lowest positions are the lowest slots),
-    its real rows the others, so that the mask hides exactly the padding. Per sequence, what it breaks (naming the field) or None."""
+    """What every step leaves in the occupied slots of ``cache`` (a
+    ``BatchL2NormKVCache`` holding the fields to check; docs/spec.md §8,
+    batches), as a loaded state must hold it: each row's norm is §2 of its
+    key (padding rows' too: the pending eviction ranks them), and, outside
+    a right-padded prefill, each sequence's padding rows fill its front
+    slots at increasing positions from their slots up, below its first
+    position (so the lowest positions are the lowest slots), its real rows
+    the others, so that the mask hides exactly the padding. Per sequence,
+    what it breaks (naming the field) or None."""
     batch, filled = cache.batch_size, cache.filled
     if cache.keys is None or not filled or not batch:
         return [None] * batch
