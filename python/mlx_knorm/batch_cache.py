@@ -24,9 +24,10 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from .cache import L2NormKVCache, UnsavableScorer, _register_with_mlx_lm, _storage_dtype, order_tree_argument, step_capacity
-from .cache_state import STATE_SCORERS, StateError, check_block, check_scorer_fields, check_state, decimal_int
+from .cache_commit import all_or_nothing, deep_copy_sharing_scorer
+from .batch_state import check_batch_fields, slot_flaws
+from .cache_state import check_block, check_state
 from .ops.evict_and_fill import check_layout, evict_and_fill_unchecked
-from .ops.key_norms import key_norms_unchecked
 from .sharing import note_shared_read
 from .scorers import DEFAULT_SCORER, check_scorer, score_rows, scorer_label
 from .validation import INT32_MAX, check_config, check_int
@@ -34,8 +35,6 @@ from .validation import INT32_MAX, check_config, check_int
 # hi_b of a sequence whose tokens run on (no right-padded prefill pending).
 OPEN = INT32_MAX
 _CONFIG = ("budget", "n_sink", "recent", "keep", "layout", "scorer")
-# The state's integer fields, ints or decimal strings.
-_STATE_INTS = ("timeline", "filled", "budget", "n_sink", "recent")
 
 
 def _config_of(cache) -> tuple:
@@ -58,40 +57,42 @@ def _check_same_config(caches, what: str) -> tuple:
     return first
 
 
-def _checked_scorer_array(scorer: str, array, batch: int, rows) -> mx.array | None:
-    """A batch state's ``scorer_state``: the single cache's rules
-    (``cache_state``), and keydiff's running sum ``[B, H, D_k]`` over the
-    batch and the stored keys' heads and width."""
-    try:
-        _, array = check_scorer_fields((scorer, array))
-    except StateError as e:
-        raise ValueError(f"mlx_knorm: BatchL2NormKVCache state field '{e.field}': {e.detail}") from None
-    if scorer == "keydiff" and array is not None:
-        keys = rows[0]
-        want = (batch, *((keys.shape[1], keys.shape[3]) if keys is not None else array.shape[1:]))
-        if array.ndim != 3 or tuple(array.shape) != want or not mx.all(mx.isfinite(array)).item():
-            raise ValueError("mlx_knorm: BatchL2NormKVCache state field 'scorer_state': keydiff's running sum "
-                             f"must be finite float32 {list(want)}, got {list(array.shape)}")
-    if scorer == "qfilter" and rows[0] is not None and tuple(array.shape) != (rows[0].shape[1], rows[0].shape[3]):
-        raise ValueError("mlx_knorm: BatchL2NormKVCache state field 'scorer_state': qfilter's filters are "
-                         f"{list(array.shape)}, the keys' heads and width "
-                         f"[{rows[0].shape[1]}, {rows[0].shape[3]}]")
-    return array
+def _sequences(cache) -> int:
+    return cache.batch_size if isinstance(cache, BatchL2NormKVCache) else 1
+
+
+def _checked_batch_states(caches) -> list:
+    """The scorer states of ``caches`` (single or batch caches): each None
+    or an array whose first axis holds the cache's sequences, all of one
+    shape beyond it, as the batch operations take them; else ``ValueError``
+    (a user's scorer's state is whatever it returned)."""
+    states = [c._score_sum for c in caches]
+    shapes = {tuple(s.shape[1:]) for s in states if isinstance(s, mx.array) and s.ndim}
+    for cache, state in zip(caches, states):
+        if state is None:
+            continue
+        fits = isinstance(state, mx.array) and state.ndim and state.shape[0] == _sequences(cache)
+        if not fits or len(shapes) > 1:
+            got = f"{list(state.shape)}" if isinstance(state, mx.array) else type(state).__name__
+            raise ValueError(
+                f"mlx_knorm: a user's scorer ({scorer_label(caches[0].scorer)}) batches only with a state "
+                f"that is None or an array, batch-first (one row per sequence, the same shape beyond it), "
+                f"got {got} for {_sequences(cache)} sequences")
+    return states
 
 
 def _joined_sums(caches) -> mx.array | None:
-    """keydiff's running sums of ``caches`` (single or batch caches, in
-    order) along the batch axis, +0 for a cache that has none yet; None
-    where none has one."""
-    sums = [c._score_sum for c in caches]
-    if any(s is not None and not isinstance(s, mx.array) for s in sums):
-        raise ValueError(f"mlx_knorm: a user's scorer ({scorer_label(caches[0].scorer)}) batches only with a "
-                         "state that is None or an array, batch-first")
+    """keydiff's running sums (or a user's scorer's states) of ``caches``
+    (single or batch caches, in order) along the batch axis, +0 for a cache
+    that has none yet; None where none has one. One cache's state is taken
+    as it is: nothing is joined."""
+    if len(caches) == 1:
+        return caches[0]._score_sum
+    sums = _checked_batch_states(caches)
     template = next((s for s in sums if s is not None), None)
     if template is None:
         return None
-    return mx.concatenate([mx.zeros((c.batch_size if isinstance(c, BatchL2NormKVCache) else 1,
-                                     *template.shape[1:]), mx.float32) if s is None else s
+    return mx.concatenate([mx.zeros((_sequences(c), *template.shape[1:]), template.dtype) if s is None else s
                            for c, s in zip(caches, sums)], axis=0)
 
 
@@ -134,6 +135,11 @@ class BatchL2NormKVCache(_BaseCache):
         self._real = [0] * len(self._lo)
         self._ranges_changed()
 
+    def __deepcopy__(self, memo) -> "BatchL2NormKVCache":
+        """Every field deep-copied but the scorer, which the copy shares
+        (so it batches with the original)."""
+        return deep_copy_sharing_scorer(self, memo)
+
     # -- host bookkeeping ---------------------------------------------------
 
     def _ranges_changed(self) -> None:
@@ -170,6 +176,7 @@ class BatchL2NormKVCache(_BaseCache):
 
     # -- the step -----------------------------------------------------------
 
+    @all_or_nothing
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Absorb ``[B, H, S, D]`` keys/values: one §4 step with each
         sequence's valid range; returns the kept rows and the new rows
@@ -270,6 +277,7 @@ class BatchL2NormKVCache(_BaseCache):
 
     # -- prefill ------------------------------------------------------------
 
+    @all_or_nothing
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
         """``left_padding`` (an empty cache only): each sequence's first real
         position. ``lengths`` with ``right_padding``: the next blocks hold
@@ -285,6 +293,16 @@ class BatchL2NormKVCache(_BaseCache):
                 )
             self._lo = [lo + p for lo, p in zip(self._lo, left_padding)]
         if right_padding is not None and max(right_padding, default=0) > 0:
+            if self._padded():
+                # Its ranges would make the padding rows stored since real.
+                raise ValueError("mlx_knorm: BatchL2NormKVCache.prepare: a right-padded prefill is pending; "
+                                 "finalize() it first")
+            early = [b for b, lo in enumerate(self._lo) if lo > self.timeline]
+            if early:
+                # Their next rows are left padding, not the real tokens lengths counts.
+                raise ValueError(f"mlx_knorm: BatchL2NormKVCache.prepare: sequences {early} are still in their "
+                                 f"left padding (first position past the timeline {self.timeline}); a "
+                                 "right-padded prefill needs every sequence's left padding fed first")
             if lengths is None or len(lengths) != self.batch_size:
                 raise ValueError(
                     f"mlx_knorm: right_padding needs lengths, one per sequence ({self.batch_size})"
@@ -295,6 +313,7 @@ class BatchL2NormKVCache(_BaseCache):
             self._hi = [self.timeline + n for n in lengths]
         self._ranges_changed()
 
+    @all_or_nothing
     def finalize(self) -> None:
         """After a right-padded prefill: move each sequence's padding rows to
         the front of its slots and its tokens' positions to end at the
@@ -321,22 +340,29 @@ class BatchL2NormKVCache(_BaseCache):
 
     # -- joins and leaves ---------------------------------------------------
 
+    @all_or_nothing
     def filter(self, batch_indices) -> None:
         """Keep the given sequences (in place), dropping the leading slots
         that are padding in every one kept."""
         indices = [check_int(i, "batch_indices entry") for i in (
             batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices)]
+        if any(not 0 <= i < self.batch_size for i in indices):
+            raise ValueError(f"mlx_knorm: BatchL2NormKVCache.filter: batch_indices {indices} must lie in "
+                             f"[0, {self.batch_size})")
+        kept_all = indices == list(range(self.batch_size))
+        if not kept_all:
+            _checked_batch_states([self])
         self._lo = [self._lo[i] for i in indices]
         self._hi = [self._hi[i] for i in indices]
         self._real = [self._real[i] for i in indices]
-        if self._score_sum is not None:
+        if self._score_sum is not None and not kept_all:
             self._score_sum = self._score_sum[mx.array(indices, dtype=mx.int32)]
         if self.keys is not None:
             index = mx.array(indices, dtype=mx.int32)
             rows = [b[index] for b in self._buffers()]
             drop = 0 if self._padded() or not indices else min(self.filled - r for r in self._real)
             if drop:
-                # The padding rows left keep their position equal to their slot.
+                # The padding rows left keep their positions from their slots up.
                 rows = [b[:, :, drop : self.filled] for b in rows]
                 lo = mx.array(self._lo, dtype=mx.int32)[:, None, None]
                 rows[3] = mx.where(rows[3] < lo, rows[3] - drop, rows[3])
@@ -344,6 +370,7 @@ class BatchL2NormKVCache(_BaseCache):
             self._set_buffers(rows)
         self._ranges_changed()
 
+    @all_or_nothing
     def extend(self, other: "BatchL2NormKVCache") -> None:
         """Append ``other``'s sequences (in place): both sides' slots are
         aligned at the back, the shorter side behind padding slots, on one
@@ -355,6 +382,7 @@ class BatchL2NormKVCache(_BaseCache):
         if self._padded() or other._padded():
             raise ValueError("mlx_knorm: BatchL2NormKVCache.extend: finalize() the right-padded prefill first")
         sides = [self, other]
+        score_sum = _joined_sums(sides)
         filled = max(c.filled for c in sides)
         timeline = max(c.timeline + filled - c.filled for c in sides)
         template = next((c for c in sides if c.keys is not None), None)
@@ -384,7 +412,7 @@ class BatchL2NormKVCache(_BaseCache):
                 rows[3] = mx.where(is_real, shifted, _slot_positions(batch, heads, filled))
                 parts.append(rows)
             self._set_buffers([mx.concatenate([p[i] for p in parts], axis=0) for i in range(4)])
-        self._score_sum = _joined_sums(sides)
+        self._score_sum = score_sum
         self._lo = [lo + timeline - c.timeline for c in sides for lo in c._lo]
         self._hi = [OPEN] * len(self._lo)
         self._real = self._real + other._real
@@ -455,6 +483,7 @@ class BatchL2NormKVCache(_BaseCache):
         batch._ranges_changed()
         return batch
 
+    @all_or_nothing
     def extract(self, idx: int) -> L2NormKVCache:
         """Sequence ``idx`` as an ``L2NormKVCache``: its real rows after the
         pending eviction, its own positions and offset."""
@@ -488,9 +517,10 @@ class BatchL2NormKVCache(_BaseCache):
         if callable(self.scorer):
             # Its scores are the callable's, which nothing else recomputes;
             # its state is batch-first, as merge, extend and filter take it.
-            cache._load(check_state(fields, user_scorer=self.scorer))
             state = self._score_sum
-            cache._score_sum = state[idx : idx + 1] if isinstance(state, mx.array) and state.ndim else state
+            if isinstance(state, mx.array) and state.ndim:
+                state = state[idx : idx + 1]
+            cache._load(check_state(fields, user_scorer=self.scorer, user_state=state))
         else:
             cache.state = (*fields, *self._scorer_fields(slice(idx, idx + 1)))
         return cache
@@ -521,56 +551,11 @@ class BatchL2NormKVCache(_BaseCache):
                 *self._scorer_fields())
 
     @state.setter
+    @all_or_nothing
     def state(self, v) -> None:
-        v = tuple(v)
-        if len(v) not in (13, 15):
-            raise ValueError(f"mlx_knorm: BatchL2NormKVCache state must have 13 fields, and two more (scorer, "
-                             f"scorer_state) for a scorer other than knorm, got {len(v)}")
-        scorer, scorer_array = v[13:] if len(v) == 15 else ("knorm", None)
-        if len(v) == 15 and scorer not in STATE_SCORERS:
-            raise ValueError(f"mlx_knorm: BatchL2NormKVCache state field 'scorer' must be one of {STATE_SCORERS}, "
-                             f"got {scorer!r}")
-        keys, values, norms, positions, ranges, real, timeline, filled, *config = v[:13]
-        timeline, filled, budget, n_sink, recent = (
-            decimal_int(x, f"BatchL2NormKVCache state field '{name}'")
-            for x, name in zip((timeline, filled, *config[:3]), _STATE_INTS))
-        budget, n_sink, recent, keep = check_config(budget, n_sink, recent, config[3])
-        layout = check_layout(config[4])
-        if not isinstance(ranges, mx.array) or ranges.dtype != mx.int32 or ranges.ndim != 2 or ranges.shape[1] != 2:
-            raise ValueError("mlx_knorm: BatchL2NormKVCache state field 'ranges' must be int32 [B, 2]")
-        batch = ranges.shape[0]
-        if not isinstance(real, mx.array) or real.dtype != mx.int32 or tuple(real.shape) != (batch,):
-            raise ValueError(f"mlx_knorm: BatchL2NormKVCache state field 'real_rows' must be int32 [{batch}]")
-        arrays = (keys, values, norms, positions)
-        if any(a is None for a in arrays):
-            if any(a is not None for a in arrays) or filled:
-                raise ValueError("mlx_knorm: BatchL2NormKVCache state: keys, values, norms and positions "
-                                 "are all arrays or all None (then filled is 0)")
-        else:
-            for name, a, ndim in zip(("keys", "values", "norms", "positions"), arrays, (4, 4, 3, 3)):
-                if not isinstance(a, mx.array) or a.ndim != ndim or a.shape[0] != batch \
-                        or a.shape[1:3] != norms.shape[1:3]:
-                    raise ValueError(
-                        f"mlx_knorm: BatchL2NormKVCache state field '{name}' must be [{batch}, H, C, ...] "
-                        "like the norms"
-                    )
-            if norms.dtype != mx.float32 or positions.dtype != mx.int32 or keys.dtype != values.dtype:
-                raise ValueError("mlx_knorm: BatchL2NormKVCache state: norms float32, positions int32, "
-                                 "keys and values of one dtype")
-            if not 0 <= filled <= norms.shape[2]:
-                raise ValueError(f"mlx_knorm: BatchL2NormKVCache state field 'filled' {filled} "
-                                 f"must be in [0, {norms.shape[2]}]")
-        counts = real.tolist()
-        if any(not 0 <= r <= filled for r in counts) or not 0 <= timeline <= INT32_MAX:
-            raise ValueError("mlx_knorm: BatchL2NormKVCache state fields 'real_rows' must be in "
-                             "[0, filled] and 'timeline' in [0, 2**31)")
-        pairs = ranges.tolist()
-        if any(not 0 <= lo <= hi for lo, hi in pairs):
-            raise ValueError("mlx_knorm: BatchL2NormKVCache state field 'ranges' must hold "
-                             f"0 <= lo <= hi for every sequence, got {pairs}")
-        if len(v) == 15:
-            scorer_array = _checked_scorer_array(scorer, scorer_array, batch, arrays)
-        before = dict(self.__dict__)
+        (budget, n_sink, recent, keep, layout, scorer, scorer_array, arrays, pairs, counts, timeline,
+         filled) = check_batch_fields(v)
+        batch = len(pairs)
         self.budget, self.n_sink, self.recent, self.keep, self.layout = budget, n_sink, recent, keep, layout
         self.scorer = scorer
         self._filters = scorer_array if scorer == "qfilter" else None
@@ -583,59 +568,16 @@ class BatchL2NormKVCache(_BaseCache):
         # Each sequence's rows must be a state a single cache loads (what
         # extract() gives and the step assumes), in the slots where the
         # steps leave them; else nothing changes.
+        i = 0
         try:
-            flaws = self._slot_flaws()
+            flaws = slot_flaws(self)
             for i in range(batch):
                 if flaws[i] is not None:
                     raise ValueError(flaws[i])
                 self.extract(i)
         except (ValueError, TypeError) as err:
-            self.__dict__.clear()
-            self.__dict__.update(before)
             error = ValueError if isinstance(err, ValueError) else TypeError
             raise error(f"mlx_knorm: BatchL2NormKVCache state, sequence {i}: {err}") from None
-
-    def _slot_flaws(self) -> list:
-        """What every step leaves in the occupied slots (docs/spec.md §8,
-        batches), as a loaded state must hold it: each row's norm is §2 of
-        its key (padding rows' too: the pending eviction ranks them), and,
-        outside a right-padded prefill, each sequence's padding rows fill
-        its front slots at positions equal to their slots (below its first
-        position), its real rows the others, so that the mask hides exactly
-        the padding. Per sequence, what it breaks (naming the field) or None."""
-        batch, filled = self.batch_size, self.filled
-        if self.keys is None or not filled:
-            return [None] * batch
-        if self.scorer == "knorm":
-            stored = key_norms_unchecked(self.keys[:, :, :filled]).view(mx.uint32)
-            wrong_norms = (stored != self.norms[:, :, :filled].view(mx.uint32)).reshape(batch, -1).any(axis=1)
-        else:
-            # Another scorer's scores: what extract()'s load check holds of
-            # each sequence's real rows.
-            wrong_norms = mx.zeros((batch,), mx.bool_)
-        if self._padded():
-            wrong_positions = mx.zeros((batch,), mx.bool_)
-        else:
-            positions = self.slot_positions[:, :, :filled]
-            slot = mx.arange(filled, dtype=mx.int32)
-            front = mx.array([filled - real for real in self._real], dtype=mx.int32)[:, None, None]
-            lo = mx.array(self._lo, dtype=mx.int32)[:, None, None]
-            held = mx.where(slot < front, (positions == slot) & (positions < lo),
-                            (positions >= lo) & (positions < self.timeline))
-            wrong_positions = (~held).reshape(batch, -1).any(axis=1)
-        flaws = []
-        for real, lo, norms, positions in zip(self._real, self._lo, wrong_norms.tolist(), wrong_positions.tolist()):
-            if norms:
-                flaws.append(f"field 'norms': the rows of slots [0, {filled}) must hold the norms of their "
-                             "keys (docs/spec.md §2)")
-            elif positions:
-                flaws.append(
-                    f"field 'positions': its {filled - real} padding rows must fill the first slots at "
-                    f"positions equal to their slots (below its first position {lo}), its {real} real rows "
-                    f"the others, at positions in [{lo}, {self.timeline})")
-            else:
-                flaws.append(None)
-        return flaws
 
     @property
     def meta_state(self) -> tuple[str, ...]:
@@ -643,6 +585,7 @@ class BatchL2NormKVCache(_BaseCache):
                                       self.keep, self.layout))
 
     @meta_state.setter
+    @all_or_nothing
     def meta_state(self, v) -> None:
         # The state carries every field (mlx-lm 0.32's from_state sets only
         # the state); a meta state must agree with it.

@@ -29,10 +29,12 @@ speculative decoding verify block) attends exactly as those single steps
 would, when the caches are linked by ``make_knorm_cache`` (docs/spec.md
 §8, exact small blocks): the model asks one layer for the mask, and every
 layer returns the rows each query would see as segments that the mask
-separates. ``trim(n)`` removes the ``n`` newest tokens exactly while no
-eviction has ranked them yet (``trimmable()``), else as many as that
-allows, and returns how many, so speculative decoding and mlx-lm's
-``trim_prompt_cache`` work on these caches. ``keys_and_values()`` returns
+separates; a longer verify block past the budget, which would attend as a
+block, is refused (``refuse_long_verify_block``). ``trim(n)`` removes the
+``n`` newest tokens exactly while no eviction has ranked them yet
+(``trimmable()``), else as many as that allows, and returns how many, so
+speculative decoding and mlx-lm's ``trim_prompt_cache`` work on these
+caches. Every change of a cache is all or nothing (``cache_commit``). ``keys_and_values()`` returns
 the rows the last step attended to, which layers that share another
 layer's cache read (mlx_knorm.sharing).
 
@@ -66,7 +68,10 @@ resolves the class names of a saved cache in that module's namespace.
 
 from __future__ import annotations
 
-import copy
+import functools
+import importlib
+import sys
+import types
 import warnings
 from typing import Any, Iterable
 
@@ -76,6 +81,7 @@ from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.cache import CacheList, KVCache, _BaseCache, create_attention_mask
 
 from .backend import current_backend, resolve
+from .cache_commit import all_or_nothing, deep_copy_sharing_scorer
 from .cache_state import StateError, check_block, check_state, parse_meta_state
 from .defaults import (DEFAULT_BUDGET, DEFAULT_KEEP, DEFAULT_KV_GROUP_SIZE, DEFAULT_LAYOUT, DEFAULT_N_SINK,
                        DEFAULT_RECENT, DEFAULT_SKIP_LAYERS, default_recent, uses_order_tree)
@@ -90,9 +96,44 @@ GROWTH_STEP = 256
 # The longest block a linked cache attends to as single steps would
 # (docs/spec.md §8): speculative decoding's verify blocks, num_draft + 1.
 EXACT_BLOCK = 16
-# The most draft tokens whose verify block is exact: the commands and the
-# server refuse more (a longer block would attend as a block).
+# The most draft tokens whose verify block is exact: the commands, the
+# server and the caches themselves refuse more (a longer block would
+# attend as a block).
 MAX_DRAFT_TOKENS = EXACT_BLOCK - 1
+
+
+@functools.cache
+def _verify_step_codes() -> frozenset:
+    """The code of the function through which mlx-lm's
+    ``speculative_generate_step`` runs the target model on a verify block
+    (its nested ``_step``; the prompt goes through ``_prefill``)."""
+    # The module, which mlx_lm's package shadows with its function generate.
+    outer = importlib.import_module("mlx_lm.generate").speculative_generate_step.__code__
+    return frozenset(c for c in outer.co_consts if isinstance(c, types.CodeType) and c.co_name == "_step")
+
+
+def refuse_long_verify_block(steps: int, kept: int, budget: int) -> None:
+    """Raise ``ValueError`` naming ``num_draft_tokens`` when a block of
+    ``steps`` rows on ``kept`` kept rows would attend as one block (longer
+    than ``EXACT_BLOCK``, a one-token-at-a-time cache evicting inside it)
+    and is a verify block of mlx-lm's speculative decoding (called from its
+    ``_step``): its tokens would then differ from ordinary decoding's
+    (docs/spec.md §8, exact small blocks). A prefill chunk is served."""
+    if steps <= EXACT_BLOCK or kept + steps <= budget + 1:
+        return
+    codes = _verify_step_codes()
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code not in codes:
+        frame = frame.f_back
+    if frame is None:
+        return
+    drafts = frame.f_locals.get("n_predict", steps) - 1
+    raise ValueError(
+        f"mlx_knorm: num_draft_tokens must be at most {MAX_DRAFT_TOKENS} with eviction caches, got {drafts}: "
+        f"a verify block of more than {EXACT_BLOCK} tokens past the budget attends as one block, not as "
+        "decoding its tokens one at a time, so speculative decoding would give other tokens "
+        "(docs/spec.md §8, exact small blocks); the cache is unchanged"
+    )
 
 
 class MaskPlan:
@@ -244,12 +285,10 @@ class L2NormCacheBase(_BaseCache):
         return (self.scorer, {"keydiff": self._score_sum, "qfilter": self._filters}.get(self.scorer))
 
     def __deepcopy__(self, memo) -> "L2NormCacheBase":
-        """Every field deep-copied, the mask plan through ``memo`` (one
+        """Every field deep-copied but the scorer (the same callable, so the
+        copy batches with the original), the mask plan through ``memo`` (one
         copy for all the layers copied together, MaskPlan)."""
-        copied = type(self).__new__(type(self))
-        memo[id(self)] = copied
-        for name, value in self.__dict__.items():
-            setattr(copied, name, copy.deepcopy(value, memo))
+        copied = deep_copy_sharing_scorer(self, memo)
         plan = getattr(copied, "_mask_plan", None)
         if plan is not None:
             plan.holders += 1
@@ -277,7 +316,8 @@ class L2NormCacheBase(_BaseCache):
             self.filled = checked.rows[3].shape[2]
         self.scorer, array = checked.scorer
         self._filters = array if self.scorer == "qfilter" else None
-        self._score_sum = array if self.scorer == "keydiff" else None
+        # keydiff's running sum, or a user's scorer's state.
+        self._score_sum = array if callable(self.scorer) or self.scorer == "keydiff" else None
         # A loaded state's history is unknown unless nothing was ever evicted;
         # a quantized keydiff cache's running sum may come from float rows
         # before a conversion, which its rows cannot rebuild.
@@ -311,6 +351,7 @@ class L2NormCacheBase(_BaseCache):
         batch, heads = self.norms.shape[:2]
         return (batch, heads, *self._widths())
 
+    @all_or_nothing
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Absorb ``[B, H, S, D]`` keys/values; return the kept rows and the new rows.
 
@@ -330,6 +371,7 @@ class L2NormCacheBase(_BaseCache):
             check_block(keys, values, self._dims(), self.offset, getattr(self, "group_size", None))
         batch, heads, steps, key_dim = keys.shape
         kept = min(self.filled, self.budget)
+        refuse_long_verify_block(steps, kept, self.budget)
         exact = self._planned_block(steps, kept)
         if self.keys is None:
             dtype = _storage_dtype(keys, values)
@@ -513,6 +555,7 @@ class L2NormCacheBase(_BaseCache):
         step then follows (docs/spec.md §8).
         """
         stored = self.size()
+        refuse_long_verify_block(N, stored, self.budget)
         plan = getattr(self, "_mask_plan", None)
         if plan is not None:
             plan.block = None
@@ -543,6 +586,7 @@ class L2NormCacheBase(_BaseCache):
         updates since the last step that evicted a row (docs/spec.md §8)."""
         return self._trimmable
 
+    @all_or_nothing
     def trim(self, n: int) -> int:
         """Remove the ``n`` newest tokens, or as many of them as
         ``trimmable()`` allows: the cache is then the cache that never saw
@@ -621,6 +665,7 @@ class L2NormCacheBase(_BaseCache):
                 *self._extra(), *self._scorer_fields())
 
     @state.setter
+    @all_or_nothing
     def state(self, v) -> None:
         """Load a saved state after checking every field against the others
         and the configuration (cache_state.check_state); nothing changes if
@@ -635,6 +680,7 @@ class L2NormCacheBase(_BaseCache):
                 *(str(x) for x in self._extra()))
 
     @meta_state.setter
+    @all_or_nothing
     def meta_state(self, v) -> None:
         """A new configuration and layout for the stored rows
         (docs/spec.md §8): the rows are evicted under the new configuration
@@ -847,6 +893,7 @@ class L2NormKVCache(L2NormCacheBase):
 
         return BatchL2NormKVCache.merge(caches)
 
+    @all_or_nothing
     def to_quantized(self, group_size: int = DEFAULT_KV_GROUP_SIZE, bits: int = 4) -> "QuantizedL2NormKVCache":
         """This cache with its stored rows in MLX's affine quantization, as
         mlx-lm's ``maybe_quantize_kv_cache`` asks of ``KVCache``

@@ -95,23 +95,24 @@ def check_quantization(group_size, bits) -> tuple[int, int]:
     return group_size, bits
 
 
-def check_state(state, quantized: bool = False, *, user_scorer=None) -> CheckedState:
+def check_state(state, quantized: bool = False, *, user_scorer=None, user_state=None) -> CheckedState:
     """The state as ``L2NormKVCache.state`` (``quantized``:
     ``QuantizedL2NormKVCache.state``) writes it, checked; raises
     ``ValueError``/``TypeError`` naming the cache class and the field that
     is wrong. ``user_scorer``: the rows a batch cache ranked by that
     callable hands to one sequence's cache (no scorer fields; scores that
-    nothing here can recompute, so every other field is checked)."""
+    nothing here can recompute, so every other field is checked), with
+    ``user_state``, the callable's state for them."""
     kind = "QuantizedL2NormKVCache" if quantized else "L2NormKVCache"
     try:
-        return _check_state(state, quantized, kind, user_scorer)
+        return _check_state(state, quantized, kind, user_scorer, user_state)
     except StateError as e:
         if kind == "L2NormKVCache":
             raise
         raise StateError(e.field, e.detail, e.setting, kind) from None
 
 
-def _check_state(state, quantized: bool, kind: str, user_scorer=None) -> CheckedState:
+def _check_state(state, quantized: bool, kind: str, user_scorer=None, user_state=None) -> CheckedState:
     fields = QUANTIZED_FIELDS if quantized else FIELDS
     if isinstance(state, (tuple, list)) and len(state) == len(fields) + len(SCORER_FIELDS) \
             and callable(getattr(state[len(fields)], "scorer", None)):
@@ -129,7 +130,7 @@ def _check_state(state, quantized: bool, kind: str, user_scorer=None) -> Checked
         )
     if user_scorer is not None and len(state) != len(fields):
         raise StateError("scorer", "a user's scorer's rows come with no scorer fields")
-    scorer = (user_scorer, None) if user_scorer is not None else check_scorer_fields(state[len(fields):])
+    scorer = (user_scorer, user_state) if user_scorer is not None else check_scorer_fields(state[len(fields):])
     state = state[:len(fields)]
     keys, values, norms, positions, offset, budget, n_sink, recent, keep, layout = state[:10]
     config = check_config(budget, n_sink, recent, keep)
@@ -365,8 +366,9 @@ def norm_distance(a: mx.array, b: mx.array) -> mx.array:
 
 def _check_quantized_norms(keys, norms, group_size: int, bits: int) -> None:
     """Norms of the keys before quantization, which are gone: each is
-    ``>= +0`` or the canonical NaN, and within the quantization error of
-    the dequantized key's norm where the row's scales and biases are finite."""
+    ``>= +0`` or the canonical NaN, and a number within the quantization
+    error of the dequantized key's norm where the row's scales and biases
+    are finite."""
     if norms.size == 0:
         return
     bits_of = norms.view(mx.uint32)
@@ -375,8 +377,10 @@ def _check_quantized_norms(keys, norms, group_size: int, bits: int) -> None:
     if mx.any(signed | (nan & (bits_of != 0x7FC00000))).item():
         raise StateError("norms", "must be >= +0 or the canonical NaN (docs/spec.md §2)")
     dequantized, bound = quantized_norm_bound(keys, group_size, bits)
-    checked = mx.isfinite(bound)
-    if mx.any(checked & (nan | (norm_distance(norms, dequantized) > bound))).item():
+    # A NaN norm is a key with a NaN component, which mx.quantize drops
+    # (its row's scales stay finite): no row can refute it.
+    checked = mx.isfinite(bound) & ~nan
+    if mx.any(checked & (norm_distance(norms, dequantized) > bound)).item():
         raise StateError(
             "norms", "are not the norms of the stored keys before quantization: they lie "
             "farther from the dequantized keys' norms than the quantization error allows"
