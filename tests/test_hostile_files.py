@@ -113,8 +113,10 @@ def test_text_files_are_replaced_whole_or_left_as_they_were(tmp_path, monkeypatc
     monkeypatch.undo()
     with pytest.raises(IsADirectoryError):
         atomic.write_text(tmp_path, "x")
+    path.chmod(0o600)
     atomic.write_text(path, "new\n")
     assert path.read_text() == "new\n" and leftovers(tmp_path) == []
+    assert path.stat().st_mode & 0o777 == 0o600  # the mode of the file it replaced
 
 
 def test_a_doctor_report_that_fails_to_render_leaves_the_old_report(tmp_path, monkeypatch):

@@ -32,18 +32,18 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     temporary name (``mx.save_safetensors`` appends ``.safetensors`` to a
     name without it)."""
     target = Path(path)
+    if target.is_dir():
+        raise IsADirectoryError(f"{target} is a folder, not a file to write")
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=f".partial{suffix}")
     os.close(fd)
     temporary = Path(name)
-    # mkstemp's file is the owner's alone; the written file gets what a
-    # plain open() would give it.
-    os.chmod(temporary, 0o666 & ~_UMASK)
     try:
+        # mkstemp's file is the owner's alone; the written file keeps the
+        # mode of the one it replaces, else gets what open() would give it.
+        os.chmod(temporary, target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_UMASK)
         yield temporary
         _flush(temporary)
-        if target.is_dir():
-            raise IsADirectoryError(f"{target} is a folder, not a file to write")
         os.replace(temporary, target)
     except BaseException:
         with contextlib.suppress(OSError):
