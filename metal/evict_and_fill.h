@@ -131,7 +131,7 @@ inline ulong knorm_eviction_rank(KnormEvictHead stored, uint s) {
 struct KnormEvictRanks {
   KnormEvictHead stored;
 
-  ulong operator()(uint s) const {
+  ulong operator()(uint s) const thread {
     return knorm_eviction_rank(stored, s);
   }
 };
@@ -146,6 +146,8 @@ struct KnormEviction {
 // The slot of the worst rank among [0, filled), the higher slot on ties:
 // one scan per thread, then reductions of (rank, slot + 1) over each SIMD
 // group and over the group leaders. worst holds 3 * kEvictSimdGroups.
+// msl-uniform: every thread reduces the same leaders' rows, read after the
+// barrier.
 inline uint knorm_worst_slot(
     KnormEvictHead stored,
     threadgroup uint* worst,
@@ -267,16 +269,16 @@ struct KnormEvictBuffers {
   uint row_unit[kEvictMaxPayloads];
   uint in_place;
 
-  bool payload_in_place(uint i) const {
+  bool payload_in_place(uint i) const thread {
     return ((in_place >> i) & 1u) != 0;
   }
-  bool norms_in_place() const {
+  bool norms_in_place() const thread {
     return ((in_place >> payloads) & 1u) != 0;
   }
-  bool positions_in_place() const {
+  bool positions_in_place() const thread {
     return ((in_place >> (payloads + 1)) & 1u) != 0;
   }
-  bool all_in_place() const {
+  bool all_in_place() const thread {
     return in_place == (1u << (payloads + 2)) - 1u;
   }
 };

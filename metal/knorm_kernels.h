@@ -29,6 +29,8 @@ inline uint knorm_score_key(uint bits, bool keep_high) {
 
 struct KnormScan {
   uint exclusive;  // sum of v over the threads before this one
+  // msl-uniform: the sum over the threadgroup, which every thread reads
+  // after knorm_block_scan's barrier.
   uint total;      // sum of v over the threadgroup
 };
 
@@ -127,6 +129,7 @@ inline KnormCut<Key> knorm_radix_select(
     uint rank,
     threadgroup atomic_uint* histogram,
     threadgroup uint* simd_totals,
+    // msl-uniform: one thread writes picked, every thread reads it after a barrier.
     threadgroup uint* picked,
     uint tid,
     uint lane,

@@ -64,7 +64,7 @@ inline uint knorm_norm_bits_at(KnormHead head, uint j) {
 struct KnormGatherKeys {
   KnormHead head;
 
-  uint operator()(uint j) const {
+  uint operator()(uint j) const thread {
     return knorm_score_key(knorm_norm_bits_at(head, j), head.keep_high);
   }
 };
@@ -270,6 +270,8 @@ inline uint knorm_compact_in_place(
     if (n == 0) {
       break;
     }
+    // msl-uniform: every thread reads the one entry src[n - 1], after the
+    // scan's barriers.
     if (src[n - 1] != base + n - 1) {
       if ((out.in_place & 1u) != 0) {
         knorm_move_kv_rows<kGatherGroupSize>(out.keys, out.keys, true, src, base, n,

@@ -16,6 +16,11 @@ from hypothesis import HealthCheck, settings
 if os.environ.get("MLX_KNORM_TEST_DEVICE") == "gpu":
     mx.set_default_device(mx.gpu)
 
+# The suite's numbers do not depend on which BLAS this machine has: the fast CPU path is off (no
+# re-execution of commands run as subprocesses, no hint, GGUF weights as stored, whatever LD_PRELOAD
+# holds); tests/test_blas.py turns it on where it tests it.
+os.environ.setdefault("MLX_KNORM_FAST_BLAS", "0")
+
 settings.register_profile(
     "default",
     max_examples=int(os.environ.get("MLX_KNORM_EXAMPLES", "150")),

@@ -134,6 +134,23 @@ def test_eval_on_a_tiny_slice_gives_sane_numbers(shipped, sequences):
     assert results.verdict().startswith("keep=low keeps more attention mass than random on this model at 25%")
 
 
+def test_eval_takes_any_set_of_policies(shipped, sequences, tmp_path, capsys):
+    model, _ = shipped
+    results = evaluate(model, sequences[:1], fractions=(0.25,), policies=["window", "keydiff+recent=1/4"],
+                       perplexity=False)
+    assert set(results.policies()) == {"window", "keydiff+recent=1/4"} and results.verdict() is None
+    assert evaluate(model, sequences[:1], fractions=(0.25,), policies=["keep-low"],
+                    perplexity=False).verdict() is None
+    from mlx_knorm.__main__ import main
+
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--n-seqs", "1", "--seq-len", "64", "--budgets", "0.5", "--policies", "vnorm",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert list(report["policies"]) == ["vnorm"] and report["verdict"] is None
+    assert "keep=low keeps more" not in capsys.readouterr().out
+
+
 def test_eval_and_demo_commands_run(tmp_path, capsys):
     from mlx_knorm.__main__ import main
 

@@ -14,6 +14,7 @@ import sys
 from .backend import backend_info, native_available
 from .bench import cli as bench_cli
 from .bench.cases import case_inputs, make_case
+from .blas import blas_in_use, blas_line, reexec_with_fast_blas
 from .commands import LM_COMMANDS, command_help
 from .commands import run as run_lm_command
 from .doctor import register as register_doctor
@@ -22,8 +23,14 @@ from .quality.cli import register as register_quality
 from .selfcheck import kernel_matches_fallback
 
 
+# The commands that run matmuls on MLX's BLAS: run from the command line on a CPU, they re-execute with a
+# fast one preloaded (mlx_knorm.blas).
+MODEL_COMMANDS = (*LM_COMMANDS, "eval", "needle", "ruler", "calibrate", "demo", "info", "doctor")
+
+
 def info(_args) -> int:
-    print(json.dumps(backend_info(), indent=2))
+    print(json.dumps({**backend_info(), "blas": blas_in_use()}, indent=2))
+    print(f"BLAS of MLX's CPU matmuls: {blas_line()}")
     if not native_available():
         print("self-check skipped: the native extension is not loaded")
         return 1
@@ -39,7 +46,11 @@ def run_bench(args) -> int:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv is None:
+        argv = sys.argv[1:]
+        if argv and argv[0] in MODEL_COMMANDS:
+            reexec_with_fast_blas()
+    argv = list(argv)
     if argv and argv[0] in LM_COMMANDS:
         return run_lm_command(argv[0], argv[1:])
     parser = argparse.ArgumentParser(prog="mlx-knorm", description=__doc__)

@@ -37,6 +37,7 @@ import numpy as np
 from . import __version__
 from .atomic import write_text
 from .backend import backend_info, native_available, use_backend
+from .blas import blas_in_use, blas_line
 from .extras import install_hint
 from .ops import evict_and_fill, key_norms, protected_topk_gather, row_scores
 
@@ -344,6 +345,7 @@ def environment(device) -> dict:
         "machine": platform.machine(),
         "device": "gpu" if device == mx.gpu else "cpu",
         "backends": info,
+        "blas": blas_in_use(),
     }
     if device == mx.gpu:
         env["gpu"] = {k: v for k, v in mx.device_info().items() if isinstance(v, (int, float, str))}
@@ -370,6 +372,7 @@ def markdown(report: dict) -> str:
              f"- device: {env['device']}; native kernels: "
              + ", ".join(k for k, v in info["kernels"].items() if v) + "; "
              + (f"Metal library: {library.get('kind')} ({library.get('path')})" if library else "no Metal library"),
+             f"- BLAS of MLX's CPU matmuls: {blas_line()}",
              ]
     if not info["extension_loaded"]:
         lines.append(f"- the extension did not load: {info['extension_error']}")

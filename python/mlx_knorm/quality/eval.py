@@ -296,9 +296,12 @@ class Results:
         """The name of the policy ``score`` with no recent window and no layers skipped but every policy's."""
         return Policy(score, skip=self.skip_layers).name
 
-    def verdict(self) -> str:
+    def verdict(self) -> str | None:
+        """keep-low against random eviction at the smallest budget; None when either did not run there."""
         budget = min(self.budgets)
         low_name, random_name = self.plain("keep-low"), self.plain("random")
+        if (low_name, budget) not in self.recall or (random_name, budget) not in self.recall:
+            return None
         low, rand = self.mean_recall(low_name, budget), self.mean_recall(random_name, budget)
         line = (f"keep=low keeps more attention mass than random on this model at "
                 f"{budget / self.seq_len:.0%} (budget {budget} of {self.seq_len}): "
@@ -549,8 +552,8 @@ def evaluate(model, sequences: np.ndarray, n_sink: int = 4, skip_layers=(), frac
     Budgets are ``round(fraction * T)`` rows per attention layer, on average
     (equal memory); ``skip_layers`` are left uncompressed by every policy,
     on top of each policy's own. ``policies`` are ``Policy`` objects or
-    their names, and must include plain ``keep-low`` and ``random`` (the
-    verdict compares them); by default ``policies.DEFAULT_POLICIES``, less
+    their names, any set of them (where plain ``keep-low`` and ``random``
+    both run, ``Results.verdict`` compares them); by default ``policies.DEFAULT_POLICIES``, less
     those the model cannot run (noted in ``Results.notes``). A policy with
     no room at a budget (skipped layers taking more than the budget's
     memory) is left out there.
@@ -580,8 +583,6 @@ def evaluate(model, sequences: np.ndarray, n_sink: int = 4, skip_layers=(), frac
     if filters is None and any(p.score == "qfilter" for p in policies):
         raise ValueError("the qfilter policies need the model's query filters (filters=, or the eval's "
                          "--filters): run `mlx-knorm calibrate --model M` first")
-    if not ("keep-low" in names and "random" in names):
-        raise ValueError("policies must include 'keep-low' and 'random' (the verdict compares them)")
     for fraction in fractions:
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"fractions must lie in (0, 1], got {fraction!r}")
@@ -591,6 +592,8 @@ def evaluate(model, sequences: np.ndarray, n_sink: int = 4, skip_layers=(), frac
     plan_cuts(model, [Policy("keep-low")], [length], length, n_sink, skip_layers)
     attention, cuts, notes, planned = plan_cuts(model, policies, budgets, length, n_sink, skip_layers, strict)
     for score in ("keep-low", "random"):
+        if Policy(score).name not in names:  # the verdict's policies, where asked for
+            continue
         name = Policy(score, skip=tuple(sorted(set(skip_layers)))).name
         missing = [b for b in budgets if not any(c.key == (name, b) for c in cuts)]
         if missing:

@@ -107,14 +107,23 @@ def text_starts(tokenizer, ids, kind: str) -> tuple[int, ...]:
     return tuple(found)
 
 
-def make_haystack(name: str, tokenizer, length: int) -> Haystack:
-    """``name`` in HAYSTACKS with at least ``length`` filler tokens."""
+def make_haystack(name: str, tokenizer, length: int, text: str | None = None) -> Haystack:
+    """``name`` in HAYSTACKS with at least ``length`` filler tokens.
+
+    ``text``: the prose haystack's text (default: Python's reference documentation), repeated where
+    it is too short.
+    """
     if name == "passkey":
         once = _encode(tokenizer, PASSKEY_FILLER)
         filler = once * (length // len(once) + 2)
         intro, needle, question, kinds = PASSKEY_INTRO, PASSKEY_NEEDLE, PASSKEY_QUESTION, ("sentence", "sentence")
     elif name == "prose":
-        text = pydoc_topics()
+        if text is None:
+            text = pydoc_topics()
+        elif not text.strip():
+            raise ValueError("the haystack text is empty")
+        else:
+            text = "\n\n".join([text.strip()] * (1 + (6 * length + 1000) // len(text.strip())))
         # About four characters a token: encode a little more than needed.
         filler = _encode(tokenizer, text[: 6 * length + 1000])
         if len(filler) < length:
@@ -122,6 +131,8 @@ def make_haystack(name: str, tokenizer, length: int) -> Haystack:
         intro, needle, question, kinds = PROSE_INTRO, PROSE_NEEDLE, PROSE_QUESTION, ("paragraph", "line")
     else:
         raise ValueError(f"haystack must be one of {HAYSTACKS}, got {name!r}")
+    if text is not None and name != "prose":
+        raise ValueError(f"a haystack text goes with the prose haystack, not {name!r}")
     if len(filler) < length:
         raise ValueError(f"the {name} haystack has {len(filler)} tokens, {length} needed")
     filler = tuple(filler[: length + 1])
@@ -260,7 +271,7 @@ def run_grid(model, tokenizer, haystacks=NEEDLE_HAYSTACKS, contexts=NEEDLE_CONTE
              fractions=NEEDLE_BUDGET_FRACTIONS, policies=NEEDLE_POLICIES, keys: int = NEEDLE_KEYS, n_sink: int = 4,
              prefill_step_size: int = PREFILL_STEP_SIZE, seed: int = 0, full: bool = True,
              progress: bool = False, jobs: int = 1, model_spec: ModelSpec | None = None,
-             replay: bool = True, filters=None) -> Grid:
+             replay: bool = True, filters=None, haystack_text: str | None = None) -> Grid:
     """Every (haystack, context, depth, policy, budget fraction) with ``keys`` keys; the full cache once per depth.
 
     ``policies``: ``Policy`` objects or names (``policies.Policy.parse``).
@@ -276,7 +287,8 @@ def run_grid(model, tokenizer, haystacks=NEEDLE_HAYSTACKS, contexts=NEEDLE_CONTE
     full cache's forward pass where that is exact (``replay.Replay``); the
     trials are those of ``replay=False``. ``filters``: the model's query
     filters (a ``mlx-knorm calibrate`` file or ``QueryFilters``), which
-    qfilter policies need.
+    qfilter policies need. ``haystack_text``: the prose haystack's text
+    (default: Python's reference documentation).
     """
     from tqdm import tqdm
 
@@ -299,13 +311,14 @@ def run_grid(model, tokenizer, haystacks=NEEDLE_HAYSTACKS, contexts=NEEDLE_CONTE
     config = {"haystacks": list(haystacks), "contexts": list(contexts), "depths": list(depths),
               "budget_fractions": list(fractions), "policies": [p.name for p in policies], "keys": keys,
               "n_sink": n_sink, "prefill_step_size": prefill_step_size, "seed": seed,
-              "max_tokens": max_tokens}
+              "max_tokens": max_tokens,
+              "prose_text": "pydoc_data.topics" if haystack_text is None else "user text"}
     grid = Grid(config)
     rng = np.random.default_rng(seed)
     layers = attention_layers(model, n_sink)
     plan = []  # (haystack, its token stream, context, prompts by depth, [(policy, fraction, budget, rows)])
     for name in haystacks:
-        haystack = make_haystack(name, tokenizer, max(contexts))
+        haystack = make_haystack(name, tokenizer, max(contexts), haystack_text if name == "prose" else None)
         stream = haystack.intro + haystack.filler
         for context in contexts:
             prompts = {d: [build_prompt(haystack, tokenizer, context, d, k) for k in make_keys(rng, keys)]
