@@ -183,6 +183,9 @@ def test_filters_of_a_deeper_model_are_refused_by_a_shallower_one():
     assert [c.scorer for c in cache] == ["qfilter", "qfilter"]
     with pytest.raises(ValueError, match="of a model of 2 layers, this model has 3"):
         fitting.check_model(tiny_model("llama", layers=3))
+    wide = QueryFilters({**fitting.filters, 1: np.ones((2, 24), np.float32)})
+    with pytest.raises(ValueError, match=r"query filters of layer 1 are \[2, 24\]"):
+        wide.check_model(model)
 
 
 def test_a_prompt_cache_keeps_the_filters_it_was_made_with(tmp_path, monkeypatch, capsys):

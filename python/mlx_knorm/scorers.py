@@ -180,7 +180,7 @@ class QueryFilters:
         fitted = getattr(self, "_fitted_model", None)
         if fitted is not None and fitted() is model:
             return
-        from .cache import make_knorm_cache
+        from .cache import _key_heads_and_widths
 
         layers, compressed = model_attention_layers(model)
         recorded = self.metadata.get("layers")
@@ -192,8 +192,12 @@ class QueryFilters:
             raise ValueError(f"mlx_knorm: the query filters{made_for} cover layers {_ranges(self.filters)}, this "
                              f"model's full-attention layers are {_ranges(compressed)}: calibrated for another "
                              "model? Run `mlx-knorm calibrate`")
-        # Each layer's heads and width, as the caches check them.
-        make_knorm_cache(model, budget=2, n_sink=0, recent=0, scorer="qfilter", filters=self)
+        # Each layer's heads and width, as make_knorm_cache checks them (not
+        # through it: it may call this check).
+        widths = _key_heads_and_widths(model)
+        for index in compressed:
+            if index in widths:
+                self.layer(index, *widths[index])
         self._fitted_model = weakref.ref(model)
 
 
