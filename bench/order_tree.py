@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_knorm import __version__
+from mlx_knorm.atomic import write_text
 from mlx_knorm.bench.report import machine, markdown_table, now
 from mlx_knorm.bench.timing import warm_up
 from mlx_knorm.defaults import ORDER_TREE_MIN_BUDGET, ORDER_TREE_MIN_BUDGET_WITH_WINDOW
@@ -126,9 +127,7 @@ def main(argv=None) -> int:
         report = {"benchmark": "order_tree", "version": __version__, "date": now(), "machine": machine(),
                   "command": " ".join(["python bench/order_tree.py", *(argv or sys.argv[1:])]),
                   "rounds": args.rounds, "steps": args.steps, "results": rows}
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-            f.write("\n")
+        write_text(args.json, json.dumps(report, indent=1) + "\n")
     return 0
 
 

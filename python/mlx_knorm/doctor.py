@@ -35,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import __version__
+from .atomic import write_text
 from .backend import backend_info, native_available, use_backend
 from .blas import blas_in_use, blas_line
 from .extras import install_hint
@@ -410,6 +411,7 @@ def markdown(report: dict) -> str:
 
 def run(device_name: str, out: Path, timings: bool = True, generation: bool = True, progress=print,
         ops=tuple(OPS)) -> dict:
+    check_ops_named(ops)
     device = mx.gpu if device_name == "gpu" else mx.cpu
     previous = mx.default_device()
     mx.set_default_device(device)
@@ -428,12 +430,23 @@ def run(device_name: str, out: Path, timings: bool = True, generation: bool = Tr
     finally:
         mx.set_default_device(previous)
     g = report.get("generation") or {}
-    report["ok"] = bool(backends) and all(r["bit_exact"] for r in report["checks"]) and (
+    report["ok"] = bool(backends) and bool(report["checks"]) and all(r["bit_exact"] for r in report["checks"]) and (
         not g.get("ran") or (g["equal_to_mlx_lm_within_budget"] and g["bounded"]))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(report))
+    # Both rendered before either is written: a failure leaves the last pair.
+    texts = {".json": json.dumps(report, indent=2) + "\n", ".md": markdown(report)}
+    for suffix, text in texts.items():
+        write_text(out.with_suffix(suffix), text)
     return report
+
+
+def check_ops_named(ops) -> None:
+    """``ValueError`` unless ``ops`` names at least one op, each known: a
+    report of no checks would say all good having checked nothing."""
+    unknown = sorted(set(ops) - set(OPS))
+    if unknown:
+        raise ValueError(f"unknown {unknown}; the ops are {', '.join(OPS)}")
+    if not ops:
+        raise ValueError(f"names no op; give one or more of {', '.join(OPS)}")
 
 
 def register(commands) -> None:
@@ -456,9 +469,10 @@ def doctor_command(args) -> int:
         return 2
     if not native_available():
         print("mlx-knorm doctor: the native extension is not loaded; checking the fallback alone", file=sys.stderr)
-    unknown = sorted(set(args.ops) - set(OPS))
-    if unknown:
-        print(f"mlx-knorm doctor: --ops: unknown {unknown}; the ops are {', '.join(OPS)}", file=sys.stderr)
+    try:
+        check_ops_named(args.ops)
+    except ValueError as e:
+        print(f"mlx-knorm doctor: --ops: {e}", file=sys.stderr)
         return 2
     report = run(args.device, args.out, timings=not args.no_timings, generation=not args.no_generation,
                  ops=tuple(args.ops))

@@ -69,9 +69,18 @@ def tokens_held(prompt_cache: list, default: int) -> int:
 
 class _PromptTrie(mlx_lm_cache.PromptTrie):
     """mlx-lm's trie, whose ``pop_prefixes`` pops only the prefixes that
-    ``replaceable(prefix_length)`` allows while one is set."""
+    ``replaceable(prefix_length)`` allows while one is set, and whose
+    ``pop`` drops a model key once it holds nothing (mlx-lm's keeps an empty
+    node for every key ever stored: the server's keys carry each request's
+    cache settings, so settings that vary would grow it for good)."""
 
     replaceable: Callable[[int], bool] | None = None
+
+    def pop(self, model: Any, tokens: list[int]):
+        value = super().pop(model, tokens)
+        if not self._trie[model]:
+            del self._trie[model]
+        return value
 
     def pop_prefixes(self, model: Any, tokens: list[int]):
         if self.replaceable is None:

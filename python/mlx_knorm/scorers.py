@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from pathlib import Path
 from typing import Callable, Union
 
@@ -106,6 +107,10 @@ class QueryFilters:
         self.filters = {int(layer): np.asarray(f, dtype=np.float32) for layer, f in filters.items()}
         self.metadata = dict(metadata or {})
 
+    def __getstate__(self) -> dict:
+        # The model found to fit (a weak reference) stays in this process.
+        return {k: v for k, v in self.__dict__.items() if k != "_fitted_model"}
+
     def of_layer(self, index: int) -> mx.array:
         """Layer ``index``'s filters, ``[H_kv, D]``; a layer they lack raises."""
         if index not in self.filters:
@@ -123,11 +128,18 @@ class QueryFilters:
         return f
 
     def save(self, path: str | Path) -> Path:
+        """Write the filters to ``path``, that name exactly (whatever it ends
+        with), atomically: a write that fails part way leaves the file
+        there before as it was (``mlx_knorm.atomic``)."""
+        from .atomic import atomic_path
+
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         arrays = {f"layer.{i}": mx.array(f) for i, f in sorted(self.filters.items())}
-        mx.save_safetensors(str(path), arrays, metadata={"format": FILTERS_FORMAT,
-                                                         "metadata": json.dumps(self.metadata)})
+        metadata = {"format": FILTERS_FORMAT, "metadata": json.dumps(self.metadata)}
+        # The temporary name ends in .safetensors, which mx.save_safetensors
+        # would otherwise append.
+        with atomic_path(path, suffix=".safetensors") as temporary:
+            mx.save_safetensors(str(temporary), arrays, metadata=metadata)
         return path
 
     @classmethod
@@ -136,7 +148,11 @@ class QueryFilters:
         if not path.is_file():
             raise FileNotFoundError(f"mlx_knorm: no query filters at {path}: run `mlx-knorm calibrate --model M "
                                     f"--out {path}` first")
-        arrays, meta = mx.load(str(path), return_metadata=True)
+        try:
+            arrays, meta = mx.load(str(path), format="safetensors", return_metadata=True)
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"mlx_knorm: {path} is not a query-filter file ({e}): run `mlx-knorm calibrate "
+                             f"--model M --out {path}` again") from None
         if meta.get("format") != FILTERS_FORMAT:
             raise ValueError(f"mlx_knorm: {path} is not a query-filter file of this version "
                              f"(format {meta.get('format')!r}, expected {FILTERS_FORMAT!r})")
@@ -146,7 +162,62 @@ class QueryFilters:
             if prefix != "layer" or not index.isdigit() or array.ndim != 2 or array.dtype != mx.float32:
                 raise ValueError(f"mlx_knorm: {path}: unexpected entry {name!r} {array.dtype} {array.shape}")
             filters[int(index)] = np.array(array)
-        return cls(filters, json.loads(meta.get("metadata", "{}")))
+        try:
+            metadata = json.loads(meta.get("metadata", "{}"))
+        except json.JSONDecodeError:
+            metadata = None
+        if not isinstance(metadata, dict):
+            raise ValueError(f"mlx_knorm: {path}: its metadata is not a JSON object")
+        return cls(filters, metadata)
+
+    def check_model(self, model) -> None:
+        """Refuse a model these filters were not calibrated for: they must
+        cover exactly the layers ``make_knorm_cache`` compresses when none
+        is skipped (those ``calibrate`` measures), of a model with the layer
+        count the file records (``layers``, where it does), each ``[H_kv,
+        D]`` as the model's keys. ``ValueError`` naming what differs; a
+        model once found to fit is not checked again."""
+        fitted = getattr(self, "_fitted_model", None)
+        if fitted is not None and fitted() is model:
+            return
+        from .cache import _key_heads_and_widths
+
+        layers, compressed = model_attention_layers(model)
+        recorded = self.metadata.get("layers")
+        made_for = f" (made for {self.metadata['model']})" if isinstance(self.metadata.get("model"), str) else ""
+        if isinstance(recorded, int) and recorded != layers:
+            raise ValueError(f"mlx_knorm: the query filters{made_for} are of a model of {recorded} layers, this "
+                             f"model has {layers}: calibrated for another model? Run `mlx-knorm calibrate`")
+        if set(self.filters) != set(compressed):
+            raise ValueError(f"mlx_knorm: the query filters{made_for} cover layers {_ranges(self.filters)}, this "
+                             f"model's full-attention layers are {_ranges(compressed)}: calibrated for another "
+                             "model? Run `mlx-knorm calibrate`")
+        # Each layer's heads and width, as make_knorm_cache checks them (not
+        # through it: it may call this check).
+        widths = _key_heads_and_widths(model)
+        for index in compressed:
+            if index in widths:
+                self.layer(index, *widths[index])
+        self._fitted_model = weakref.ref(model)
+
+
+def model_attention_layers(model) -> tuple[int, tuple[int, ...]]:
+    """``(layers, compressed)``: the model's layer count and the layers
+    ``make_knorm_cache`` compresses when none is skipped (an
+    ``L2NormKVCache`` of its own), which ``calibrate`` measures."""
+    from .cache import L2NormKVCache, make_knorm_cache
+
+    cache = make_knorm_cache(model, budget=2, n_sink=0, recent=0)
+    return len(cache), tuple(i for i, c in enumerate(cache) if isinstance(c, L2NormKVCache))
+
+
+def _ranges(layers) -> str:
+    layers = sorted(layers)
+    if not layers:
+        return "none"
+    if layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2:
+        return f"{layers[0]} to {layers[-1]}"
+    return ", ".join(map(str, layers))
 
 
 def as_query_filters(filters) -> QueryFilters | None:

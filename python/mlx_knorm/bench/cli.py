@@ -10,6 +10,7 @@ import sys
 
 import mlx.core as mx
 
+from ..atomic import write_text
 from ..backend import native_available
 from ..validation import FLOAT_DTYPES
 from . import cache_step
@@ -60,8 +61,7 @@ def native_missing(program: str) -> bool:
 
 def write_json(report: dict, path: str | None) -> None:
     if path:
-        with open(path, "w") as f:
-            json.dump(report, f, indent=2)
+        write_text(path, json.dumps(report, indent=2))
 
 
 def run_program(program: str, args, run, print_report) -> int:

@@ -44,7 +44,7 @@ class GenerateSession(Session):
     def model_loaded(self, model) -> None:
         if self.loaded_prompt_cache is not None:
             check_fits_model(self.prompt_cache_file, self.loaded_prompt_cache, model,
-                             model.make_cache(), self.given)
+                             model.make_cache(), self.given, self.given_filters)
 
     def draft_loaded(self, model) -> None:
         # mlx-lm's speculative decoding takes the draft's layers from the

@@ -18,9 +18,11 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from ..cache import L2NormCacheBase, QuantizedL2NormKVCache, link_prompt_cache
+from ..scorers import QueryFilters
 from ..validation import dtype_name
 from .session import CommandError
 
@@ -77,12 +79,15 @@ def _settings(c: L2NormCacheBase) -> str:
             f"layout {c.layout}, scorer {c.scorer}")
 
 
-def check_fits_model(file_name: str, cache: list, model, expected: list, given: dict) -> None:
+def check_fits_model(file_name: str, cache: list, model, expected: list, given: dict,
+                     filters: QueryFilters | None = None) -> None:
     """``cache`` (loaded from ``file_name``) against ``expected``, a fresh cache
     of ``model`` built with the command line's settings, which this function
     runs one token through (unevaluated) to learn each layer's shapes.
     ``given``: the cache settings given on the command line; when there are
-    any, the file's layers must be what they ask for."""
+    any, the file's layers must be what they ask for. ``filters``: the
+    query filters ``--filters`` names, when given, which every layer of the
+    file that ranks by qfilter must hold."""
     if len(cache) != len(expected):
         raise refused(file_name, f"it holds {len(cache)} layers and the model has {len(expected)}: "
                                  "it was saved for another model")
@@ -97,6 +102,8 @@ def check_fits_model(file_name: str, cache: list, model, expected: list, given: 
         _check_shapes(file_name, where, saved, fresh)
         if given:
             _check_settings(file_name, where, saved, fresh, given)
+        if filters is not None:
+            _check_filters(file_name, index, saved, filters)
 
 
 def _rows(c):
@@ -145,3 +152,16 @@ def _check_settings(file_name: str, where: str, saved, fresh, given: dict) -> No
                                      f"{want}; a prompt cache keeps the settings it was made "
                                      "with: drop the cache flags, or make it again with mlx-knorm "
                                      "cache-prompt and those flags")
+
+
+def _check_filters(file_name: str, index: int, saved, filters: QueryFilters) -> None:
+    """A qfilter layer of the file holds the filters ``--filters`` names (a
+    prompt cache keeps the filters it was made with, as its settings)."""
+    if not isinstance(saved, L2NormCacheBase) or saved.scorer != "qfilter":
+        return
+    held = saved._scorer_fields()[1]
+    given = filters.filters.get(index)
+    if given is None or tuple(given.shape) != tuple(held.shape) or not np.array_equal(np.array(held), given):
+        raise refused(file_name, f"layer {index} was made with other query filters than --filters gives; a "
+                                 "prompt cache keeps the filters it was made with: drop --filters, or make it "
+                                 "again with mlx-knorm cache-prompt and those filters")

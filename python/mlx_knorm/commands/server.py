@@ -82,8 +82,10 @@ be batched is served alone (``_serve_single``).
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib
+import io
 import json
 import logging
 import select
@@ -126,6 +128,8 @@ class ClientGone(ConnectionError):
 
 
 CLIENT_GONE = "the client closed its connection; its request is stopped"
+# The cache settings whose batchability the server remembers (the latest asked about).
+BATCHABLE_MEMO_SIZE = 64
 # Rounds of batch steps that end at their first step once a request is
 # stopped (TimeBudget): mlx-lm's loop removes a stopped request only at the
 # end of a round, and the step that shows it stopped may fall in the
@@ -205,6 +209,20 @@ def request_settings(body: dict) -> dict:
     return given
 
 
+def check_qfilter_request(config, requested_model: str, served_model: str | None) -> None:
+    """A request asking for ``scorer: qfilter`` needs the server's query
+    filters, which are those of its ``--model`` (``--filters``, or
+    ``calibrate``'s file for it): ``ValueError`` (HTTP 400) without them, or
+    for a request naming another model, whose queries they do not measure."""
+    if config.filters is None:
+        raise ValueError("scorer qfilter needs the model's query filters, which this server has "
+                         "none of: run `mlx-knorm calibrate --model M`, or start it with --filters FILE")
+    if requested_model not in ("default_model", served_model):
+        raise ValueError(f"scorer qfilter: this server's query filters are its --model {served_model}'s, "
+                         f"not model {requested_model}'s; ask that model for another scorer, or serve it "
+                         "with its own filters")
+
+
 class ServerSession(Session):
     def __init__(self, cache_factory=None) -> None:
         super().__init__("server", mlx_lm_server, DESCRIPTION, cache_factory=cache_factory)
@@ -214,7 +232,10 @@ class ServerSession(Session):
         # id(finished prompt cache) -> its prompt but the last token: the key
         # of the checkpoint mlx-lm's batch loop stored for the request.
         self.batch_checkpoints: dict[int, list] = {}
-        self._batchable: dict = {}  # config -> whether it batches, for the model below
+        # config -> whether it batches, for the model below; the latest
+        # BATCHABLE_MEMO_SIZE settings asked about, so that requests that each
+        # set other values do not grow it.
+        self._batchable: collections.OrderedDict = collections.OrderedDict()
         self._batchable_model = lambda: None
         # The connection of the request an HTTP handler thread is answering.
         self._client = threading.local()
@@ -227,31 +248,63 @@ class ServerSession(Session):
         alone, which reports the error."""
         if self._batchable_model() is not model:
             # Another model is served: its answers differ.
-            self._batchable, self._batchable_model = {}, weakref.ref(model)
+            self._batchable.clear()
+            self._batchable_model = weakref.ref(model)
         key = config
-        if key not in self._batchable:
-            try:
-                with self.request_config(config):
-                    cache = model.make_cache()
-            except Exception:  # the request's own error, reported when it is served alone
-                return False
-            ours = [isinstance(c, L2NormCacheBase) for c in layer_caches(cache)]
-            self._batchable[key] = (all(type(c) is L2NormKVCache for c in cache) if any(ours)
-                                    else all(hasattr(c, "merge") for c in cache))
+        if key in self._batchable:
+            self._batchable.move_to_end(key)
+            return self._batchable[key]
+        try:
+            with self.request_config(config):
+                cache = model.make_cache()
+        except Exception:  # the request's own error, reported when it is served alone
+            return False
+        ours = [isinstance(c, L2NormCacheBase) for c in layer_caches(cache)]
+        self._batchable[key] = (all(type(c) is L2NormKVCache for c in cache) if any(ours)
+                                else all(hasattr(c, "merge") for c in cache))
+        while len(self._batchable) > BATCHABLE_MEMO_SIZE:
+            self._batchable.popitem(last=False)
         return self._batchable[key]
 
     def patches(self) -> dict:
         session = self
 
         class APIHandler(mlx_lm_server.APIHandler):
+            def do_POST(self):
+                # mlx-lm decodes the body unguarded: one that is not UTF-8
+                # would end the handler with no answer. Read and checked
+                # here, it is handed to mlx-lm's do_POST as it came.
+                try:
+                    length = int(self.headers.get("Content-Length"))
+                except (TypeError, ValueError):
+                    return super().do_POST()  # mlx-lm answers 411 or 400
+                why = None
+                if length < 0:  # mlx-lm would read to the end of a stream that does not end
+                    why = "Invalid Content-Length header"
+                else:
+                    raw = self.rfile.read(length)
+                    try:
+                        raw.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        why = f"the request body is not UTF-8 ({e})"
+                if why is not None:
+                    self._set_completion_headers(400)
+                    self.end_headers()
+                    self.wfile.write(json.dumps({"error": why}).encode())
+                    return
+                rfile, self.rfile = self.rfile, io.BytesIO(raw)
+                try:
+                    super().do_POST()
+                finally:
+                    self.rfile = rfile
+
             def validate_model_parameters(self) -> None:
                 super().validate_model_parameters()
                 check_request_body(self.path, self.body, self.logit_bias)
                 check_draft_tokens(self.num_draft_tokens)
                 self.mlx_knorm_cache = cache_config(request_settings(self.body), session.config)
-                if self.mlx_knorm_cache.scorer == "qfilter" and self.mlx_knorm_cache.filters is None:
-                    raise ValueError("scorer qfilter needs the model's query filters, which this server has "
-                                     "none of: run `mlx-knorm calibrate --model M`, or start it with --filters FILE")
+                if self.mlx_knorm_cache.scorer == "qfilter":
+                    check_qfilter_request(self.mlx_knorm_cache, self.requested_model, session.model_name)
 
             def handle_completion(self, request, stop_words):
                 # ResponseGenerator.generate watches this connection.

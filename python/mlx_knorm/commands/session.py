@@ -109,6 +109,8 @@ class CacheConfig:
             raise ValueError("the qfilter scorer needs the model's query filters: run `mlx-knorm calibrate "
                              "--model M` (or give --filters FILE)")
         filters = self.filters if self.scorer == "qfilter" else None
+        if filters is not None:
+            filters.check_model(model)
         settings = {field.name: getattr(self, field.name) for field in fields(self)}
         return make_knorm_cache(model, **{**settings, "recent": self.window, "filters": filters})
 
@@ -245,6 +247,8 @@ class Session:
         self.cache_factory = cache_factory
         self.config = CacheConfig()
         self.given: dict = {}  # cache settings given on the command line
+        self.given_filters: QueryFilters | None = None  # the filters --filters names, when given
+        self.model_name: str | None = None  # --model
         self.kv_quantization: tuple = (None, None)  # mlx-lm's --kv-bits, --kv-group-size
         self.draft_path: str | None = None  # mlx-lm's --draft-model
         self._target_loaded = False  # the target of the models being loaded is in
@@ -295,6 +299,8 @@ class Session:
             filters = load_filters(getattr(namespace, "filters", None), getattr(namespace, "model", None),
                                    self.given.get("scorer") == "qfilter", self.prog)
             self.config = cache_config({**self.given, "filters": filters})
+            self.given_filters = filters if getattr(namespace, "filters", None) is not None else None
+            self.model_name = getattr(namespace, "model", None)
             check_draft_tokens(getattr(namespace, "num_draft_tokens", None), "--num-draft-tokens")
         except ValueError as e:
             parser.error(str(e))

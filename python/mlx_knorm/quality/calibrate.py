@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from ..scorers import QueryFilters
+from ..scorers import QueryFilters, model_attention_layers
 from . import data
 from .eval import attention_routed
 from .policies import attention_layers
@@ -57,8 +57,11 @@ def calibration_sequences(tokenizer, n_seqs: int, seq_len: int) -> np.ndarray:
 
 
 def query_filters(model, sequences: np.ndarray, n_sink: int = 4) -> QueryFilters:
-    """The filters of ``model`` from its queries on ``sequences [n, T]``."""
+    """The filters of ``model`` from its queries on ``sequences [n, T]``;
+    their metadata records the model's layer count (``layers``), which
+    ``QueryFilters.check_model`` compares."""
     layers = attention_layers(model, n_sink)
+    n_layers, _ = model_attention_layers(model)
     moments: dict[int, np.ndarray] = {}
     sums: dict[int, np.ndarray] = {}
     for tokens in sequences:
@@ -84,4 +87,4 @@ def query_filters(model, sequences: np.ndarray, n_sink: int = 4) -> QueryFilters
         top = vectors[..., -1]
         signs = np.where(np.einsum("gd,gd->g", top, sums[layer]) < 0, -1.0, 1.0)
         filters[layer] = (top * signs[:, None]).astype(np.float32)
-    return QueryFilters(filters)
+    return QueryFilters(filters, {"layers": n_layers})

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..atomic import write_text
 from ..defaults import DEFAULT_N_SINK, DEFAULT_RECENT_SHARE, DEFAULT_SKIP_LAYERS
 from ..models.cli import MODEL_HELP, add_weight_arguments
 from . import (BUDGET_FRACTIONS, HAYSTACKS, MODEL_DIR, NEEDLE_BUDGET_FRACTIONS, NEEDLE_CONTEXTS, NEEDLE_DEPTHS,
@@ -105,14 +106,17 @@ def _cpu_seconds() -> float:
                for usage in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
 
 
-def _filters(args):
+def _filters(args, model):
     """The query filters the qfilter policies read: --filters, or where
-    ``mlx-knorm calibrate --model M`` writes them; None without a qfilter policy."""
+    ``mlx-knorm calibrate --model M`` writes them, checked against ``model``
+    (``QueryFilters.check_model``); None without a qfilter policy."""
     if not any(p.score == "qfilter" for p in args.policies or ()):
         return None
-    from ..scorers import default_filters_path
+    from ..scorers import QueryFilters, default_filters_path
 
-    return args.filters or default_filters_path(args.model or MODEL_DIR)
+    filters = QueryFilters.load(args.filters or default_filters_path(args.model or MODEL_DIR))
+    filters.check_model(model)
+    return filters
 
 
 def eval_command(args) -> int:
@@ -136,7 +140,7 @@ def eval_command(args) -> int:
     results = evaluate(model, sequences, n_sink=args.n_sink, skip_layers=args.skip_layers,
                        fractions=args.budgets, seed=args.seed, query_chunk=args.query_chunk, progress=True,
                        jobs=args.jobs, model_spec=model_spec(args.model, args),
-                       filters=_filters(args), **policies)
+                       filters=_filters(args, model), **policies)
     name = args.model or "shipped byte-level model"
     print(markdown_table(results))
     print()
@@ -151,7 +155,7 @@ def eval_command(args) -> int:
         print(f"plot: {args.plot}")
     if args.json:
         report = {"model": name, "text": source, "seed": args.seed, **results.report(), "timing": timing}
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_text(args.json, json.dumps(report, indent=2) + "\n")
     return 0
 
 
@@ -193,7 +197,7 @@ def needle_command(args) -> int:
         grid = run_grid(model, tokenizer, contexts=args.contexts, depths=args.depths, fractions=args.budgets,
                         n_sink=args.n_sink, prefill_step_size=args.prefill_step_size, seed=args.seed,
                         progress=True, jobs=args.jobs, model_spec=model_spec(args.model, args),
-                        filters=_filters(args), haystack_text=haystack_text, **grid_options)
+                        filters=_filters(args, model), haystack_text=haystack_text, **grid_options)
     except ValueError as error:
         print(f"mlx-knorm needle: {error}", file=sys.stderr)
         return 2
@@ -207,7 +211,7 @@ def needle_command(args) -> int:
         print(f"plot: {args.plot}")
     if args.json:
         report = {"model": args.model, **grid.report(), "timing": timing}
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_text(args.json, json.dumps(report, indent=2) + "\n")
     return 0
 
 
@@ -241,13 +245,52 @@ def calibrate_command(args) -> int:
     from ..scorers import default_filters_path
     from .calibrate import calibration_sequences, query_filters
 
-    model, tokenizer, _ = load(args.model, args)
-    filters = query_filters(model, calibration_sequences(tokenizer, args.n_seqs, args.seq_len))
+    def refuse(why: str) -> int:
+        print(f"mlx-knorm calibrate: error: {why}", file=sys.stderr)
+        return 2
+
+    why = local_model_problem(args.model)
+    if why:
+        return refuse(f"--model {args.model}: {why}")
+    out = args.out or default_filters_path(args.model)
+    if out.is_dir():
+        return refuse(f"--out {out} is a folder; name the file to write")
+    try:
+        model, tokenizer, _ = load(args.model, args)
+    except (OSError, ValueError, KeyError) as e:
+        return refuse(f"--model {args.model}: cannot load it ({type(e).__name__}: {e})")
+    try:
+        sequences = calibration_sequences(tokenizer, args.n_seqs, args.seq_len)
+    except ValueError as e:
+        return refuse(f"--seq-len {args.seq_len} with --n-seqs {args.n_seqs}: the calibration text is too "
+                      f"short ({e}); ask for fewer or shorter sequences")
+    filters = query_filters(model, sequences)
     filters.metadata.update({"model": str(args.model), "n_seqs": args.n_seqs, "seq_len": args.seq_len,
                              "text": "Python standard library sources (training split)"})
-    out = filters.save(args.out or default_filters_path(args.model))
+    out = filters.save(out)
     print(f"query filters of {len(filters.filters)} layers ({args.n_seqs} x {args.seq_len} tokens) -> {out}")
     return 0
+
+
+def local_model_problem(model: str) -> str | None:
+    """Why ``model`` (as ``--model`` names it) cannot be a model, where that
+    shows before loading: a path that does not exist, or a folder without
+    an mlx-lm model's ``config.json`` and weights. None otherwise (a
+    packaged short name, a Hugging Face repo, a model folder or GGUF file)."""
+    from ..models.fetch import PACKAGED_MODELS
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            return "the folder holds no model (no config.json)"
+        if not any(path.glob("*.safetensors")):
+            return "the folder holds no weights (no *.safetensors)"
+        return None
+    if path.exists() or model in PACKAGED_MODELS:
+        return None
+    # A Hugging Face repo is "name" or "owner/name"; a path names a folder.
+    looks_local = path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1 or model.endswith(".gguf")
+    return "no such file or folder" if looks_local else None
 
 
 def register(commands) -> None:

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..atomic import write_text
 from ..defaults import DEFAULT_N_SINK
 from ..models.cli import MODEL_HELP, add_weight_arguments
 from . import PREFILL_STEP_SIZE
@@ -29,7 +30,7 @@ def ruler_command(args) -> int:
         result = run(model, tokenizer, tasks=args.tasks, context=args.context, fractions=args.budgets,
                      policies=args.policies, samples=args.samples, seed=args.seed, n_sink=args.n_sink,
                      prefill_step_size=args.prefill_step_size, haystack_text=haystack_text,
-                     max_tokens=args.max_tokens, filters=_filters(args), progress=True, jobs=args.jobs,
+                     max_tokens=args.max_tokens, filters=_filters(args, model), progress=True, jobs=args.jobs,
                      model_spec=model_spec(args.model, args))
     except ValueError as error:  # a task with no room at --context, a policy that cannot run on this model
         print(f"mlx-knorm ruler: {error}", file=sys.stderr)
@@ -45,7 +46,7 @@ def ruler_command(args) -> int:
         print(f"plot: {args.plot}")
     if args.json:
         report = {"model": args.model, **result.report(), "timing": timing}
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_text(args.json, json.dumps(report, indent=2) + "\n")
     return 0
 
 
