@@ -296,8 +296,12 @@ def test_make_knorm_cache_gives_each_layer_its_filters(tmp_path):
         make_knorm_cache(model, budget=8, scorer="qfilter")
     with pytest.raises(ValueError, match="filters are for the qfilter"):
         make_knorm_cache(model, budget=8, scorer="keydiff", filters=path)
-    with pytest.raises(ValueError, match="no layer 1"):
+    with pytest.raises(ValueError, match="cover layers 0, this model's full-attention layers are 0 to 2"):
         make_knorm_cache(model, budget=8, scorer="qfilter", filters=QueryFilters({0: filters.filters[0]}))
+    # Filters of a deeper model with the same head shapes (issue 52, item 10), through the Python API too.
+    deeper = QueryFilters(dict(filters.filters), metadata={"model": "deeper", "layers": 30})
+    with pytest.raises(ValueError, match="of a model of 30 layers, this model has 3"):
+        make_knorm_cache(model, budget=8, scorer="qfilter", filters=deeper)
 
 
 @pytest.fixture(scope="module")

@@ -1241,13 +1241,10 @@ def make_knorm_cache(
                 "Use skip_layers=() with this model."
             )
     if filters is not None:
-        # Each layer's filters against its keys' heads and width, before any
-        # cache exists: a forward pass would update the layers before the
-        # one that does not fit.
-        widths = _key_heads_and_widths(model)
-        for index, compressed in enumerate(compress):
-            if compressed:
-                filters.layer(index, *widths[index]) if index in widths else filters.of_layer(index)
+        # The filters against the model (its layers, their heads and widths)
+        # before any cache exists: a forward pass would update the layers
+        # before the one that does not fit.
+        filters.check_model(model)
 
     def make(index: int):
         return lambda: L2NormKVCache(budget=budget, n_sink=n_sink, recent=recent, keep=keep, layout=layout,
