@@ -87,6 +87,9 @@ def test_help_lists_every_mlx_lm_flag_and_the_cache_flags(command):
     assert text.startswith(f"usage: mlx-knorm {command}")
     if command == "server":
         assert "Concurrent requests with the same cache settings are batched" in text
+        # Every field a request may set is named in the help, scorer among them.
+        from mlx_knorm.commands.session import CACHE_FIELDS
+        assert all(f'"{field}"' in " ".join(text.split()) for field in (*CACHE_FIELDS, "max_kv_size"))
 
 
 @pytest.mark.parametrize("model, prompt, flags", [

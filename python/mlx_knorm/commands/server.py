@@ -5,8 +5,8 @@ are; some of ``mlx_lm.server``'s globals are replaced by thin subclasses or
 wrappers for the duration of ``main``:
 
 - ``APIHandler``: after mlx-lm's own parameter checks, the request's cache
-  fields (``budget``, ``max_kv_size``, ``n_sink``, ``recent``, ``keep``,
-  ``skip_layers``, ``layout``; each defaults to the command line's) are
+  fields (``session.CACHE_FIELDS`` and ``max_kv_size``; each defaults to
+  the command line's) are
   checked the same way, so a bad one is answered as mlx-lm answers a bad
   ``max_tokens``: HTTP 400 with ``{"error": ...}``; so are what mlx-lm
   passes on unchecked and its generation thread (or process) dies of (an
@@ -85,6 +85,7 @@ from __future__ import annotations
 import collections
 import functools
 import importlib
+import textwrap
 import io
 import json
 import logging
@@ -118,9 +119,12 @@ keeping what it would keep alone (--decode-concurrency and --prompt-concurrency
 as in mlx_lm.server); requests with other settings wait for the batch, and
 caches with --skip-layers are served one at a time.
 
-A request may set its own cache with the fields "budget" (or "max_kv_size"),
-"n_sink", "recent", "keep", "skip_layers" and "layout"; the flags below are the
-defaults. A bad value gets HTTP 400, as a bad max_tokens does."""
+""" + textwrap.fill(
+    "A request may set its own cache with the fields "
+    + ", ".join(f'"{f}"' + (f' (or "{BUDGET_ALIAS}")' if f == "budget" else "") for f in CACHE_FIELDS)
+    + ' ("scorer": knorm, keydiff, vnorm, or qfilter where the server has the model\'s filters: --filters, '
+    "or calibrate's file for --model); the flags below are the defaults. A bad value gets HTTP 400, as a bad "
+    "max_tokens does.", width=79)
 
 
 class ClientGone(ConnectionError):
