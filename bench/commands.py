@@ -57,14 +57,10 @@ import argparse
 import contextlib
 import gc
 import io
-import json
 import re
-import socket
 import statistics
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import mlx.core as mx
@@ -75,6 +71,7 @@ from mlx_knorm.backend import backend_info
 from mlx_knorm.bench.cache_report import package_version
 from mlx_knorm.bench.cli import run_program
 from mlx_knorm.bench.report import machine, markdown_table, now, verdict
+from mlx_knorm.bench.server_process import ServerProcess
 from mlx_knorm.bench.timing import minor_faults, warm_up
 from mlx_knorm.commands import generate as generate_command
 from mlx_knorm.commands import server as server_command
@@ -310,36 +307,15 @@ STORE = re.compile(r"mlx-knorm: prompt cache: (\d+) sequences, (\d+) bytes")
 BATCHED = re.compile(r"mlx-knorm: batching \d+ requests")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(ServerProcess):
+    """One side's server (ours, or stock mlx_lm.server through ``serve-baseline``) on a free loopback port."""
 
-
-class Server:
     def __init__(self, side: str, args, log_dir: Path):
-        self.port = free_port()
-        self.log_path = log_dir / f"server-{side}.log"
         command = ([sys.executable, "-m", "mlx_knorm", "server"] if side == "mlx-knorm"
                    else [sys.executable, str(Path(__file__).resolve()), "serve-baseline"])
-        self.log = open(self.log_path, "w")
-        self.process = subprocess.Popen(
-            [*command, "--model", args.model, "--budget", str(args.budget), "--port", str(self.port)],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{side} server exited:\n{self.log_path.read_text()}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5):
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{side} server did not start:\n{self.log_path.read_text()}")
-            time.sleep(0.5)
-
-    def faults(self) -> int:
-        """The server process's minor page faults so far (/proc/PID/stat field 10)."""
-        return int(Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+        super().__init__([*command, "--model", args.model, "--budget", str(args.budget)],
+                         log_dir / f"server-{side}.log", start_timeout_s=START_TIMEOUT_S,
+                         request_timeout_s=REQUEST_TIMEOUT_S, poll_s=0.5)
 
     def logged(self, pattern=LOGGED) -> list:
         """Every match of ``pattern`` in the server's log: by default each
@@ -350,13 +326,10 @@ class Server:
     def request(self, prompt: str, max_tokens: int) -> dict:
         before = len(self.logged())
         stored, batched = len(self.logged(STORE)), len(self.logged(BATCHED))
-        body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions",
-                                         data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
         faults = self.faults()
-        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
-            response.read()
+        status, answer = self.post("/v1/completions", {"prompt": prompt, "max_tokens": max_tokens, "stream": True})
+        if status != 200:
+            raise RuntimeError(f"the server answered {status}: {answer[:500]!r}")
         deadline = time.monotonic() + 30
         while ((len(self.logged()) <= before or len(self.logged(STORE)) <= stored)
                and time.monotonic() < deadline):
@@ -369,14 +342,6 @@ class Server:
                 "batched": len(self.logged(BATCHED)) > batched,
                 "prompt_store_sequences": int(sequences), "prompt_store_bytes": int(store_bytes)}
 
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.log.close()
 
 
 # -- rounds and report ------------------------------------------------------

@@ -20,21 +20,16 @@ stated); RSS growth is the last sample less the first after warm-up.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import re
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from mlx_knorm import __version__
 from mlx_knorm.bench.cli import write_json
 from mlx_knorm.bench.report import machine, now
+from mlx_knorm.bench.server_process import ServerProcess
 from mlx_knorm.commands.server import BATCHABLE_MEMO_SIZE
 from mlx_knorm.commands.session import CACHE_FIELDS
 from mlx_knorm.quality import MODEL_DIR
@@ -72,67 +67,12 @@ def varied_request(k: int) -> dict:
             "scorer": SCORERS[k % 3], "skip_layers": [0] if k % 7 == 0 else []}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
-
-
-class Server:
-    """``mlx-knorm server`` on a free loopback port; ``stop()`` ends it by its pid."""
-
-    def __init__(self, model: str, budget: int, prompt_cache_size: int, log_path: Path, stock: bool = False):
-        self.port = free_port()
-        self.log_path = log_path
-        self.log = open(log_path, "w")
-        command = ([sys.executable, "-m", "mlx_lm", "server"] if stock
-                   else [sys.executable, "-m", "mlx_knorm", "server", "--budget", str(budget)])
-        self.process = subprocess.Popen(
-            [*command, "--model", model, "--prompt-cache-size", str(prompt_cache_size), "--port", str(self.port)],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited:\n{self.log_text()}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5):
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start:\n{self.log_text()}")
-            time.sleep(0.2)
-
-    def log_text(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text()
-
-    def post(self, body: dict) -> int:
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions",
-                                         data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
-                response.read()
-                return response.status
-        except urllib.error.HTTPError as e:
-            e.read()
-            return e.code
-
-    def rss(self) -> int:
-        return rss_bytes(self.process.pid)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.log.close()
+def start_server(model: str, budget: int, prompt_cache_size: int, log_path: Path, stock: bool = False) -> ServerProcess:
+    """``mlx-knorm server`` (or, ``stock``, ``mlx_lm.server``) on a free loopback port."""
+    command = ([sys.executable, "-m", "mlx_lm", "server"] if stock
+               else [sys.executable, "-m", "mlx_knorm", "server", "--budget", str(budget)])
+    return ServerProcess([*command, "--model", model, "--prompt-cache-size", str(prompt_cache_size)], log_path,
+                         start_timeout_s=START_TIMEOUT_S, request_timeout_s=REQUEST_TIMEOUT_S)
 
 
 def measure(model: str, budget: int, prompt_cache_size: int, warm_up: int, requests: int, sample_every: int,
@@ -142,7 +82,7 @@ def measure(model: str, budget: int, prompt_cache_size: int, warm_up: int, reque
     ``"one-setting"``, the same requests without their cache fields (every
     request the command line's settings); ``"stock"``, those sent to a stock
     ``mlx_lm.server``."""
-    server = Server(model, budget, prompt_cache_size, log_dir / "server-memory.log", stock=baseline == "stock")
+    server = start_server(model, budget, prompt_cache_size, log_dir / "server-memory.log", stock=baseline == "stock")
     start = time.monotonic()
     samples, statuses, sent = [], {}, 0
     try:
@@ -154,7 +94,7 @@ def measure(model: str, budget: int, prompt_cache_size: int, warm_up: int, reque
             body = varied_request(k)
             if baseline is not None:
                 body = {f: v for f, v in body.items() if f not in CACHE_FIELDS}
-            status = server.post(body)
+            status, _ = server.post("/v1/completions", body)
             statuses[status] = statuses.get(status, 0) + 1
             sent += 1
         if sent > warm_up:

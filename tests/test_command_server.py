@@ -9,12 +9,9 @@ from __future__ import annotations
 import json
 import re
 import socket
-import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import mlx.core as mx
 import pytest
@@ -34,6 +31,7 @@ from command_runs import (
     tiny_kv_bytes,
     write_tiny_llama,
 )
+from mlx_knorm.bench.server_process import ServerProcess, free_port
 from mlx_knorm.quality import MODEL_DIR
 
 BUDGET = 128
@@ -43,52 +41,12 @@ PROMPT = "import os\nimport sys\n\n\ndef main():\n    "
 LONG_PROMPT = '"""Helpers for reading configuration files."""\n\nimport os\n\n\n' * 10
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A server process on a free port; ``stop()`` ends it by its pid."""
+class Server(ServerProcess):
+    """A server command on a free loopback port (mlx_knorm.bench.server_process); ``stop()`` ends it by its pid."""
 
     def __init__(self, command: list, env: dict, log_path):
-        self.port = free_port()
-        self.log_path = log_path
-        self.log = open(log_path, "w")
-        self.process = subprocess.Popen([str(c) for c in command] + ["--port", str(self.port)],
-                                        stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert self.process.poll() is None, f"server exited:\n{self.log_text()}"
-            try:
-                if self.get("/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"server did not start:\n{self.log_text()}"
-            time.sleep(0.2)
-
-    def log_text(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text()
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def get(self, path: str):
-        with urllib.request.urlopen(self.url(path), timeout=REQUEST_TIMEOUT_S) as response:
-            return response.status, json.loads(response.read())
-
-    def post(self, path: str, body) -> tuple[int, bytes]:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        request = urllib.request.Request(self.url(path), data=data,
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
-                return response.status, response.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()
+        super().__init__(command, log_path, env=env, start_timeout_s=START_TIMEOUT_S,
+                         request_timeout_s=REQUEST_TIMEOUT_S)
 
     def complete(self, path: str, body: dict) -> dict:
         status, raw = self.post(path, body)
@@ -101,16 +59,6 @@ class Server:
         events = [line[len("data: "):] for line in raw.decode().splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         return [json.loads(e) for e in events[:-1]]
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.log.close()
-
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
@@ -321,11 +269,6 @@ def test_a_request_whose_client_is_gone_stops_generating(server, expected, strea
     assert_serving(server, expected)
 
 
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the server's RSS from /proc")
 def test_memory_stays_flat_through_hostile_requests(tmp_path_factory, env, expected):
     """Ten rounds of ten requests (answers whole and streamed, every hostile
@@ -349,10 +292,10 @@ def test_memory_stays_flat_through_hostile_requests(tmp_path_factory, env, expec
 
         for k in range(3):
             one_round(k)
-        warm = rss_bytes(s.process.pid)
+        warm = s.rss()
         for k in range(3, 13):
             one_round(k)
-        grown = rss_bytes(s.process.pid) - warm
+        grown = s.rss() - warm
         assert_serving(s, expected)
     finally:
         s.stop()
