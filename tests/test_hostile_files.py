@@ -119,6 +119,34 @@ def test_text_files_are_replaced_whole_or_left_as_they_were(tmp_path, monkeypatc
     assert path.stat().st_mode & 0o777 == 0o600  # the mode of the file it replaced
 
 
+def test_a_plot_that_fails_part_way_leaves_the_old_plot(tmp_path):
+    """Every plot the commands draw goes through atomic.save_figure: a
+    savefig that writes half a file and fails leaves the old plot."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = tmp_path / "plot.png"
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    atomic.save_figure(fig, path, dpi=50)
+    before = path.read_bytes()
+    assert before.startswith(b"\x89PNG")
+    real_savefig = fig.savefig
+
+    def disk_full(file, **kwargs):
+        real_savefig(file, **kwargs)
+        with open(file, "r+b") as f:
+            f.truncate(os.path.getsize(file) // 2)
+        raise OSError(28, "No space left on device")
+
+    fig.savefig = disk_full
+    with pytest.raises(OSError, match="No space left"):
+        atomic.save_figure(fig, path, dpi=80)
+    plt.close(fig)
+    assert path.read_bytes() == before and leftovers(tmp_path) == []
+
+
 def test_a_doctor_report_that_fails_to_render_leaves_the_old_report(tmp_path, monkeypatch):
     cases = doctor.op_cases()[:2]
     monkeypatch.setattr(doctor, "op_cases", lambda: cases[:1])

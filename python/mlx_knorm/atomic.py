@@ -2,7 +2,8 @@
 
 Every file the package writes for a user (query filters, prompt-cache
 files from ``cache-prompt``, doctor's reports, the results of ``eval``,
-``needle`` and the benchmarks) goes through ``atomic_path``: the writer
+``needle``, ``ruler`` and the benchmarks, their plots, ``evolution``'s
+and the training's records) goes through ``atomic_path``: the writer
 fills a temporary file in the target's own folder, which is flushed to
 disk and then renamed over the target in one step (``os.replace``). A
 write that fails part way (a full disk, an exception, a killed process)
@@ -64,6 +65,13 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     return write_bytes(path, text.encode("utf-8"))
 
 
+def save_figure(fig, path: str | os.PathLike, **savefig_kwargs) -> Path:
+    """A matplotlib figure to ``path``, atomically (its format from the suffix)."""
+    with atomic_path(path, suffix=Path(path).suffix) as temporary:
+        fig.savefig(temporary, **savefig_kwargs)
+    return Path(path)
+
+
 def _flush(path: Path) -> None:
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
@@ -83,4 +91,4 @@ def _flush_folder(folder: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["atomic_path", "write_bytes", "write_text"]
+__all__ = ["atomic_path", "save_figure", "write_bytes", "write_text"]

@@ -3,6 +3,7 @@ implementation (needs matplotlib, the extra ``plot``)."""
 
 from __future__ import annotations
 
+from ..atomic import save_figure
 from ..extras import install_hint
 from .cases import IMPLEMENTATIONS
 
@@ -48,4 +49,4 @@ def plot(report: dict, path: str) -> None:
         f"{report['device']}, {report['machine']['cpu_model'] or report['machine']['processor']}"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)

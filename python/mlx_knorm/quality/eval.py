@@ -56,6 +56,7 @@ from mlx_lm.models import base as mlx_lm_base
 from mlx_lm.models.cache import KVCache
 from tqdm import tqdm
 
+from ..atomic import save_figure
 from ..cache import L2NormKVCache, make_knorm_cache
 from ..scorers import as_query_filters
 from . import BUDGET_FRACTIONS, QUERY_CHUNK
@@ -707,5 +708,5 @@ def plot(results: Results, path: str, title: str) -> None:
     fig.suptitle(f"{title}: {results.n_seqs} sequences of {results.seq_len} tokens; metrics on the last half; "
                  "95% bootstrap intervals over sequences")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

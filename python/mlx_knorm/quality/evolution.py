@@ -20,6 +20,7 @@ from pathlib import Path
 
 from mlx_lm import load
 
+from ..atomic import save_figure, write_text
 from . import data, train
 from .eval import evaluate
 
@@ -80,7 +81,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         ax.set_xlabel("checkpoint (step, share of training)")
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
     if args.json:
         settings = {"seq_len": seq_len, "n_seqs": args.n_seqs, "n_sink": args.n_sink, "seed": args.seed,
                     "heldout_windows": f"{args.eval_windows} x {seq_len} bytes"}
-        Path(args.json).write_text(json.dumps({**settings, "checkpoints": rows}, indent=2) + "\n")
+        write_text(args.json, json.dumps({**settings, "checkpoints": rows}, indent=2) + "\n")
     return 0
 
 

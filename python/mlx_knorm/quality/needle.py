@@ -44,6 +44,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 
+from ..atomic import save_figure
 from . import (HAYSTACKS, NEEDLE_BUDGET_FRACTIONS, NEEDLE_CONTEXTS, NEEDLE_DEPTHS, NEEDLE_HAYSTACKS, NEEDLE_KEYS,
                PREFILL_STEP_SIZE)
 from ..scorers import as_query_filters
@@ -556,5 +557,5 @@ def plot(grid: Grid, path: str, title: str) -> None:
         fig.colorbar(image, ax=ax, fraction=0.02)
     fig.suptitle(f"{title}: needle accuracy, {config['keys']} keys per cell", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

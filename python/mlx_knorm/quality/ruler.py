@@ -33,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 
+from ..atomic import save_figure
 from ..scorers import as_query_filters
 from . import PREFILL_STEP_SIZE
 from .policies import FULL, Policy, attention_layers, policy_cache
@@ -259,5 +260,5 @@ def plot(run_: RulerRun, path: str, title: str) -> None:
     ax.set_ylim(-2, 102)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

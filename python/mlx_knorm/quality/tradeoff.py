@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..atomic import save_figure
 from ..validation import FLOAT_DTYPES
 from .policies import FULL, Policy, row_bytes
 from .stats import perplexity_interval, resample_indices
@@ -109,7 +110,7 @@ def plot(series: list[dict], path: str, title: str) -> None:
            title=title)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 

@@ -35,6 +35,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from tqdm import tqdm
 
+from ..atomic import atomic_path, write_text
 from . import MODEL_DIR, data
 from .byte_tokenizer import write_byte_tokenizer
 
@@ -109,9 +110,9 @@ def make_optimizer(lr: float, steps: int) -> optim.Optimizer:
 
 def save_model(model, config: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())),
-                        metadata={"format": "mlx"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    with atomic_path(out / "model.safetensors", suffix=".safetensors") as weights:
+        mx.save_safetensors(str(weights), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"})
+    write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
     write_byte_tokenizer(out)
 
 
@@ -161,7 +162,7 @@ def train(args) -> dict:
                 "wall_seconds": round(time.perf_counter() - started, 1),
                 "load_average_1min": load_average(), "path": str(path),
             }
-            (path / "CHECKPOINT.json").write_text(json.dumps(record, indent=2) + "\n")
+            write_text(path / "CHECKPOINT.json", json.dumps(record, indent=2) + "\n")
             checkpoints.append(record)
             tqdm.write(json.dumps(record))
     wall_seconds = time.perf_counter() - started
@@ -199,7 +200,7 @@ def train(args) -> dict:
         "mlx": mx.__version__,
         "machine": f"{platform.machine()} {platform.system()}, cpu, {os.cpu_count()} cores",
     }
-    (out / "TRAINING.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_text(out / "TRAINING.json", json.dumps(report, indent=2) + "\n")
     return report
 
 
