@@ -99,6 +99,31 @@ def test_convert_refuses_a_non_empty_directory(tmp_path):
         convert(tiny.path, tmp_path / "out")
 
 
+@pytest.mark.parametrize("existing", [False, True])
+def test_convert_that_fails_part_way_leaves_no_half_model(tmp_path, monkeypatch, existing):
+    """The model folder is written whole or not at all: a failure after the
+    weights are on disk leaves out_dir as it was (missing, or empty) and no
+    temporary folder behind; a later convert then succeeds."""
+    import mlx_knorm.models.loader as loader
+
+    tiny = _write(tmp_path, "llama", Q.Q8_0)
+    out = tmp_path / "models" / "converted"
+    if existing:
+        out.mkdir(parents=True)
+
+    def disk_full(directory, gguf_model):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(loader, "_write_files", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        convert(tiny.path, out)
+    assert (out.is_dir() and not any(out.iterdir())) if existing else not out.exists()
+    assert [p.name for p in out.parent.iterdir() if p != out] == []
+    monkeypatch.undo()
+    assert convert(tiny.path, out) == out and (out / "model.safetensors").is_file()
+    assert [p.name for p in out.parent.iterdir()] == ["converted"]
+
+
 def test_k_quants_are_dequantized_to_float32_and_reported(tmp_path, capsys):
     tiny = _write(tmp_path, "llama", Q.Q4_K, Q.Q6_K)
     model, _ = load(tiny.path)

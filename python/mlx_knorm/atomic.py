@@ -1,21 +1,23 @@
 """Files written whole or not at all.
 
 Every file the package writes for a user (query filters, prompt-cache
-files from ``cache-prompt``, doctor's reports, the results of ``eval``,
-``needle``, ``ruler`` and the benchmarks, their plots, ``evolution``'s
-and the training's records) goes through ``atomic_path``: the writer
-fills a temporary file in the target's own folder, which is flushed to
-disk and then renamed over the target in one step (``os.replace``). A
-write that fails part way (a full disk, an exception, a killed process)
-leaves the previous file as it was; the failed write's temporary file is
-removed where the process lives to do so (a killed one leaves a hidden
-``.NAME.*.partial*`` beside the target, never the target half-written).
+files from ``cache-prompt``, doctor's reports, the results and plots of
+``eval``, ``needle``, ``ruler``, ``evolution``, ``tradeoff`` and the
+benchmarks, the training's weights and records) goes through
+``atomic_path``, and ``convert``'s model folder through ``atomic_folder``:
+the writer fills a temporary file (folder) beside the target, which is
+flushed to disk and then renamed onto the target in one step
+(``os.replace``). A write that fails part way (a full disk, an exception,
+a killed process) leaves the previous file as it was; the failed write's
+temporary is removed where the process lives to do so (a killed one leaves
+a hidden ``.NAME.*.partial*`` beside the target, never the target half-written).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -49,6 +51,27 @@ def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
     except BaseException:
         with contextlib.suppress(OSError):
             temporary.unlink()
+        raise
+    _flush_folder(target.parent)
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary folder beside ``path`` (which must be missing or empty)
+    for a writer to fill; on a clean exit it is renamed onto ``path``, on
+    an exception removed, ``path`` left as it was."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial"))
+    try:
+        os.chmod(staging, 0o777 & ~_UMASK)
+        yield staging
+        for file in staging.rglob("*"):
+            if file.is_file():
+                _flush(file)
+        os.replace(staging, target)  # onto a missing or empty folder only
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
         raise
     _flush_folder(target.parent)
 
@@ -91,4 +114,4 @@ def _flush_folder(folder: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["atomic_path", "save_figure", "write_bytes", "write_text"]
+__all__ = ["atomic_folder", "atomic_path", "save_figure", "write_bytes", "write_text"]

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ..atomic import atomic_folder
 from .fetch import PACKAGED_MODELS, fetch
 from .gguf_file import UnsupportedGGUF, is_gguf
 
@@ -332,7 +333,9 @@ def convert(source: str | Path, out_dir: str | Path, *, dtype=None,
     _print_report(gguf_model, everything=True)
     model = build_model(gguf_model.config, gguf_model.weights)
     gguf_model.weights.clear()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_model(out_dir, model, donate_model=True)
-    _write_files(out_dir, gguf_model)
+    # Written whole or not at all: a folder beside out_dir, renamed onto it
+    # (missing or empty) once every file is in.
+    with atomic_folder(out_dir) as staging:
+        save_model(staging, model, donate_model=True)
+        _write_files(staging, gguf_model)
     return out_dir
