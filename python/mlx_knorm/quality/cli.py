@@ -7,18 +7,17 @@ mlx-lm, tqdm and matplotlib are imported here, not at package import, so that
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import sys
 import time
 from pathlib import Path
 
-from ..atomic import write_text
 from ..defaults import DEFAULT_N_SINK, DEFAULT_RECENT_SHARE, DEFAULT_SKIP_LAYERS
 from ..models.cli import MODEL_HELP, add_weight_arguments
 from . import (BUDGET_FRACTIONS, HAYSTACKS, MODEL_DIR, NEEDLE_BUDGET_FRACTIONS, NEEDLE_CONTEXTS, NEEDLE_DEPTHS,
                NEEDLE_FULL_KEYS, NEEDLE_HAYSTACKS, NEEDLE_KEYS, PREFILL_STEP_SIZE, QUERY_CHUNK)
+from .outputs import output_path, plot_path, write_json
 
 DEFAULT_SEQ_LEN = 1024
 DEMO_PROMPT = '"""Utilities for reading configuration files."""\n\nimport os\nimport sys\n\n\ndef '
@@ -155,7 +154,7 @@ def eval_command(args) -> int:
         print(f"plot: {args.plot}")
     if args.json:
         report = {"model": name, "text": source, "seed": args.seed, **results.report(), "timing": timing}
-        write_text(args.json, json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report)
     return 0
 
 
@@ -211,7 +210,7 @@ def needle_command(args) -> int:
         print(f"plot: {args.plot}")
     if args.json:
         report = {"model": args.model, **grid.report(), "timing": timing}
-        write_text(args.json, json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report)
     return 0
 
 
@@ -329,8 +328,8 @@ def register(commands) -> None:
     ev.add_argument("--query-chunk", type=_positive, default=QUERY_CHUNK,
                     help="query rows per attention block (memory: heads x rows x seq-len floats)")
     _add_jobs_argument(ev, "windows")
-    ev.add_argument("--plot", help="write a plot (PNG) here")
-    ev.add_argument("--json", help="write the numbers as JSON here")
+    ev.add_argument("--plot", type=plot_path, help="write a plot (PNG) here")
+    ev.add_argument("--json", type=output_path, help="write the numbers as JSON here")
     add_weight_arguments(ev)
     ev.set_defaults(func=eval_command)
 
@@ -376,8 +375,8 @@ def register(commands) -> None:
                     help="the query filters of the qfilter policies (default: where `mlx-knorm calibrate "
                          "--model M` writes them)")
     _add_jobs_argument(nd, "policies and budgets")
-    nd.add_argument("--plot", help="write the heatmaps (PNG) here")
-    nd.add_argument("--json", help="write every trial and the accuracies as JSON here")
+    nd.add_argument("--plot", type=plot_path, help="write the heatmaps (PNG) here")
+    nd.add_argument("--json", type=output_path, help="write every trial and the accuracies as JSON here")
     add_weight_arguments(nd)
     nd.set_defaults(func=needle_command)
 

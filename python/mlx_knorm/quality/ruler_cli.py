@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from ..atomic import write_text
 from ..defaults import DEFAULT_N_SINK
 from ..models.cli import MODEL_HELP, add_weight_arguments
 from . import PREFILL_STEP_SIZE
+from .outputs import output_path, plot_path, write_json
 
 
 def ruler_command(args) -> int:
@@ -46,7 +45,7 @@ def ruler_command(args) -> int:
         print(f"plot: {args.plot}")
     if args.json:
         report = {"model": args.model, **result.report(), "timing": timing}
-        write_text(args.json, json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report)
     return 0
 
 
@@ -96,7 +95,8 @@ def register(commands, *, fractions, positive, policies, add_jobs) -> None:
                     help="the query filters of the qfilter policies (default: where `mlx-knorm calibrate "
                          "--model M` writes them)")
     add_jobs(rl, "samples")
-    rl.add_argument("--plot", help="write the average against compression (PNG) here")
-    rl.add_argument("--json", help="write every sample, output and score, and the summary, as JSON here")
+    rl.add_argument("--plot", type=plot_path, help="write the average against compression (PNG) here")
+    rl.add_argument("--json", type=output_path,
+                    help="write every sample, output and score, and the summary, as JSON here")
     add_weight_arguments(rl)
     rl.set_defaults(func=ruler_command)

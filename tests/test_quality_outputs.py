@@ -1,0 +1,59 @@
+"""The quality commands' output files: a path that cannot be written stops the command before it loads a
+model (exit 2, naming the argument); files are replaced atomically."""
+
+import json
+
+import pytest
+
+from mlx_knorm.__main__ import main
+from mlx_knorm.quality import MODEL_DIR
+from mlx_knorm.atomic import save_figure
+from mlx_knorm.quality.outputs import write_json
+
+COMMANDS = {"ruler": ["--tasks", "vt", "--context", "700"], "needle": ["--contexts", "400"], "eval": []}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+@pytest.mark.parametrize("option,name", [("--json", "a-file/out.json"), ("--plot", "a-file/sub/out.png"),
+                                         ("--plot", "out.notaformat"), ("--json", ".")])
+def test_an_output_path_that_cannot_be_written_stops_the_command_first(command, option, name, tmp_path, capsys,
+                                                                       monkeypatch):
+    import mlx_knorm.quality.cli as quality_cli
+
+    def no_load(*_args, **_kwargs):
+        raise AssertionError("the model was loaded before the output path was checked")
+
+    monkeypatch.setattr(quality_cli, "load", no_load)
+    (tmp_path / "a-file").write_text("")  # a file where the output's folder would be
+    path = tmp_path if name == "." else tmp_path / name
+    with pytest.raises(SystemExit) as stopped:
+        main([command, "--model", str(MODEL_DIR), *COMMANDS[command], option, str(path)])
+    assert stopped.value.code == 2
+    assert f"argument {option}" in capsys.readouterr().err
+
+
+def test_write_json_replaces_the_file_whole_or_leaves_it(tmp_path):
+    path = tmp_path / "out.json"
+    write_json(path, {"a": 1})
+    assert json.loads(path.read_text()) == {"a": 1}
+    with pytest.raises(TypeError):
+        write_json(path, {"a": object()})
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+def test_save_figure_writes_the_suffixs_format_and_leaves_no_temporary(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, _ = plt.subplots()
+    save_figure(fig, tmp_path / "a.png")
+    save_figure(fig, tmp_path / "b.svg")
+    save_figure(fig, tmp_path / "c")  # no suffix: PNG, as --plot takes it
+    plt.close(fig)
+    assert (tmp_path / "a.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "c").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert b"<svg" in (tmp_path / "b.svg").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "b.svg", "c"]
