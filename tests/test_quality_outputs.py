@@ -1,5 +1,5 @@
-"""The quality commands' output files: a path that cannot be written stops the command before it loads a
-model (exit 2, naming the argument); files are replaced atomically."""
+"""The quality commands' arguments and output files: a bad one stops the command before it loads a model
+(exit 2, naming the argument); files are replaced atomically."""
 
 import json
 
@@ -57,3 +57,20 @@ def test_save_figure_writes_the_suffixs_format_and_leaves_no_temporary(tmp_path)
     assert (tmp_path / "c").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert b"<svg" in (tmp_path / "b.svg").read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "b.svg", "c"]
+
+
+@pytest.mark.parametrize("command", ["ruler", "needle", "eval", "demo"])
+def test_a_negative_n_sink_is_refused_by_name(command, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main([command, "--model", str(MODEL_DIR), "--n-sink", "-1"])
+    assert stopped.value.code == 2
+    assert "argument --n-sink: must be >= 0" in capsys.readouterr().err
+
+
+def test_ruler_run_refuses_a_negative_n_sink_by_name():
+    from mlx_knorm.models.loader import load
+    from mlx_knorm.quality.ruler import run
+
+    model, tokenizer = load(str(MODEL_DIR))
+    with pytest.raises(ValueError, match="n_sink must be a non-negative int"):
+        run(model, tokenizer, tasks=["vt"], context=512, n_sink=-1)

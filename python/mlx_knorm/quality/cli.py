@@ -58,6 +58,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _add_jobs_argument(parser, unit: str) -> None:
     parser.add_argument("--jobs", type=_positive, default=1,
                         help=f"processes to share the {unit} among, each loading the model and using one BLAS "
@@ -310,7 +317,8 @@ def register(commands) -> None:
     ev.add_argument("--budgets", type=_fractions, default=list(BUDGET_FRACTIONS),
                     help="cache budgets as fractions of --seq-len, comma-separated: KV rows per full-attention "
                          "layer on average, the same memory for every policy")
-    ev.add_argument("--n-sink", type=int, default=DEFAULT_N_SINK, help="protected first tokens, for every policy")
+    ev.add_argument("--n-sink", type=_non_negative, default=DEFAULT_N_SINK,
+                    help="protected first tokens, for every policy")
     ev.add_argument("--policies", type=_policies,
                     help="policies separated by spaces or semicolons, each SCORE[+recent=F][+skip=I,J][+bits=B] "
                          "with SCORE keep-low, keep-high, keydiff, vnorm, qfilter, window or random, F a share of the budget, I,J layers "
@@ -367,7 +375,8 @@ def register(commands) -> None:
     nd.add_argument("--keys", type=_positive,
                     help="keys per (context, depth): the same keys for every policy "
                          f"(default: {NEEDLE_KEYS}; --full-grid: {NEEDLE_FULL_KEYS})")
-    nd.add_argument("--n-sink", type=int, default=DEFAULT_N_SINK, help="protected first tokens, for every policy")
+    nd.add_argument("--n-sink", type=_non_negative, default=DEFAULT_N_SINK,
+                    help="protected first tokens, for every policy")
     nd.add_argument("--prefill-step-size", type=_positive, default=PREFILL_STEP_SIZE,
                     help="prompt tokens per model call (generate_step's prefill_step_size)")
     nd.add_argument("--seed", type=int, default=0, help="seed of the keys and of random eviction")
@@ -396,15 +405,15 @@ def register(commands) -> None:
 
     from .ruler_cli import register as register_ruler
 
-    register_ruler(commands, fractions=_fractions, positive=_positive, policies=_policies,
-                   add_jobs=_add_jobs_argument)
+    register_ruler(commands, fractions=_fractions, positive=_positive, non_negative=_non_negative,
+                   policies=_policies, add_jobs=_add_jobs_argument)
 
     demo = commands.add_parser("demo", help="generate under make_knorm_cache (the shipped model by default)")
     demo.add_argument("--model", help=f"{MODEL_HELP} (default: the shipped byte-level model)")
     demo.add_argument("--prompt", default=DEMO_PROMPT)
     demo.add_argument("--max-tokens", type=int, default=400)
     demo.add_argument("--budget", type=int, default=128)
-    demo.add_argument("--n-sink", type=int, default=DEFAULT_N_SINK)
+    demo.add_argument("--n-sink", type=_non_negative, default=DEFAULT_N_SINK)
     demo.add_argument("--recent", type=int,
                       help="latest tokens always kept (default: make_knorm_cache's, "
                            f"{DEFAULT_RECENT_SHARE} of the budget)")

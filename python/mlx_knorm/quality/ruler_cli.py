@@ -49,7 +49,7 @@ def ruler_command(args) -> int:
     return 0
 
 
-def register(commands, *, fractions, positive, policies, add_jobs) -> None:
+def register(commands, *, fractions, positive, non_negative, policies, add_jobs) -> None:
     """Add ``ruler``; the argument types are the quality commands' own (``quality.cli``)."""
     from .ruler import RULER_BUDGET_FRACTIONS, RULER_CONTEXT, RULER_SAMPLES
     from .ruler_tasks import ALL_TASKS, TASKS
@@ -87,7 +87,8 @@ def register(commands, *, fractions, positive, policies, add_jobs) -> None:
                     help="a UTF-8 text file for the essay haystacks (default: Python's reference documentation)")
     rl.add_argument("--max-tokens", type=positive,
                     help="answer tokens of every task (default: RULER's per task: 128 needle, 30 vt, 120 cwe, 50 fwe)")
-    rl.add_argument("--n-sink", type=int, default=DEFAULT_N_SINK, help="protected first tokens, for every policy")
+    rl.add_argument("--n-sink", type=non_negative, default=DEFAULT_N_SINK,
+                    help="protected first tokens, for every policy")
     rl.add_argument("--prefill-step-size", type=positive, default=PREFILL_STEP_SIZE,
                     help="prompt tokens per model call (generate_step's prefill_step_size)")
     rl.add_argument("--seed", type=int, default=0, help="seed of the samples and of random eviction")
