@@ -202,3 +202,39 @@ def test_load_makes_an_mlx_lm_models_weights_float32_on_a_cpu_with_a_fast_blas(t
     assert hasattr(_up_proj(load(out, lazy=True)[0]), "scales")
     _fast(monkeypatch, True, memory=loader.model_float32_bytes(stored))  # more than half of it
     assert hasattr(_up_proj(load(out)[0]), "scales")
+
+
+def _slow_cpu(monkeypatch, setting: str) -> None:
+    monkeypatch.setattr(blas, "blas_in_use", lambda: {"name": "reference BLAS", "path": "/x", "fast": False,
+                                                      "preloaded": False})
+    monkeypatch.setattr(blas, "_on_cpu", lambda: True)
+    monkeypatch.setattr(blas, "_hinted", False)
+    monkeypatch.delenv(blas.REEXEC_ENV, raising=False)
+    monkeypatch.setenv(blas.OPT_ENV, setting)
+
+
+def test_a_named_path_is_resolved_so_ld_preload_can_hold_it(tmp_path, monkeypatch, capsys):
+    # LD_PRELOAD splits at spaces and colons: a link in a directory with a space is preloaded by its target.
+    bundled = os.path.realpath(_bundled_blas())
+    spaced = tmp_path / "my libs"
+    spaced.mkdir()
+    (spaced / "libblas.so").symlink_to(bundled)
+    _slow_cpu(monkeypatch, str(spaced / "libblas.so"))
+    assert blas.preload_plan() == bundled
+    assert capsys.readouterr().err == ""
+
+
+def test_a_named_library_that_cannot_be_preloaded_says_so_once_and_no_hint(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    spaced = tmp_path / "my libs"
+    spaced.mkdir()
+    shutil.copy(_bundled_blas(), spaced / "libblas.so")
+    for setting, problem in ((str(spaced / "libblas.so"), "space or colon"),
+                             (str(tmp_path / "missing.so"), "not a shared library")):
+        _slow_cpu(monkeypatch, setting)
+        assert blas.preload_plan() is None
+        blas.hint_once()  # as load's dtype='auto' calls it later in the process
+        err = capsys.readouterr().err
+        assert err.count(blas.OPT_ENV + "=" + setting) == 1 and problem in err
+        assert blas.INSTALL_HINT not in err
