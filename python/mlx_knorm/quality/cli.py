@@ -129,13 +129,19 @@ def eval_command(args) -> int:
     from . import data
     from .eval import evaluate, markdown_table, plot
 
+    text = None
+    if args.text and args.text != data.PYDOC_TOPICS:
+        try:
+            text = Path(args.text).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            print(f"mlx-knorm eval: --text {args.text}: {error}", file=sys.stderr)
+            return 2
     model, tokenizer, config = load(args.model, args)
     seq_len = args.seq_len or min(DEFAULT_SEQ_LEN, config.get("max_position_embeddings") or DEFAULT_SEQ_LEN)
     if args.text == data.PYDOC_TOPICS:
         sequences = data.text_sequences(tokenizer, data.pydoc_topics(), seq_len, args.n_seqs)
         source = "pydoc_data.topics, sorted by topic"
-    elif args.text:
-        text = Path(args.text).read_text(encoding="utf-8")
+    elif text is not None:
         sequences = data.text_sequences(tokenizer, text, seq_len, args.n_seqs)
         source = args.text
     else:
