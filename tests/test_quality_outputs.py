@@ -76,13 +76,15 @@ def test_ruler_run_refuses_a_negative_n_sink_by_name():
         run(model, tokenizer, tasks=["vt"], context=512, n_sink=-1)
 
 
-@pytest.mark.parametrize("content", [None, b"\xff\xfe not utf-8"])
-def test_eval_text_that_cannot_be_read_stops_before_the_model_loads(content, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("command,option", [("eval", "--text"), ("needle", "--haystack"), ("ruler", "--haystack")])
+@pytest.mark.parametrize("content", [None, b"\xff\xfe not utf-8", b"", b" \n\t\n"])
+def test_a_text_file_that_cannot_be_used_stops_before_the_model_loads(command, option, content, tmp_path, capsys,
+                                                                      monkeypatch):
     import mlx_knorm.quality.cli as quality_cli
 
     monkeypatch.setattr(quality_cli, "load", lambda *a, **k: pytest.fail("the model was loaded first"))
     path = tmp_path / "text.txt"
     if content is not None:
         path.write_bytes(content)
-    assert main(["eval", "--text", str(path)]) == 2
-    assert f"--text {path}" in capsys.readouterr().err
+    assert main([command, option, str(path)]) == 2
+    assert f"{option} {path}" in capsys.readouterr().err

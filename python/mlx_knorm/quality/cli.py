@@ -17,7 +17,7 @@ from ..defaults import DEFAULT_N_SINK, DEFAULT_RECENT_SHARE, DEFAULT_SKIP_LAYERS
 from ..models.cli import MODEL_HELP, add_weight_arguments
 from . import (BUDGET_FRACTIONS, HAYSTACKS, MODEL_DIR, NEEDLE_BUDGET_FRACTIONS, NEEDLE_CONTEXTS, NEEDLE_DEPTHS,
                NEEDLE_FULL_KEYS, NEEDLE_HAYSTACKS, NEEDLE_KEYS, PREFILL_STEP_SIZE, QUERY_CHUNK)
-from .outputs import output_path, plot_path, write_json
+from .outputs import output_path, plot_path, read_text_file, write_json
 
 DEFAULT_SEQ_LEN = 1024
 DEMO_PROMPT = '"""Utilities for reading configuration files."""\n\nimport os\nimport sys\n\n\ndef '
@@ -132,9 +132,9 @@ def eval_command(args) -> int:
     text = None
     if args.text and args.text != data.PYDOC_TOPICS:
         try:
-            text = Path(args.text).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as error:
-            print(f"mlx-knorm eval: --text {args.text}: {error}", file=sys.stderr)
+            text = read_text_file(args.text, "--text")
+        except ValueError as error:
+            print(f"mlx-knorm eval: {error}", file=sys.stderr)
             return 2
     model, tokenizer, config = load(args.model, args)
     seq_len = args.seq_len or min(DEFAULT_SEQ_LEN, config.get("max_position_embeddings") or DEFAULT_SEQ_LEN)
@@ -197,9 +197,9 @@ def needle_command(args) -> int:
     haystack_text = None
     if args.haystack is not None:
         try:
-            haystack_text = Path(args.haystack).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as error:
-            print(f"mlx-knorm needle: --haystack {args.haystack}: {error}", file=sys.stderr)
+            haystack_text = read_text_file(args.haystack, "--haystack")
+        except ValueError as error:
+            print(f"mlx-knorm needle: {error}", file=sys.stderr)
             return 2
         if args.haystacks is None:
             grid_options["haystacks"] = ["prose"]

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..defaults import DEFAULT_N_SINK
 from ..models.cli import MODEL_HELP, add_weight_arguments
 from . import PREFILL_STEP_SIZE
-from .outputs import output_path, plot_path, write_json
+from .outputs import output_path, plot_path, read_text_file, write_json
 
 
 def ruler_command(args) -> int:
@@ -19,9 +19,9 @@ def ruler_command(args) -> int:
     haystack_text = None
     if args.haystack is not None:
         try:
-            haystack_text = Path(args.haystack).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as error:
-            print(f"mlx-knorm ruler: --haystack {args.haystack}: {error}", file=sys.stderr)
+            haystack_text = read_text_file(args.haystack, "--haystack")
+        except ValueError as error:
+            print(f"mlx-knorm ruler: {error}", file=sys.stderr)
             return 2
     model, tokenizer, _ = load(args.model, args)
     clock = Clock()
