@@ -238,3 +238,13 @@ def test_a_named_library_that_cannot_be_preloaded_says_so_once_and_no_hint(tmp_p
         err = capsys.readouterr().err
         assert err.count(blas.OPT_ENV + "=" + setting) == 1 and problem in err
         assert blas.INSTALL_HINT not in err
+
+
+@pytest.mark.parametrize("dtype", ["AUTO", 123, "float32"])
+def test_load_names_a_dtype_an_mlx_lm_model_cannot_take(dtype):
+    from mlx_knorm.quality import MODEL_DIR
+
+    with pytest.raises(ValueError, match=f"dtype must be 'auto', 'stored' or None for an mlx-lm model, got {dtype!r}"):
+        load(str(MODEL_DIR), dtype=dtype)
+    with pytest.raises(ValueError, match="requantize applies to GGUF files only"):
+        load(str(MODEL_DIR), requantize=(4, 64))

@@ -283,9 +283,11 @@ def load(path_or_repo: str | Path, tokenizer_config: dict | None = None, model_c
     if not is_gguf(source):
         if str(source).endswith(".gguf") and not Path(source).exists():
             raise FileNotFoundError(f"no such GGUF file: {source}")
-        if not (dtype is None or _is_auto(dtype) or (isinstance(dtype, str) and dtype == "stored")) \
-                or requantize is not None:
-            raise ValueError("dtype and requantize apply to GGUF files only")
+        if not (dtype is None or _is_auto(dtype) or (isinstance(dtype, str) and dtype == "stored")):
+            raise ValueError(f"dtype must be 'auto', 'stored' or None for an mlx-lm model, got {dtype!r} "
+                             "(a float type, and requantize, apply to GGUF files only)")
+        if requantize is not None:
+            raise ValueError("requantize applies to GGUF files only")
         from mlx_lm import load as mlx_lm_load
 
         loaded = mlx_lm_load(str(source), tokenizer_config=tokenizer_config, model_config=model_config,
