@@ -15,7 +15,7 @@ COMMANDS = {"ruler": ["--tasks", "vt", "--context", "700"], "needle": ["--contex
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 @pytest.mark.parametrize("option,name", [("--json", "a-file/out.json"), ("--plot", "a-file/sub/out.png"),
-                                         ("--plot", "out.notaformat"), ("--json", ".")])
+                                         ("--plot", "out.notaformat"), ("--json", "."), ("--json", "")])
 def test_an_output_path_that_cannot_be_written_stops_the_command_first(command, option, name, tmp_path, capsys,
                                                                        monkeypatch):
     import mlx_knorm.quality.cli as quality_cli
@@ -25,7 +25,7 @@ def test_an_output_path_that_cannot_be_written_stops_the_command_first(command, 
 
     monkeypatch.setattr(quality_cli, "load", no_load)
     (tmp_path / "a-file").write_text("")  # a file where the output's folder would be
-    path = tmp_path if name == "." else tmp_path / name
+    path = {".": tmp_path, "": ""}.get(name, tmp_path / name)
     with pytest.raises(SystemExit) as stopped:
         main([command, "--model", str(MODEL_DIR), *COMMANDS[command], option, str(path)])
     assert stopped.value.code == 2
@@ -88,3 +88,11 @@ def test_a_text_file_that_cannot_be_used_stops_before_the_model_loads(command, o
         path.write_bytes(content)
     assert main([command, option, str(path)]) == 2
     assert f"{option} {path}" in capsys.readouterr().err
+
+
+def test_an_output_in_a_folder_yet_to_be_made_is_taken_and_written(tmp_path):
+    from mlx_knorm.quality.outputs import output_path
+
+    path = output_path(str(tmp_path / "new" / "deeper" / "out.json"))
+    write_json(path, [1])
+    assert json.loads((tmp_path / "new" / "deeper" / "out.json").read_text()) == [1]

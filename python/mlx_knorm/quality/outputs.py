@@ -14,8 +14,10 @@ from ..atomic import write_text
 def output_path(text: str) -> str:
     """An argparse type: a file path that is not a folder, whose folder exists or can be made
     (``atomic_path`` makes it): the nearest existing one is a folder this process can write in."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path")
     path = Path(text).expanduser()
-    if not text or path.is_dir():
+    if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file to write")
     folder = path.parent
     while not folder.exists() and folder != folder.parent:
