@@ -248,3 +248,24 @@ def test_load_names_a_dtype_an_mlx_lm_model_cannot_take(dtype):
         load(str(MODEL_DIR), dtype=dtype)
     with pytest.raises(ValueError, match="requantize applies to GGUF files only"):
         load(str(MODEL_DIR), requantize=(4, 64))
+
+
+def _worker_weights_are_float32(model, _tokenizer, _task, _bar) -> bool:
+    return loader.all_float32(model)
+
+
+def test_workers_take_the_weights_their_parent_took(tmp_path, monkeypatch):
+    # A worker's own dtype='auto' could come out otherwise (another memory reading; here its BLAS is the
+    # reference one): it follows the parent's, so every process of a --jobs run has the same weights.
+    from tqdm import tqdm
+
+    from mlx_knorm.quality.workers import ModelSpec, map_tasks
+
+    tiny = write_model(tmp_path / "tiny.gguf", "llama", Q.Q8_0)
+    _fast(monkeypatch, True)
+    model, tokenizer = load(tiny.path)
+    assert loader.all_float32(model)
+    with tqdm(disable=True) as bar:
+        out = map_tasks(_worker_weights_are_float32, [0, 1], jobs=2, bar=bar, model=model, tokenizer=tokenizer,
+                        model_spec=ModelSpec(tiny.path, "auto"))
+    assert out == [True, True]

@@ -60,6 +60,21 @@ def available_memory() -> int | None:
         return None
 
 
+# Set by a process for the workers it starts (quality.workers): its own model's dtype='auto' outcome, "1"
+# (float32) or "0", which theirs follows, so that every process runs the same weights whatever memory each sees.
+AUTO_FLOAT32_ENV = "MLX_KNORM_AUTO_FLOAT32"
+
+
+def all_float32(model) -> bool:
+    """Whether every floating parameter of ``model`` is float32 and no layer is quantized."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    return all(p.dtype == mx.float32 for _, p in tree_flatten(model.parameters())
+               if mx.issubdtype(p.dtype, mx.floating)) and \
+        not any(hasattr(m, "bits") and "scales" in m for _, m in model.named_modules())
+
+
 def float32_fits_fast_cpu(nbytes: int) -> bool:
     """Whether ``dtype="auto"`` takes float32 weights of ``nbytes``: on the CPU device when MLX's BLAS is a
     fast one and they take at most half the available memory; never with ``MLX_KNORM_FAST_BLAS=0`` (the
@@ -72,6 +87,9 @@ def float32_fits_fast_cpu(nbytes: int) -> bool:
 
     from .. import blas
 
+    decided = os.environ.get(AUTO_FLOAT32_ENV)
+    if decided in ("0", "1"):
+        return decided == "1"
     if mx.default_device() != mx.cpu or blas.opted_out():
         return False
     if not blas.blas_in_use()["fast"]:
@@ -100,12 +118,9 @@ def to_float32(model) -> bool:
     """Make ``model``'s quantized layers float ones (mlx-lm's ``dequantize_model``) and every float
     parameter float32, in place; whether anything changed."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_lm.utils import dequantize_model
 
-    params = tree_flatten(model.parameters())
-    if all(p.dtype == mx.float32 for _, p in params if mx.issubdtype(p.dtype, mx.floating)) and \
-            not any(hasattr(m, "bits") and "scales" in m for _, m in model.named_modules()):
+    if all_float32(model):
         return False
     dequantize_model(model)
     model.set_dtype(mx.float32)
