@@ -96,3 +96,13 @@ def test_an_output_in_a_folder_yet_to_be_made_is_taken_and_written(tmp_path):
     path = output_path(str(tmp_path / "new" / "deeper" / "out.json"))
     write_json(path, [1])
     assert json.loads((tmp_path / "new" / "deeper" / "out.json").read_text()) == [1]
+
+
+def test_needle_refuses_a_haystack_file_it_would_not_read(tmp_path, capsys, monkeypatch):
+    import mlx_knorm.quality.cli as quality_cli
+
+    monkeypatch.setattr(quality_cli, "load", lambda *a, **k: pytest.fail("the model was loaded first"))
+    path = tmp_path / "text.txt"
+    path.write_text("Some prose of my own. " * 20)
+    assert main(["needle", "--haystack", str(path), "--haystacks", "passkey"]) == 2
+    assert "--haystacks passkey has no prose" in capsys.readouterr().err

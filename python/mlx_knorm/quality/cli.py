@@ -203,6 +203,10 @@ def needle_command(args) -> int:
             return 2
         if args.haystacks is None:
             grid_options["haystacks"] = ["prose"]
+        elif "prose" not in grid_options["haystacks"]:
+            print(f"mlx-knorm needle: --haystack {args.haystack} is the prose haystack's text, and --haystacks "
+                  f"{','.join(grid_options['haystacks'])} has no prose", file=sys.stderr)
+            return 2
     model, tokenizer, _ = load(args.model, args)
     clock = Clock()
     try:
