@@ -106,3 +106,13 @@ def test_needle_refuses_a_haystack_file_it_would_not_read(tmp_path, capsys, monk
     path.write_text("Some prose of my own. " * 20)
     assert main(["needle", "--haystack", str(path), "--haystacks", "passkey"]) == 2
     assert "--haystacks passkey has no prose" in capsys.readouterr().err
+
+
+def test_ruler_refuses_a_haystack_file_no_task_reads(tmp_path, capsys, monkeypatch):
+    import mlx_knorm.quality.cli as quality_cli
+
+    monkeypatch.setattr(quality_cli, "load", lambda *a, **k: pytest.fail("the model was loaded first"))
+    path = tmp_path / "text.txt"
+    path.write_text("Some prose of my own. " * 20)
+    assert main(["ruler", "--haystack", str(path), "--tasks", "vt,niah_single_1"]) == 2
+    assert "--tasks vt,niah_single_1 has none" in capsys.readouterr().err

@@ -18,6 +18,12 @@ def ruler_command(args) -> int:
 
     haystack_text = None
     if args.haystack is not None:
+        from .ruler_tasks import ESSAY_TASKS
+
+        if not set(args.tasks) & set(ESSAY_TASKS):
+            print(f"mlx-knorm ruler: --haystack {args.haystack} is the essay haystacks' text, and --tasks "
+                  f"{','.join(args.tasks)} has none (they are {', '.join(ESSAY_TASKS)})", file=sys.stderr)
+            return 2
         try:
             haystack_text = read_text_file(args.haystack, "--haystack")
         except ValueError as error:

@@ -79,6 +79,8 @@ NIAH = {
 }
 # Not in RULER's set: a single needle with a word value (RULER has number and UUID values).
 EXTRA_NIAH = {"niah_single_words": NiahSpec("essay", "words", "words")}
+# The tasks whose haystack is prose (``haystack_text``'s).
+ESSAY_TASKS = tuple(name for name, spec in {**NIAH, **EXTRA_NIAH}.items() if spec.haystack == "essay")
 TASKS = (*NIAH, "vt", "cwe", "fwe")  # RULER's synthetic tasks, its average's order
 ALL_TASKS = (*TASKS, *EXTRA_NIAH)
 # RULER's tokens_to_generate per task.
