@@ -20,9 +20,9 @@ compare; the code is ours):
 Keys and common words come from the ``wonderwords`` package's word lists
 (as RULER's do); the QA tasks need downloaded datasets and are left out.
 Each prompt is the longest whose tokens, with the task's answer budget,
-fit the context (a task whose generator runs out first, as cwe's word list does near
-100k words' tokens, is refused rather than cut short). Scoring is RULER's ``string_match_all``: the share of the
-expected answers found (case-insensitive) in the model's output.
+fit the context (a task whose generator runs out first, as cwe's word list does past
+roughly 100k subword tokens, is refused rather than cut short). Scoring is RULER's
+``string_match_all``: the share of the expected answers found (case-insensitive) in the model's output.
 """
 
 from __future__ import annotations
