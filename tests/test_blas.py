@@ -202,3 +202,70 @@ def test_load_makes_an_mlx_lm_models_weights_float32_on_a_cpu_with_a_fast_blas(t
     assert hasattr(_up_proj(load(out, lazy=True)[0]), "scales")
     _fast(monkeypatch, True, memory=loader.model_float32_bytes(stored))  # more than half of it
     assert hasattr(_up_proj(load(out)[0]), "scales")
+
+
+def _slow_cpu(monkeypatch, setting: str) -> None:
+    monkeypatch.setattr(blas, "blas_in_use", lambda: {"name": "reference BLAS", "path": "/x", "fast": False,
+                                                      "preloaded": False})
+    monkeypatch.setattr(blas, "_on_cpu", lambda: True)
+    monkeypatch.setattr(blas, "_hinted", False)
+    monkeypatch.delenv(blas.REEXEC_ENV, raising=False)
+    monkeypatch.setenv(blas.OPT_ENV, setting)
+
+
+def test_a_named_path_is_resolved_so_ld_preload_can_hold_it(tmp_path, monkeypatch, capsys):
+    # LD_PRELOAD splits at spaces and colons: a link in a directory with a space is preloaded by its target.
+    bundled = os.path.realpath(_bundled_blas())
+    spaced = tmp_path / "my libs"
+    spaced.mkdir()
+    (spaced / "libblas.so").symlink_to(bundled)
+    _slow_cpu(monkeypatch, str(spaced / "libblas.so"))
+    assert blas.preload_plan() == bundled
+    assert capsys.readouterr().err == ""
+
+
+def test_a_named_library_that_cannot_be_preloaded_says_so_once_and_no_hint(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    spaced = tmp_path / "my libs"
+    spaced.mkdir()
+    shutil.copy(_bundled_blas(), spaced / "libblas.so")
+    for setting, problem in ((str(spaced / "libblas.so"), "space or colon"),
+                             (str(tmp_path / "missing.so"), "not a shared library")):
+        _slow_cpu(monkeypatch, setting)
+        assert blas.preload_plan() is None
+        blas.hint_once()  # as load's dtype='auto' calls it later in the process
+        err = capsys.readouterr().err
+        assert err.count(blas.OPT_ENV + "=" + setting) == 1 and problem in err
+        assert blas.INSTALL_HINT not in err
+
+
+@pytest.mark.parametrize("dtype", ["AUTO", 123, "float32"])
+def test_load_names_a_dtype_an_mlx_lm_model_cannot_take(dtype):
+    from mlx_knorm.quality import MODEL_DIR
+
+    with pytest.raises(ValueError, match=f"dtype must be 'auto', 'stored' or None for an mlx-lm model, got {dtype!r}"):
+        load(str(MODEL_DIR), dtype=dtype)
+    with pytest.raises(ValueError, match="requantize applies to GGUF files only"):
+        load(str(MODEL_DIR), requantize=(4, 64))
+
+
+def _worker_weights_are_float32(model, _tokenizer, _task, _bar) -> bool:
+    return loader.all_float32(model)
+
+
+def test_workers_take_the_weights_their_parent_took(tmp_path, monkeypatch):
+    # A worker's own dtype='auto' could come out otherwise (another memory reading; here its BLAS is the
+    # reference one): it follows the parent's, so every process of a --jobs run has the same weights.
+    from tqdm import tqdm
+
+    from mlx_knorm.quality.workers import ModelSpec, map_tasks
+
+    tiny = write_model(tmp_path / "tiny.gguf", "llama", Q.Q8_0)
+    _fast(monkeypatch, True)
+    model, tokenizer = load(tiny.path)
+    assert loader.all_float32(model)
+    with tqdm(disable=True) as bar:
+        out = map_tasks(_worker_weights_are_float32, [0, 1], jobs=2, bar=bar, model=model, tokenizer=tokenizer,
+                        model_spec=ModelSpec(tiny.path, "auto"))
+    assert out == [True, True]

@@ -89,7 +89,12 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
 
 
 def save_figure(fig, path: str | os.PathLike, **savefig_kwargs) -> Path:
-    """A matplotlib figure to ``path``, atomically (its format from the suffix)."""
+    """A matplotlib figure to ``path``, atomically (its format from the suffix; without one, matplotlib's
+    default, ``savefig.format``, as ``fig.savefig(path)`` takes it: the temporary name's suffix is not it)."""
+    if not Path(path).suffix and "format" not in savefig_kwargs:
+        import matplotlib
+
+        savefig_kwargs["format"] = matplotlib.rcParams["savefig.format"]
     with atomic_path(path, suffix=Path(path).suffix) as temporary:
         fig.savefig(temporary, **savefig_kwargs)
     return Path(path)

@@ -156,21 +156,42 @@ def _on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
-def preload_target() -> str | None:
-    """The library a re-execution would preload: ``MLX_KNORM_FAST_BLAS``'s path, else an installed OpenBLAS."""
+def named_library() -> str | None:
+    """``MLX_KNORM_FAST_BLAS``'s library, or None where it names none (unset, ``1``, ``auto``, ...)."""
     chosen = os.environ.get(OPT_ENV, "").strip()
-    if chosen and chosen.lower() not in ("1", "on", "yes", "true", "auto"):
-        if not _exports_sgemm(chosen):
-            print(f"mlx-knorm: {OPT_ENV}={chosen} is not a shared library that exports cblas_sgemm; "
-                  "going on with the BLAS MLX has", file=sys.stderr)
-            return None
-        return chosen
-    return find_fast_blas()
+    if not chosen or chosen.lower() in ("1", "on", "yes", "true", "auto"):
+        return None
+    return chosen
+
+
+def preload_target() -> str | None:
+    """The library a re-execution would preload: ``MLX_KNORM_FAST_BLAS``'s, else an installed OpenBLAS.
+
+    A named path is resolved (links followed): ``LD_PRELOAD`` splits its list at spaces and colons, so a
+    path that still has one cannot be preloaded. A named library that cannot be preloaded is reported on
+    stderr, once, and stands for the hint (whoever named it knows of the fast path).
+    """
+    global _hinted
+    chosen = named_library()
+    if chosen is None:
+        return find_fast_blas()
+    library = os.path.realpath(chosen) if os.sep in chosen else chosen  # a bare name: the linker's search
+    if any(c.isspace() or c == ":" for c in library):
+        problem = "has a space or colon, which LD_PRELOAD cannot hold (a link to it from a plain path can)"
+    elif not _exports_sgemm(library):
+        problem = "is not a shared library that exports cblas_sgemm"
+    else:
+        return library
+    if not _hinted:
+        print(f"mlx-knorm: {OPT_ENV}={chosen} {problem}; going on with the BLAS MLX has", file=sys.stderr)
+    _hinted = True
+    return None
 
 
 def preload_plan() -> str | None:
     """The library to re-execute with, or None: not on Linux, not on the CPU device, opted out, already
-    re-executed, MLX's BLAS already fast, or nothing to preload (then ``INSTALL_HINT`` is printed once)."""
+    re-executed, MLX's BLAS already fast, or nothing to preload (then ``INSTALL_HINT`` is printed once, or
+    the line on a named library that cannot be preloaded)."""
     if (not sys.platform.startswith("linux") or opted_out() or os.environ.get(REEXEC_ENV)
             or not _on_cpu() or blas_in_use()["fast"]):
         return None

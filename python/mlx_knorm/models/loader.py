@@ -60,6 +60,21 @@ def available_memory() -> int | None:
         return None
 
 
+# Set by a process for the workers it starts (quality.workers): its own model's dtype='auto' outcome, "1"
+# (float32) or "0", which theirs follows, so that every process runs the same weights whatever memory each sees.
+AUTO_FLOAT32_ENV = "MLX_KNORM_AUTO_FLOAT32"
+
+
+def all_float32(model) -> bool:
+    """Whether every floating parameter of ``model`` is float32 and no layer is quantized."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    return all(p.dtype == mx.float32 for _, p in tree_flatten(model.parameters())
+               if mx.issubdtype(p.dtype, mx.floating)) and \
+        not any(hasattr(m, "bits") and "scales" in m for _, m in model.named_modules())
+
+
 def float32_fits_fast_cpu(nbytes: int) -> bool:
     """Whether ``dtype="auto"`` takes float32 weights of ``nbytes``: on the CPU device when MLX's BLAS is a
     fast one and they take at most half the available memory; never with ``MLX_KNORM_FAST_BLAS=0`` (the
@@ -72,6 +87,9 @@ def float32_fits_fast_cpu(nbytes: int) -> bool:
 
     from .. import blas
 
+    decided = os.environ.get(AUTO_FLOAT32_ENV)
+    if decided in ("0", "1"):
+        return decided == "1"
     if mx.default_device() != mx.cpu or blas.opted_out():
         return False
     if not blas.blas_in_use()["fast"]:
@@ -100,12 +118,9 @@ def to_float32(model) -> bool:
     """Make ``model``'s quantized layers float ones (mlx-lm's ``dequantize_model``) and every float
     parameter float32, in place; whether anything changed."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_lm.utils import dequantize_model
 
-    params = tree_flatten(model.parameters())
-    if all(p.dtype == mx.float32 for _, p in params if mx.issubdtype(p.dtype, mx.floating)) and \
-            not any(hasattr(m, "bits") and "scales" in m for _, m in model.named_modules()):
+    if all_float32(model):
         return False
     dequantize_model(model)
     model.set_dtype(mx.float32)
@@ -283,9 +298,11 @@ def load(path_or_repo: str | Path, tokenizer_config: dict | None = None, model_c
     if not is_gguf(source):
         if str(source).endswith(".gguf") and not Path(source).exists():
             raise FileNotFoundError(f"no such GGUF file: {source}")
-        if not (dtype is None or _is_auto(dtype) or (isinstance(dtype, str) and dtype == "stored")) \
-                or requantize is not None:
-            raise ValueError("dtype and requantize apply to GGUF files only")
+        if not (dtype is None or _is_auto(dtype) or (isinstance(dtype, str) and dtype == "stored")):
+            raise ValueError(f"dtype must be 'auto', 'stored' or None for an mlx-lm model, got {dtype!r} "
+                             "(a float type, and requantize, apply to GGUF files only)")
+        if requantize is not None:
+            raise ValueError("requantize applies to GGUF files only")
         from mlx_lm import load as mlx_lm_load
 
         loaded = mlx_lm_load(str(source), tokenizer_config=tokenizer_config, model_config=model_config,

@@ -7,18 +7,17 @@ mlx-lm, tqdm and matplotlib are imported here, not at package import, so that
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import sys
 import time
 from pathlib import Path
 
-from ..atomic import write_text
 from ..defaults import DEFAULT_N_SINK, DEFAULT_RECENT_SHARE, DEFAULT_SKIP_LAYERS
 from ..models.cli import MODEL_HELP, add_weight_arguments
 from . import (BUDGET_FRACTIONS, HAYSTACKS, MODEL_DIR, NEEDLE_BUDGET_FRACTIONS, NEEDLE_CONTEXTS, NEEDLE_DEPTHS,
                NEEDLE_FULL_KEYS, NEEDLE_HAYSTACKS, NEEDLE_KEYS, PREFILL_STEP_SIZE, QUERY_CHUNK)
+from .outputs import output_path, plot_path, read_text_file, write_json
 
 DEFAULT_SEQ_LEN = 1024
 DEMO_PROMPT = '"""Utilities for reading configuration files."""\n\nimport os\nimport sys\n\n\ndef '
@@ -56,6 +55,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
@@ -123,13 +129,19 @@ def eval_command(args) -> int:
     from . import data
     from .eval import evaluate, markdown_table, plot
 
+    text = None
+    if args.text and args.text != data.PYDOC_TOPICS:
+        try:
+            text = read_text_file(args.text, "--text")
+        except ValueError as error:
+            print(f"mlx-knorm eval: {error}", file=sys.stderr)
+            return 2
     model, tokenizer, config = load(args.model, args)
     seq_len = args.seq_len or min(DEFAULT_SEQ_LEN, config.get("max_position_embeddings") or DEFAULT_SEQ_LEN)
     if args.text == data.PYDOC_TOPICS:
         sequences = data.text_sequences(tokenizer, data.pydoc_topics(), seq_len, args.n_seqs)
         source = "pydoc_data.topics, sorted by topic"
-    elif args.text:
-        text = Path(args.text).read_text(encoding="utf-8")
+    elif text is not None:
         sequences = data.text_sequences(tokenizer, text, seq_len, args.n_seqs)
         source = args.text
     else:
@@ -155,7 +167,7 @@ def eval_command(args) -> int:
         print(f"plot: {args.plot}")
     if args.json:
         report = {"model": name, "text": source, "seed": args.seed, **results.report(), "timing": timing}
-        write_text(args.json, json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report)
     return 0
 
 
@@ -185,12 +197,16 @@ def needle_command(args) -> int:
     haystack_text = None
     if args.haystack is not None:
         try:
-            haystack_text = Path(args.haystack).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as error:
-            print(f"mlx-knorm needle: --haystack {args.haystack}: {error}", file=sys.stderr)
+            haystack_text = read_text_file(args.haystack, "--haystack")
+        except ValueError as error:
+            print(f"mlx-knorm needle: {error}", file=sys.stderr)
             return 2
         if args.haystacks is None:
             grid_options["haystacks"] = ["prose"]
+        elif "prose" not in grid_options["haystacks"]:
+            print(f"mlx-knorm needle: --haystack {args.haystack} is the prose haystack's text, and --haystacks "
+                  f"{','.join(grid_options['haystacks'])} has no prose", file=sys.stderr)
+            return 2
     model, tokenizer, _ = load(args.model, args)
     clock = Clock()
     try:
@@ -211,7 +227,7 @@ def needle_command(args) -> int:
         print(f"plot: {args.plot}")
     if args.json:
         report = {"model": args.model, **grid.report(), "timing": timing}
-        write_text(args.json, json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report)
     return 0
 
 
@@ -311,7 +327,8 @@ def register(commands) -> None:
     ev.add_argument("--budgets", type=_fractions, default=list(BUDGET_FRACTIONS),
                     help="cache budgets as fractions of --seq-len, comma-separated: KV rows per full-attention "
                          "layer on average, the same memory for every policy")
-    ev.add_argument("--n-sink", type=int, default=DEFAULT_N_SINK, help="protected first tokens, for every policy")
+    ev.add_argument("--n-sink", type=_non_negative, default=DEFAULT_N_SINK,
+                    help="protected first tokens, for every policy")
     ev.add_argument("--policies", type=_policies,
                     help="policies separated by spaces or semicolons, each SCORE[+recent=F][+skip=I,J][+bits=B] "
                          "with SCORE keep-low, keep-high, keydiff, vnorm, qfilter, window or random, F a share of the budget, I,J layers "
@@ -329,8 +346,8 @@ def register(commands) -> None:
     ev.add_argument("--query-chunk", type=_positive, default=QUERY_CHUNK,
                     help="query rows per attention block (memory: heads x rows x seq-len floats)")
     _add_jobs_argument(ev, "windows")
-    ev.add_argument("--plot", help="write a plot (PNG) here")
-    ev.add_argument("--json", help="write the numbers as JSON here")
+    ev.add_argument("--plot", type=plot_path, help="write a plot (PNG) here")
+    ev.add_argument("--json", type=output_path, help="write the numbers as JSON here")
     add_weight_arguments(ev)
     ev.set_defaults(func=eval_command)
 
@@ -368,7 +385,8 @@ def register(commands) -> None:
     nd.add_argument("--keys", type=_positive,
                     help="keys per (context, depth): the same keys for every policy "
                          f"(default: {NEEDLE_KEYS}; --full-grid: {NEEDLE_FULL_KEYS})")
-    nd.add_argument("--n-sink", type=int, default=DEFAULT_N_SINK, help="protected first tokens, for every policy")
+    nd.add_argument("--n-sink", type=_non_negative, default=DEFAULT_N_SINK,
+                    help="protected first tokens, for every policy")
     nd.add_argument("--prefill-step-size", type=_positive, default=PREFILL_STEP_SIZE,
                     help="prompt tokens per model call (generate_step's prefill_step_size)")
     nd.add_argument("--seed", type=int, default=0, help="seed of the keys and of random eviction")
@@ -376,8 +394,8 @@ def register(commands) -> None:
                     help="the query filters of the qfilter policies (default: where `mlx-knorm calibrate "
                          "--model M` writes them)")
     _add_jobs_argument(nd, "policies and budgets")
-    nd.add_argument("--plot", help="write the heatmaps (PNG) here")
-    nd.add_argument("--json", help="write every trial and the accuracies as JSON here")
+    nd.add_argument("--plot", type=plot_path, help="write the heatmaps (PNG) here")
+    nd.add_argument("--json", type=output_path, help="write every trial and the accuracies as JSON here")
     add_weight_arguments(nd)
     nd.set_defaults(func=needle_command)
 
@@ -397,15 +415,15 @@ def register(commands) -> None:
 
     from .ruler_cli import register as register_ruler
 
-    register_ruler(commands, fractions=_fractions, positive=_positive, policies=_policies,
-                   add_jobs=_add_jobs_argument)
+    register_ruler(commands, fractions=_fractions, positive=_positive, non_negative=_non_negative,
+                   policies=_policies, add_jobs=_add_jobs_argument)
 
     demo = commands.add_parser("demo", help="generate under make_knorm_cache (the shipped model by default)")
     demo.add_argument("--model", help=f"{MODEL_HELP} (default: the shipped byte-level model)")
     demo.add_argument("--prompt", default=DEMO_PROMPT)
     demo.add_argument("--max-tokens", type=int, default=400)
     demo.add_argument("--budget", type=int, default=128)
-    demo.add_argument("--n-sink", type=int, default=DEFAULT_N_SINK)
+    demo.add_argument("--n-sink", type=_non_negative, default=DEFAULT_N_SINK)
     demo.add_argument("--recent", type=int,
                       help="latest tokens always kept (default: make_knorm_cache's, "
                            f"{DEFAULT_RECENT_SHARE} of the budget)")

@@ -149,6 +149,8 @@ def run(model, tokenizer, tasks=TASKS, context: int = RULER_CONTEXT, fractions=R
     for name, value in (("samples", samples), ("context", context), ("prefill_step_size", prefill_step_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if isinstance(n_sink, bool) or not isinstance(n_sink, int) or n_sink < 0:
+        raise ValueError(f"n_sink must be a non-negative int, got {n_sink!r}")
     tasks = list(tasks)
     if not tasks or len(set(tasks)) != len(tasks):
         raise ValueError(f"tasks must be distinct and at least one, got {tasks}")

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from ..atomic import write_text
 from ..defaults import DEFAULT_N_SINK
 from ..models.cli import MODEL_HELP, add_weight_arguments
 from . import PREFILL_STEP_SIZE
+from .outputs import output_path, plot_path, read_text_file, write_json
 
 
 def ruler_command(args) -> int:
@@ -19,10 +18,16 @@ def ruler_command(args) -> int:
 
     haystack_text = None
     if args.haystack is not None:
+        from .ruler_tasks import ESSAY_TASKS
+
+        if not set(args.tasks) & set(ESSAY_TASKS):
+            print(f"mlx-knorm ruler: --haystack {args.haystack} is the essay haystacks' text, and --tasks "
+                  f"{','.join(args.tasks)} has none (they are {', '.join(ESSAY_TASKS)})", file=sys.stderr)
+            return 2
         try:
-            haystack_text = Path(args.haystack).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as error:
-            print(f"mlx-knorm ruler: --haystack {args.haystack}: {error}", file=sys.stderr)
+            haystack_text = read_text_file(args.haystack, "--haystack")
+        except ValueError as error:
+            print(f"mlx-knorm ruler: {error}", file=sys.stderr)
             return 2
     model, tokenizer, _ = load(args.model, args)
     clock = Clock()
@@ -46,11 +51,11 @@ def ruler_command(args) -> int:
         print(f"plot: {args.plot}")
     if args.json:
         report = {"model": args.model, **result.report(), "timing": timing}
-        write_text(args.json, json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report)
     return 0
 
 
-def register(commands, *, fractions, positive, policies, add_jobs) -> None:
+def register(commands, *, fractions, positive, non_negative, policies, add_jobs) -> None:
     """Add ``ruler``; the argument types are the quality commands' own (``quality.cli``)."""
     from .ruler import RULER_BUDGET_FRACTIONS, RULER_CONTEXT, RULER_SAMPLES
     from .ruler_tasks import ALL_TASKS, TASKS
@@ -88,7 +93,8 @@ def register(commands, *, fractions, positive, policies, add_jobs) -> None:
                     help="a UTF-8 text file for the essay haystacks (default: Python's reference documentation)")
     rl.add_argument("--max-tokens", type=positive,
                     help="answer tokens of every task (default: RULER's per task: 128 needle, 30 vt, 120 cwe, 50 fwe)")
-    rl.add_argument("--n-sink", type=int, default=DEFAULT_N_SINK, help="protected first tokens, for every policy")
+    rl.add_argument("--n-sink", type=non_negative, default=DEFAULT_N_SINK,
+                    help="protected first tokens, for every policy")
     rl.add_argument("--prefill-step-size", type=positive, default=PREFILL_STEP_SIZE,
                     help="prompt tokens per model call (generate_step's prefill_step_size)")
     rl.add_argument("--seed", type=int, default=0, help="seed of the samples and of random eviction")
@@ -96,7 +102,8 @@ def register(commands, *, fractions, positive, policies, add_jobs) -> None:
                     help="the query filters of the qfilter policies (default: where `mlx-knorm calibrate "
                          "--model M` writes them)")
     add_jobs(rl, "samples")
-    rl.add_argument("--plot", help="write the average against compression (PNG) here")
-    rl.add_argument("--json", help="write every sample, output and score, and the summary, as JSON here")
+    rl.add_argument("--plot", type=plot_path, help="write the average against compression (PNG) here")
+    rl.add_argument("--json", type=output_path,
+                    help="write every sample, output and score, and the summary, as JSON here")
     add_weight_arguments(rl)
     rl.set_defaults(func=ruler_command)

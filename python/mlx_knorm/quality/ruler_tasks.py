@@ -20,8 +20,9 @@ compare; the code is ours):
 Keys and common words come from the ``wonderwords`` package's word lists
 (as RULER's do); the QA tasks need downloaded datasets and are left out.
 Each prompt is the longest whose tokens, with the task's answer budget,
-fit the context. Scoring is RULER's ``string_match_all``: the share of the
-expected answers found (case-insensitive) in the model's output.
+fit the context (a task whose generator runs out first, as cwe's word list does past
+roughly 100k subword tokens, is refused rather than cut short). Scoring is RULER's
+``string_match_all``: the share of the expected answers found (case-insensitive) in the model's output.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ NIAH = {
 }
 # Not in RULER's set: a single needle with a word value (RULER has number and UUID values).
 EXTRA_NIAH = {"niah_single_words": NiahSpec("essay", "words", "words")}
+# The tasks whose haystack is prose (``haystack_text``'s).
+ESSAY_TASKS = tuple(name for name, spec in {**NIAH, **EXTRA_NIAH}.items() if spec.haystack == "essay")
 TASKS = (*NIAH, "vt", "cwe", "fwe")  # RULER's synthetic tasks, its average's order
 ALL_TASKS = (*TASKS, *EXTRA_NIAH)
 # RULER's tokens_to_generate per task.
@@ -243,8 +246,12 @@ CWE_COMMON_COUNTS = (30, 10, 6)
 
 def _cwe(r: _Random, common_count: int) -> tuple:
     adjectives, nouns = word_lists()
-    pool = r.rng.sample(list(adjectives + nouns), 2000)
-    common, rare = pool[:10], pool[10:]
+    words = list(adjectives + nouns)
+    pool = r.rng.sample(words, 2000)
+    # Past the first 2000, the rest of the list in a drawn order: long contexts take more rare words.
+    rest = sorted(set(words) - set(pool))
+    r.rng.shuffle(rest)
+    common, rare = pool[:10], pool[10:] + rest
 
     def build(n: int) -> str:
         words = [w for w in common for _ in range(common_count)] + [w for w in rare[:n] for _ in range(3)]
@@ -252,10 +259,10 @@ def _cwe(r: _Random, common_count: int) -> tuple:
         listed = " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
         return CWE_TEMPLATE.format(context=listed) + CWE_ANSWER
 
-    return build, tuple(common)
+    return build, tuple(common), len(rare)
 
 
-def _fwe(r: _Random) -> tuple:
+def _fwe(r: _Random, words: int) -> tuple:
     vocabulary = []
     while len(vocabulary) < 4096:
         word = "".join(r.rng.choice(string.ascii_lowercase) for _ in range(6))
@@ -263,7 +270,7 @@ def _fwe(r: _Random) -> tuple:
             vocabulary.append(word)
     # Zipf (alpha 2) ranks, drawn once; a prefix of them is the text at each length.
     weights = [1 / (rank ** 2.0) for rank in range(1, len(vocabulary) + 1)]
-    draws = r.rng.choices(range(len(vocabulary)), weights=weights, k=1 << 15)
+    draws = r.rng.choices(range(len(vocabulary)), weights=weights, k=words)  # a prefix is the same at any k
     # The three most frequent ranks are 0, 1, 2 in expectation; the answers are the counted top three.
 
     def text(n: int) -> tuple[str, tuple[str, ...]]:
@@ -292,7 +299,9 @@ def make_sample(task: str, index: int, tokenizer, context: int, *, seed: int = 0
         raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
     r = _Random(seed, task, index)
     answers_of = None
-    limit = 1 << 15
+    # Units (words, sentences, needles, list entries) are a token or more each, so ``limit`` units never
+    # bind but where a generator runs out (cwe's word list), which is refused below, not cut short.
+    limit = max(1 << 15, 2 * context)
     if task in NIAH or task in EXTRA_NIAH:
         spec = {**NIAH, **EXTRA_NIAH}[task]
         units = (haystack_text if haystack_text is not None else _pydoc()).split() \
@@ -300,21 +309,22 @@ def make_sample(task: str, index: int, tokenizer, context: int, *, seed: int = 0
         if spec.haystack == "essay" and not units:
             raise ValueError("the haystack text has no words")
         build, answers = _niah(spec, r, units)
-        limit = 4096 if spec.haystack == "needle" else limit
     elif task == "vt":
         build, answers = _vt(r)
     elif task == "cwe":
         for common_count in CWE_COMMON_COUNTS:
-            build, answers = _cwe(_Random(seed, task, index), common_count)
+            build, answers, limit = _cwe(_Random(seed, task, index), common_count)
             if len(tokenizer.encode(build(1))) <= context - budget or common_count == CWE_COMMON_COUNTS[-1]:
                 break
-        limit = 1990
     else:
-        build, answers_of = _fwe(r)
+        build, answers_of = _fwe(r, limit)
     try:
         n = _fit(build, tokenizer, context, budget, limit)
     except ValueError as error:
         raise ValueError(f"{task}: {error}") from None
+    if n == limit:
+        raise ValueError(f"{task}: its generator runs out at {len(tokenizer.encode(build(n)))} tokens, short of "
+                         f"a {context}-token context with {budget} to answer in")
     text = build(n)
     if answers_of is not None:
         answers = answers_of(n)

@@ -87,6 +87,15 @@ def _environment(values: dict):
             os.environ.pop(key, None)
 
 
+def _auto_dtype_outcome(model) -> dict:
+    """The environment that makes a worker's ``dtype="auto"`` come out as this process's did for ``model``."""
+    if model is None:
+        return {}
+    from ..models.loader import AUTO_FLOAT32_ENV, all_float32
+
+    return {AUTO_FLOAT32_ENV: "1" if all_float32(model) else "0"}
+
+
 def map_tasks(fn, tasks: list, *, jobs: int, bar, model=None, tokenizer=None, model_spec: ModelSpec | None = None,
               costs: list | None = None) -> list:
     """``[fn(model, tokenizer, task, bar) for task in tasks]``, in ``min(jobs, len(tasks))`` processes if more than one.
@@ -115,7 +124,7 @@ def map_tasks(fn, tasks: list, *, jobs: int, bar, model=None, tokenizer=None, mo
     forwarder = threading.Thread(target=forward_progress, daemon=True)
     forwarder.start()
     try:
-        with _environment(_ONE_BLAS_THREAD):
+        with _environment({**_ONE_BLAS_THREAD, **_auto_dtype_outcome(model)}):
             pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
                                        initargs=(model_spec, queue, device))
             futures = {i: pool.submit(_run_task, fn, tasks[i]) for i in order}
