@@ -17,7 +17,7 @@ from ..defaults import DEFAULT_N_SINK, DEFAULT_RECENT_SHARE, DEFAULT_SKIP_LAYERS
 from ..models.cli import MODEL_HELP, add_weight_arguments
 from . import (BUDGET_FRACTIONS, HAYSTACKS, MODEL_DIR, NEEDLE_BUDGET_FRACTIONS, NEEDLE_CONTEXTS, NEEDLE_DEPTHS,
                NEEDLE_FULL_KEYS, NEEDLE_HAYSTACKS, NEEDLE_KEYS, PREFILL_STEP_SIZE, QUERY_CHUNK)
-from .outputs import output_path, plot_path, read_text_file, write_json
+from .outputs import output_path, plot_path, read_text_file, write_outputs
 
 DEFAULT_SEQ_LEN = 1024
 DEMO_PROMPT = '"""Utilities for reading configuration files."""\n\nimport os\nimport sys\n\n\ndef '
@@ -162,12 +162,7 @@ def eval_command(args) -> int:
     if (verdict := results.verdict()) is not None:
         print(verdict)
     print(clock.line())
-    if args.plot:
-        plot(results, args.plot, title=Path(name).name)
-        print(f"plot: {args.plot}")
-    if args.json:
-        report = {"model": name, "text": source, "seed": args.seed, **results.report(), "timing": timing}
-        write_json(args.json, report)
+    write_outputs(args, plot, results, name, timing, text=source, seed=args.seed)
     return 0
 
 
@@ -222,12 +217,7 @@ def needle_command(args) -> int:
     print(f"{len(grid.trials)} trials, {grid.prefill_tokens:,} prompt tokens read by the caches "
           f"({grid.replayed_tokens:,} of them replayed from the full cache's forward pass, which took "
           f"{grid.recorded_tokens:,}) in {clock.line()}")
-    if args.plot:
-        plot(grid, args.plot, title=Path(args.model).name)
-        print(f"plot: {args.plot}")
-    if args.json:
-        report = {"model": args.model, **grid.report(), "timing": timing}
-        write_json(args.json, report)
+    write_outputs(args, plot, grid, args.model, timing)
     return 0
 
 

@@ -59,3 +59,14 @@ def read_text_file(path: str, option: str) -> str:
 def write_json(path: str | Path, report) -> None:
     """``report`` as indented JSON at ``path``, atomically (serialized in full before the file is touched)."""
     write_text(path, json.dumps(report, indent=2) + "\n")
+
+
+def write_outputs(args, plot, result, model: str, timing: dict, **fields) -> None:
+    """A quality command's ``--plot`` (``plot(result, path, title=...)``)
+    and ``--json`` (``result.report()`` with the model, ``fields`` and the
+    run's timing), each where asked for."""
+    if args.plot:
+        plot(result, args.plot, title=Path(model).name)
+        print(f"plot: {args.plot}")
+    if args.json:
+        write_json(args.json, {"model": model, **fields, **result.report(), "timing": timing})

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..defaults import DEFAULT_N_SINK
 from ..models.cli import MODEL_HELP, add_weight_arguments
 from . import PREFILL_STEP_SIZE
-from .outputs import output_path, plot_path, read_text_file, write_json
+from .outputs import output_path, plot_path, read_text_file, write_outputs
 
 
 def ruler_command(args) -> int:
@@ -46,12 +46,7 @@ def ruler_command(args) -> int:
     print(f"{len(result.samples)} samples through {len(c['caches'])} caches each: "
           f"{c['prompt_tokens_read']:,} prompt tokens read ({c['replayed_tokens']:,} of them replayed from the full "
           f"cache's forward pass, which took {c['recorded_tokens']:,}) in {clock.line()}")
-    if args.plot:
-        plot(result, args.plot, title=Path(args.model).name)
-        print(f"plot: {args.plot}")
-    if args.json:
-        report = {"model": args.model, **result.report(), "timing": timing}
-        write_json(args.json, report)
+    write_outputs(args, plot, result, args.model, timing)
     return 0
 
 
