@@ -197,18 +197,24 @@ def prefill(model, caches: list, tokens, step: int) -> None:
         mx.eval([c.state for c in caches])
 
 
-def answer(model, tokenizer, prompt_tail, caches: list, step: int, max_tokens: int) -> str:
-    """Greedy tokens of ``generate_step`` on ``prompt_tail`` after ``caches``, up to the end of the first number."""
+def greedy_until(model, tokenizer, prompt_tail, caches: list, step: int, max_tokens: int, done) -> str:
+    """Greedy text of ``generate_step`` on ``prompt_tail`` after ``caches`` (the prompt fed in ``step``-token
+    chunks), up to an end-of-sequence token, ``max_tokens`` or the first text ``done(text)`` accepts."""
     ids = []
     for token, _ in generate_step(mx.array(prompt_tail), model, max_tokens=max_tokens, prompt_cache=caches,
                                   prefill_step_size=step):
         if token in tokenizer.eos_token_ids:
             break
         ids.append(token)
-        text = tokenizer.decode(ids)
-        if re.search(r"\d+\D", text):
+        if done(tokenizer.decode(ids)):
             break
     return tokenizer.decode(ids)
+
+
+def answer(model, tokenizer, prompt_tail, caches: list, step: int, max_tokens: int) -> str:
+    """Greedy text after ``caches`` up to the end of the first number."""
+    return greedy_until(model, tokenizer, prompt_tail, caches, step, max_tokens,
+                        lambda text: re.search(r"\d+\D", text) is not None)
 
 
 @dataclass

@@ -29,13 +29,12 @@ import functools
 import zlib
 from dataclasses import dataclass, field
 
-import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import generate_step
 
 from ..atomic import save_figure
 from ..scorers import as_query_filters
 from . import PREFILL_STEP_SIZE
+from .needle import greedy_until
 from .policies import FULL, Policy, attention_layers, policy_cache
 from .replay import Replay
 from .ruler_tasks import TASKS, make_sample, string_match_all
@@ -59,15 +58,8 @@ def ruler_policies() -> tuple[Policy, ...]:
 def greedy_answer(model, tokenizer, tokens, caches: list, step: int, max_tokens: int, answers) -> str:
     """``generate_step``'s greedy continuation of ``tokens`` through ``caches``, stopped early once every
     answer is in it."""
-    ids = []
-    for token, _ in generate_step(mx.array(tokens), model, max_tokens=max_tokens, prompt_cache=caches,
-                                  prefill_step_size=step):
-        if token in tokenizer.eos_token_ids:
-            break
-        ids.append(token)
-        if string_match_all(tokenizer.decode(ids), answers) == 1.0:
-            break
-    return tokenizer.decode(ids)
+    return greedy_until(model, tokenizer, tokens, caches, step, max_tokens,
+                        lambda text: string_match_all(text, answers) == 1.0)
 
 
 @dataclass
