@@ -251,3 +251,43 @@ def test_a_right_padded_prefill_inside_a_left_padding_is_refused():
     with pytest.raises(ValueError, match=r"sequences \[0\] are still in their left padding"):
         batch.prepare(lengths=[2, 1], right_padding=[0, 1])
     assert bits(batch) == before
+
+
+def in_place_counter(fail):
+    """A user's scorer that keeps its running count as numpy code would, in
+    place (``state += ...``), and refuses while ``fail["on"]``."""
+
+    def scorer(keys, values, state):
+        if state is None:
+            state = mx.zeros(keys.shape[:2])
+        state += keys.shape[2]
+        keys *= 2
+        if fail["on"]:
+            raise RuntimeError("the scorer refuses")
+        return mx.sum(keys * keys, axis=-1), state
+
+    return scorer
+
+
+def test_a_users_scorer_updating_its_state_in_place_changes_no_cache_when_it_raises():
+    fail = {"on": False}
+    cache = L2NormKVCache(budget=6, n_sink=1, recent=2, scorer=in_place_counter(fail))
+    cache.update_and_fetch(rows(1, 7), rows(2, 7))
+    state, stored = np.array(cache._score_sum), np.array(cache.keys)
+    fail["on"] = True
+    keys, values = rows(3, 1), rows(4, 1)
+    given = np.array(keys)
+    with pytest.raises(RuntimeError, match="refuses"):
+        cache.update_and_fetch(keys, values)
+    assert np.array_equal(np.array(cache._score_sum), state)
+    assert np.array_equal(np.array(cache.keys), stored) and np.array_equal(np.array(keys), given)
+
+
+def test_a_users_scorer_updating_its_state_in_place_trims_back_exactly():
+    cache = L2NormKVCache(budget=6, n_sink=1, recent=2, scorer=in_place_counter({"on": False}))
+    for seed, count in enumerate((7, 1, 1)):
+        keys = rows(seed, count)
+        cache.update_and_fetch(keys, rows(seed + 10, count))
+    assert np.array_equal(np.array(cache.keys[:, :, cache.filled - 1]), np.array(keys[:, :, 0]))
+    assert cache.trim(1) == 1
+    assert np.array(cache._score_sum).tolist() == [[8.0, 8.0]]
