@@ -29,8 +29,9 @@ def all_or_nothing(method):
         try:
             return method(self, *args, **kwargs)
         except BaseException:
-            self.__dict__.clear()
-            self.__dict__.update(fields)
+            # Stores only, no call between them: a signal's handler
+            # (KeyboardInterrupt) runs after a call, never between these.
+            self.__dict__ = fields
             if plan is not None:
                 plan.block = block
             raise
