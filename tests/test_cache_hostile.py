@@ -291,3 +291,22 @@ def test_a_users_scorer_updating_its_state_in_place_trims_back_exactly():
     assert np.array_equal(np.array(cache.keys[:, :, cache.filled - 1]), np.array(keys[:, :, 0]))
     assert cache.trim(1) == 1
     assert np.array(cache._score_sum).tolist() == [[8.0, 8.0]]
+
+
+def test_a_users_scorer_that_feeds_its_own_cache_is_refused_and_changes_nothing():
+    box = {}
+
+    def feeding(keys, values, state):
+        box["cache"].update_and_fetch(rows(9, 1), rows(9, 1))
+        return squares(keys, values, state)
+
+    cache = box["cache"] = L2NormKVCache(**CONFIG, scorer=squares)
+    fed(cache, rows(0, 7))
+    cache.scorer = feeding
+    before = [cache.offset, cache.filled, np.array(cache.keys).tobytes(), np.array(cache.positions).tobytes()]
+    with pytest.raises(RuntimeError, match="another operation is changing this cache"):
+        cache.update_and_fetch(rows(1, 1), rows(1, 1))
+    assert [cache.offset, cache.filled, np.array(cache.keys).tobytes(), np.array(cache.positions).tobytes()] == before
+    cache.scorer = squares
+    fed(cache, rows(1, 1))
+    assert cache.offset == 8
