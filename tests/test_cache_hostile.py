@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
 
 import mlx.core as mx
 import mlx_lm
@@ -310,3 +311,32 @@ def test_a_users_scorer_that_feeds_its_own_cache_is_refused_and_changes_nothing(
     cache.scorer = squares
     fed(cache, rows(1, 1))
     assert cache.offset == 8
+
+
+def test_a_second_thread_changing_a_cache_mid_step_is_refused():
+    inside, tried = threading.Event(), threading.Event()
+
+    def waiting(keys, values, state):
+        inside.set()
+        assert tried.wait(10)
+        return squares(keys, values, state)
+
+    cache = L2NormKVCache(**CONFIG, scorer=squares)
+    fed(cache, rows(0, 7))
+    cache.scorer = waiting
+    refused = []
+
+    def other():
+        assert inside.wait(10)
+        try:
+            cache.trim(1)
+        except RuntimeError as e:
+            refused.append(str(e))
+        tried.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    cache.update_and_fetch(rows(1, 1), rows(1, 1))
+    thread.join()
+    assert refused and "another operation is changing this cache" in refused[0]
+    assert cache.offset == 8 and cache.trimmable() == 1
