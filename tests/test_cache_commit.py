@@ -249,3 +249,29 @@ def test_a_tampered_state_is_refused_or_taken_whole(case):
     else:
         # Taken: the cache holds what it was given, and reads it back.
         copy.deepcopy(target).state = target.state
+
+
+def _interrupted(name):
+    def method(self, *args, **kwargs):
+        getattr(dict, name)(self, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    return method
+
+
+class InterruptedDict(dict):
+    """A cache's ``__dict__`` on which every change is followed by a
+    KeyboardInterrupt, as a signal's handler runs after any call."""
+
+    locals().update({name: _interrupted(name) for name in
+                     ("clear", "update", "pop", "popitem", "setdefault", "__setitem__", "__delitem__")})
+
+
+def test_an_interrupt_while_a_failed_operation_is_put_back_leaves_the_cache_whole():
+    rng = np.random.default_rng(0)
+    cache = single("knorm", rng, 7)
+    before = fingerprint(cache)
+    object.__setattr__(cache, "__dict__", InterruptedDict(vars(cache)))
+    with pytest.raises((ValueError, KeyboardInterrupt)):
+        cache.update_and_fetch(*rows(rng, 2, 1))
+    assert fingerprint(cache) == before

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
 
 import mlx.core as mx
 import mlx_lm
@@ -251,3 +252,91 @@ def test_a_right_padded_prefill_inside_a_left_padding_is_refused():
     with pytest.raises(ValueError, match=r"sequences \[0\] are still in their left padding"):
         batch.prepare(lengths=[2, 1], right_padding=[0, 1])
     assert bits(batch) == before
+
+
+def in_place_counter(fail):
+    """A user's scorer that keeps its running count as numpy code would, in
+    place (``state += ...``), and refuses while ``fail["on"]``."""
+
+    def scorer(keys, values, state):
+        if state is None:
+            state = mx.zeros(keys.shape[:2])
+        state += keys.shape[2]
+        keys *= 2
+        if fail["on"]:
+            raise RuntimeError("the scorer refuses")
+        return mx.sum(keys * keys, axis=-1), state
+
+    return scorer
+
+
+def test_a_users_scorer_updating_its_state_in_place_changes_no_cache_when_it_raises():
+    fail = {"on": False}
+    cache = L2NormKVCache(budget=6, n_sink=1, recent=2, scorer=in_place_counter(fail))
+    cache.update_and_fetch(rows(1, 7), rows(2, 7))
+    state, stored = np.array(cache._score_sum), np.array(cache.keys)
+    fail["on"] = True
+    keys, values = rows(3, 1), rows(4, 1)
+    given = np.array(keys)
+    with pytest.raises(RuntimeError, match="refuses"):
+        cache.update_and_fetch(keys, values)
+    assert np.array_equal(np.array(cache._score_sum), state)
+    assert np.array_equal(np.array(cache.keys), stored) and np.array_equal(np.array(keys), given)
+
+
+def test_a_users_scorer_updating_its_state_in_place_trims_back_exactly():
+    cache = L2NormKVCache(budget=6, n_sink=1, recent=2, scorer=in_place_counter({"on": False}))
+    for seed, count in enumerate((7, 1, 1)):
+        keys = rows(seed, count)
+        cache.update_and_fetch(keys, rows(seed + 10, count))
+    assert np.array_equal(np.array(cache.keys[:, :, cache.filled - 1]), np.array(keys[:, :, 0]))
+    assert cache.trim(1) == 1
+    assert np.array(cache._score_sum).tolist() == [[8.0, 8.0]]
+
+
+def test_a_users_scorer_that_feeds_its_own_cache_is_refused_and_changes_nothing():
+    box = {}
+
+    def feeding(keys, values, state):
+        box["cache"].update_and_fetch(rows(9, 1), rows(9, 1))
+        return squares(keys, values, state)
+
+    cache = box["cache"] = L2NormKVCache(**CONFIG, scorer=squares)
+    fed(cache, rows(0, 7))
+    cache.scorer = feeding
+    before = [cache.offset, cache.filled, np.array(cache.keys).tobytes(), np.array(cache.positions).tobytes()]
+    with pytest.raises(RuntimeError, match="another operation is changing this cache"):
+        cache.update_and_fetch(rows(1, 1), rows(1, 1))
+    assert [cache.offset, cache.filled, np.array(cache.keys).tobytes(), np.array(cache.positions).tobytes()] == before
+    cache.scorer = squares
+    fed(cache, rows(1, 1))
+    assert cache.offset == 8
+
+
+def test_a_second_thread_changing_a_cache_mid_step_is_refused():
+    inside, tried = threading.Event(), threading.Event()
+
+    def waiting(keys, values, state):
+        inside.set()
+        assert tried.wait(10)
+        return squares(keys, values, state)
+
+    cache = L2NormKVCache(**CONFIG, scorer=squares)
+    fed(cache, rows(0, 7))
+    cache.scorer = waiting
+    refused = []
+
+    def other():
+        assert inside.wait(10)
+        try:
+            cache.trim(1)
+        except RuntimeError as e:
+            refused.append(str(e))
+        tried.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    cache.update_and_fetch(rows(1, 1), rows(1, 1))
+    thread.join()
+    assert refused and "another operation is changing this cache" in refused[0]
+    assert cache.offset == 8 and cache.trimmable() == 1

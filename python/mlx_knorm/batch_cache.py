@@ -487,6 +487,10 @@ class BatchL2NormKVCache(_BaseCache):
     def extract(self, idx: int) -> L2NormKVCache:
         """Sequence ``idx`` as an ``L2NormKVCache``: its real rows after the
         pending eviction, its own positions and offset."""
+        return self._extracted(idx)
+
+    def _extracted(self, idx: int) -> L2NormKVCache:
+        """``extract``'s work, which the state setter runs inside its own change."""
         idx = check_int(idx, "idx")
         if not 0 <= idx < self.batch_size:
             raise ValueError(f"mlx_knorm: BatchL2NormKVCache.extract: idx {idx} is out of range "
@@ -574,7 +578,7 @@ class BatchL2NormKVCache(_BaseCache):
             for i in range(batch):
                 if flaws[i] is not None:
                     raise ValueError(flaws[i])
-                self.extract(i)
+                self._extracted(i)
         except (ValueError, TypeError) as err:
             error = ValueError if isinstance(err, ValueError) else TypeError
             raise error(f"mlx_knorm: BatchL2NormKVCache state, sequence {i}: {err}") from None

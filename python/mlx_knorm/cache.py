@@ -693,7 +693,7 @@ class L2NormCacheBase(_BaseCache):
         layout = check_layout(layout)
         if "offset" not in vars(self):
             # Made by from_state's cls.__new__ with no state set yet: empty.
-            self.state = (None, None, None, None, 0, *config, layout, *extra)
+            self._load(check_state((None, None, None, None, 0, *config, layout, *extra), quantized=self.quantized))
             return
         for field, new, held in zip(("group_size", "bits"), extra, self._extra()):
             if new != held:

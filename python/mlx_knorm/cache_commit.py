@@ -17,23 +17,41 @@ import copy
 import functools
 
 
+# id(cache) -> the token of the operation changing it.
+_CHANGING: dict[int, object] = {}
+
+
 def all_or_nothing(method):
     """``method`` (of a cache, or a property's setter) changes the cache
-    only if it returns; if it raises, the cache is restored as it was."""
+    only if it returns; if it raises, the cache is restored as it was. An
+    operation started while another is changing the same cache (a user's
+    scorer calling back into it, another thread) raises ``RuntimeError``:
+    the two would each build on the fields the other replaces."""
 
     @functools.wraps(method)
     def changed(self, *args, **kwargs):
+        key, token = id(self), object()
         fields = dict(self.__dict__)
         plan = fields.get("_mask_plan")
         block = None if plan is None else plan.block
         try:
+            if _CHANGING.setdefault(key, token) is not token:
+                raise RuntimeError(
+                    f"mlx_knorm: {type(self).__name__}.{method.__name__} called while another operation is "
+                    "changing this cache (from a user's scorer, or another thread): a cache takes one change "
+                    "at a time")
             return method(self, *args, **kwargs)
         except BaseException:
-            self.__dict__.clear()
-            self.__dict__.update(fields)
+            # Stores only, no call between them: a signal's handler
+            # (KeyboardInterrupt) runs after a call, never between these.
+            self.__dict__ = fields
             if plan is not None:
                 plan.block = block
             raise
+        finally:
+            # No call here either, so that no interrupt leaves the cache marked.
+            if key in _CHANGING and _CHANGING[key] is token:
+                del _CHANGING[key]
 
     return changed
 

@@ -25,6 +25,7 @@ any other's. docs/scorers.md has an example, which the tests run.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import weakref
@@ -33,6 +34,7 @@ from typing import Callable, Union
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_map
 
 BUILTIN_SCORERS = ("knorm", "keydiff", "vnorm", "qfilter")
 DEFAULT_SCORER = "knorm"
@@ -71,7 +73,12 @@ def score_rows(scorer: Scorer, keys: mx.array, values: mx.array, state, *, offse
 
     batch, heads, _, dim = keys.shape
     if callable(scorer):
-        result = scorer(keys, values, state)
+        # Array objects of its own (no copy of the data): a callable that
+        # updates them in place (``state += ...``) changes neither the
+        # cache's fields, which a failed operation puts back and trim
+        # rebuilds from, nor the rows the step stores.
+        own = lambda a: copy.copy(a) if isinstance(a, mx.array) else a
+        result = scorer(own(keys), own(values), tree_map(own, state))
         if not isinstance(result, tuple) or len(result) != 2:
             raise ValueError(f"mlx_knorm: scorer {scorer_label(scorer)} must return (scores, state), "
                              f"got {type(result).__name__}")
