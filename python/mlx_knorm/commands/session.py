@@ -109,8 +109,6 @@ class CacheConfig:
             raise ValueError("the qfilter scorer needs the model's query filters: run `mlx-knorm calibrate "
                              "--model M` (or give --filters FILE)")
         filters = self.filters if self.scorer == "qfilter" else None
-        if filters is not None:
-            filters.check_model(model)
         settings = {field.name: getattr(self, field.name) for field in fields(self)}
         return make_knorm_cache(model, **{**settings, "recent": self.window, "filters": filters})
 
